@@ -1,0 +1,146 @@
+"""Fused quantize->dequantize of one GEMM operand, compiled with ``torch.compile``.
+
+The emulated GEMM only needs each operand's dequantized values. Written as one branch-free
+expression (``precision.blocks.mx_fake_quantize_blocks`` and friends), TorchInductor fuses the
+whole chain -- block layout along any axis, amax, scale, rounding, rescale -- into one loop: C++
+with OpenMP on CPU, Triton on GPU. The eager reference ``precision.quantize(...).dequantize()`` is
+the specification; ``tests/kernels`` holds the two equal bit for bit.
+
+Stochastic rounding draws its uniform numbers eagerly from the caller's ``torch.Generator``, in
+the same order and shape as the reference, and passes them in: compiled and reference results are
+bit-identical for SR too.
+
+``fake_quantize(..., impl=...)``: ``"compiled"``, ``"eager"`` (the same expression uncompiled) or
+``"auto"`` (compiled where ``torch.compile`` works on this machine, else eager).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from precision import blocks
+from precision.elements import round_to_grid
+from precision.quantize import FORMATS
+from precision.tensorwise import scale_from_amax
+
+__all__ = ["fake_quantize", "compile_available"]
+
+log = logging.getLogger(__name__)
+
+
+def _to_blocks_padded(x: torch.Tensor, axis: int, block: int) -> torch.Tensor:
+    return blocks.to_blocks(x.float(), axis, block)
+
+
+def _mx_fn(x, u, *, fmt, axis, scale_rule, rounding, prescale):
+    spec = FORMATS[fmt]
+    n = x.shape[axis]
+    xb = _to_blocks_padded(x, axis, spec.block)
+    q = blocks.mx_fake_quantize_blocks(xb, spec.element, scale_rule, rounding, u, prescale)
+    return blocks.from_blocks(q, axis, n).contiguous()
+
+
+def _nvfp4_fn(x, u, *, fmt, axis, scale_rule, rounding, prescale):
+    n = x.shape[axis]
+    xf = x.float()
+    amax_t = torch.where(torch.isfinite(xf), xf.abs(), torch.zeros_like(xf)).amax()
+    g_enc = blocks.nvfp4_tensor_scale(amax_t)
+    xb = _to_blocks_padded(x, axis, 16)
+    q = blocks.nvfp4_fake_quantize_blocks(xb, g_enc, rounding, u)
+    return blocks.from_blocks(q, axis, n).contiguous()
+
+
+def _tensor_fn(x, u, amax_used, *, fmt, rounding):
+    """Per-tensor FP8: returns (dequantized, current amax, number clipped)."""
+    spec = FORMATS[fmt]
+    xf = x.float()
+    finite = torch.isfinite(xf)
+    amax_cur = torch.where(finite, xf.abs(), torch.zeros_like(xf)).amax()
+    amax = torch.where(amax_used < 0, amax_cur, amax_used)  # amax_used < 0: current scaling
+    scale = scale_from_amax(amax, spec.max_normal)
+    v = xf * scale
+    clipped = ((v.abs() > spec.max_normal) & finite).sum()
+    q = round_to_grid(v, spec.element, rounding, u=u)
+    if spec.element.name == "e4m3":
+        q = torch.where(finite, q, torch.full_like(q, float("nan")))
+    else:
+        q = torch.where(finite, q, xf)
+    return q * (1.0 / scale), amax_cur, clipped
+
+
+@functools.lru_cache(maxsize=None)
+def compile_available() -> bool:
+    """Whether ``torch.compile`` can build a kernel here (needs a C++ compiler on CPU)."""
+    try:
+        f = torch.compile(lambda t: t * 2 + 1, fullgraph=True)
+        return bool(torch.equal(f(torch.ones(4)), torch.full((4,), 3.0)))
+    except Exception as e:  # any backend failure means: use the eager expression
+        log.warning("torch.compile unavailable (%s); fused quantizers run eagerly", e)
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(kind: str, compiled: bool, **static):
+    fn = {"mx": _mx_fn, "nvfp4": _nvfp4_fn, "tensor": _tensor_fn}[kind]
+    bound = functools.partial(fn, **static)
+    if not compiled:
+        return bound
+    # Every (format, axis, rounding, shape) variant is a recompile of the same three Python
+    # functions; dynamo's default limit (8) is sized for one model's graphs, not a kernel library.
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, 256)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4096)
+    return torch.compile(bound, fullgraph=True, dynamic=False)
+
+
+def _sr_uniforms(x: torch.Tensor, axis: int, block: int, generator) -> torch.Tensor:
+    """The reference's SR draws: one per element of the zero-padded block layout."""
+    shape = list(x.movedim(axis, -1).shape)
+    nblocks = -(-shape[-1] // block)
+    return torch.rand([*shape[:-1], nblocks, block], generator=generator, device=x.device, dtype=torch.float32)
+
+
+def fake_quantize(
+    x: torch.Tensor,
+    fmt: str,
+    *,
+    axis: int = -1,
+    rounding: str = "nearest",
+    scale_rule: str = "floor",
+    prescale: float = 1.0,
+    generator: torch.Generator | None = None,
+    amax: float | None = None,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, dict]:
+    """quantize -> dequantize ``x`` (float32 result), equal to the reference bit for bit.
+
+    Returns ``(values, stats)``; per-tensor formats report ``amax`` (this tensor's) and
+    ``num_clipped`` in ``stats``. HiF8 and BF16 go through the reference directly.
+    """
+    from precision.quantize import quantize  # the reference, for formats without a fused kernel
+
+    spec = FORMATS[fmt]
+    axis = axis % x.dim()
+    if impl not in ("auto", "compiled", "eager"):
+        raise ValueError(f"impl: unknown {impl!r}; valid: auto, compiled, eager")
+    compiled = impl == "compiled" or (impl == "auto" and compile_available())
+    if fmt == "bf16":
+        return x.to(torch.bfloat16).float(), {}
+    if fmt == "hif8":
+        q = quantize(x, fmt, axis=axis, amax=amax)
+        return q.dequantize(torch.float32), {"amax": q.amax, "num_clipped": q.num_clipped}
+    sr = rounding == "stochastic"
+    if spec.scaling == "tensor":
+        u = torch.rand(x.shape, generator=generator, device=x.device) if sr else None
+        k = _kernel("tensor", compiled, fmt=fmt, rounding=rounding)
+        used = torch.tensor(-1.0 if amax is None else float(amax), device=x.device)
+        out, amax_cur, clipped = k(x, u, used)
+        return out, {"amax": amax_cur, "num_clipped": clipped}
+    u = _sr_uniforms(x, axis, spec.block, generator) if sr else None
+    kind = "nvfp4" if fmt == "nvfp4" else "mx"
+    k = _kernel(kind, compiled, fmt=fmt, axis=axis, scale_rule=scale_rule, rounding=rounding,
+                prescale=prescale)
+    return k(x, u), {}

@@ -1,0 +1,98 @@
+"""The policy-routed linear function: every linear layer's three GEMMs go through ``kernels.gemm``.
+
+A linear layer ``y = x·wᵀ (+ b)`` with ``x`` of shape ``[..., in]`` and ``w`` of shape
+``[out, in]`` runs three GEMMs per training step. Tokens are all leading dims of ``x`` flattened
+in order, ``T = prod(x.shape[:-1])``::
+
+    === FPROP: y = x · wᵀ ===          x [T, in],  w [out, in]  -> y  [T, out]
+        contraction over in-features:  x blocks along its last axis, w along its last axis
+    === DGRAD: dx = dy · w ===         dy [T, out], w [out, in] -> dx [T, in]
+        contraction over out-features: dy blocks along its last axis, w along its FIRST axis
+    === WGRAD: dw = dyᵀ · x ===        dy [T, out], x [T, in]   -> dw [out, in]
+        contraction over tokens:       dy and x blocks along their FIRST (token) axis
+
+So the same tensor is quantized differently for different GEMMs: ``w`` row-wise for Fprop and
+column-wise for Dgrad; ``x`` row-wise for Fprop and column-wise (over tokens) for Wgrad. That is
+why each GEMM quantizes its own operands from the high-precision originals (``x_hp``, ``w_hp``,
+``dy_hp``) rather than reusing another GEMM's quantized copy -- exactly what hardware MX kernels
+need, and why a rotation (e.g. the deterministic 16-point Hadamard for Wgrad) applies along the
+token axis for Wgrad only.
+
+Layout rules: a contraction length that is not a multiple of the block size (32 for MX, 16 for
+NVFP4) or of the rotation size is **zero-padded** for the block computation; zeros change neither
+a block's amax nor the product. The bias gradient is the plain high-precision sum of ``dy``.
+
+Each GEMM draws its random numbers (stochastic rounding, resampled Hadamard signs) from its own
+stream in the layer's ``LayerQuantState``, so changing one GEMM's recipe never changes another
+GEMM's output (the GEMM-isolation property, tested bit-for-bit).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.gemm import gemm
+from precision.recipe import Gemm, LinearPrecision
+from precision.state import LayerQuantState
+
+__all__ = ["policy_linear"]
+
+
+class _PolicyLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_hp, w_hp, bias, precision: LinearPrecision, state: LayerQuantState, backend: str):
+        in_features = x_hp.shape[-1]
+        lead = x_hp.shape[:-1]
+        x2d = x_hp.reshape(-1, in_features)
+        # === FPROP: y = x @ w.T ===  [T, in] x [out, in] -> [T, out]
+        y = gemm(Gemm.FPROP, x2d, w_hp, precision.fprop, backend, state=state)
+        if bias is not None:
+            y = y + bias.float()
+        ctx.save_for_backward(x2d, w_hp)
+        ctx.precision, ctx.state, ctx.backend = precision, state, backend
+        ctx.lead, ctx.has_bias = lead, bias is not None
+        ctx.dtypes = (x_hp.dtype, w_hp.dtype, bias.dtype if bias is not None else None)
+        return y.to(x_hp.dtype).reshape(*lead, w_hp.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, w_hp = ctx.saved_tensors
+        p, state, backend = ctx.precision, ctx.state, ctx.backend
+        dy2d = dy.reshape(-1, w_hp.shape[0])
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            # === DGRAD: dx = dy @ w ===  [T, out] x [out, in] -> [T, in]
+            dx = gemm(Gemm.DGRAD, dy2d, w_hp, p.dgrad, backend, state=state)
+            dx = dx.to(ctx.dtypes[0]).reshape(*ctx.lead, w_hp.shape[1])
+        if ctx.needs_input_grad[1]:
+            # === WGRAD: dw = dy.T @ x ===  [T, out] x [T, in] -> [out, in]  (contraction over tokens)
+            dw = gemm(Gemm.WGRAD, dy2d, x2d, p.wgrad, backend, state=state).to(ctx.dtypes[1])
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2d.float().sum(0).to(ctx.dtypes[2])
+        return dx, dw, db, None, None, None
+
+
+def policy_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    precision: LinearPrecision,
+    bias: torch.Tensor | None = None,
+    *,
+    state: LayerQuantState | None = None,
+    backend: str = "emulated",
+) -> torch.Tensor:
+    """``y = x·wᵀ + bias`` with Fprop, Dgrad and Wgrad each run under ``precision``'s recipe.
+
+    ``x``: ``[..., in]``; ``w``: ``[out, in]``; returns ``[..., out]`` in ``x``'s dtype.
+    ``state``: the layer's :class:`LayerQuantState` (random streams, amax histories); layers
+    keep one for their lifetime -- without it each call starts a fresh seed-0 state.
+    """
+    if not isinstance(precision, LinearPrecision):
+        raise TypeError(f"policy_linear: precision must be a LinearPrecision, got {type(precision).__name__}")
+    if w.dim() != 2:
+        raise ValueError(f"policy_linear: weight must be [out, in], got shape {tuple(w.shape)}")
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(f"policy_linear: x has {x.shape[-1]} in-features, weight expects {w.shape[1]}")
+    if state is None:
+        state = LayerQuantState()
+    return _PolicyLinearFn.apply(x, w, bias, precision, state, backend)

@@ -1,0 +1,214 @@
+"""Block-scaled formats: MX (MXFP4, MXFP8) and NVFP4.
+
+Blocks are consecutive elements along one axis of the tensor -- for a GEMM operand, its
+contraction axis. A length that is not a multiple of the block size is **zero-padded** for the
+block computation only: padding never changes a block's amax, and the codes returned keep the
+input's shape.
+
+MX (OCP v1.0): 32 elements share an E8M0 scale byte ``s`` meaning ``2^(s-127)``.
+  * ``floor`` (OCP default): exponent = floor(log2(amax)) - emax_elem. The block maximum may clip.
+  * ``rceil`` (NVIDIA hardware): scale = 2^ceil(log2(amax / max_normal)). Never clips.
+  Exponents clamp to [-127, 127]. A block of zeros/FP32 subnormals gets byte 0x00 and zero codes; a
+  block holding NaN or +-Inf gets byte 0xFF and decodes entirely to NaN.
+
+NVFP4: 16 E2M1 elements share an E4M3 scale; an FP32 per-tensor scale maps the tensor amax onto
+the product of the element and scale ranges (TransformerEngine's order of operations, see
+NUMERICS.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from precision.elements import (
+    E2M1,
+    E4M3,
+    ElementSpec,
+    e2m1_decode,
+    e2m1_encode,
+    exponent_floor,
+    fp8_decode,
+    fp8_encode,
+    pow2,
+    round_to_grid,
+)
+
+__all__ = ["to_blocks", "from_blocks", "mx_scale_bytes", "mx_quantize_blocks", "mx_dequantize_blocks",
+           "nvfp4_quantize_blocks", "nvfp4_dequantize_blocks", "FP32_MAX"]
+
+FP32_MAX = torch.finfo(torch.float32).max
+SCALE_NAN = 0xFF
+
+
+def to_blocks(x: torch.Tensor, axis: int, block: int) -> torch.Tensor:
+    """Move ``axis`` last, zero-pad it to a multiple of ``block``, view as ``[..., nblocks, block]``."""
+    x = x.movedim(axis, -1).contiguous()
+    n = x.shape[-1]
+    pad = (-n) % block
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.reshape(*x.shape[:-1], (n + pad) // block, block)
+
+
+def from_blocks(xb: torch.Tensor, axis: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`to_blocks` for a tensor whose ``axis`` had length ``n``."""
+    x = xb.reshape(*xb.shape[:-2], -1)[..., :n]
+    return x.movedim(-1, axis)
+
+
+def mx_scale_bytes(amax: torch.Tensor, spec: ElementSpec, scale_rule: str) -> torch.Tensor:
+    """Per-block E8M0 scale bytes (int32, 0..254) from float32 block amax (finite, >= 0)."""
+    if scale_rule == "floor":
+        e = exponent_floor(amax) - spec.emax
+    elif scale_rule == "rceil":
+        # ceil(log2(amax / max_normal)) from frexp (r = m * 2^ex, m in [0.5, 1)): exact for every
+        # finite positive r, FP32 subnormals included.
+        m, ex = torch.frexp(amax / spec.max_normal)
+        e = ex - (m == 0.5).to(torch.int32)
+    else:
+        raise ValueError(f"scale_rule: unknown rule {scale_rule!r}; valid: floor, rceil")
+    e = e.clamp(-127, 127)
+    zero = exponent_floor(amax) == -127  # amax is 0 or an FP32 subnormal
+    return torch.where(zero, torch.zeros_like(e), e + 127)
+
+
+def mx_quantize_blocks(
+    xb: torch.Tensor,
+    spec: ElementSpec,
+    scale_rule: str = "floor",
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+    prescale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``[..., nblocks, 32]`` float32 blocks -> (element codes uint8, scale bytes uint8).
+
+    ``prescale`` (e.g. 0.75 for the SR trick of arXiv 2502.20586) multiplies the values before
+    rounding; the dequantizer divides it back out.
+    """
+    xb = xb.float()
+    amax = xb.abs().amax(dim=-1)
+    finite_amax = torch.isfinite(amax)  # False where the block holds NaN or +-Inf
+    all_finite = bool(finite_amax.all())
+    if not all_finite:
+        amax = torch.where(finite_amax, amax, torch.zeros_like(amax))
+    sbyte = mx_scale_bytes(amax, spec, scale_rule)
+    zero = exponent_floor(amax) == -127  # all zeros / FP32 subnormals (byte 0 alone may be 2^-127)
+    inv_scale = pow2(127 - sbyte)  # 1 / 2^(s-127); s = 0 -> 2^127 (only reached by all-small blocks)
+    v = xb * inv_scale.unsqueeze(-1)
+    if prescale != 1.0:
+        v = v * prescale
+    if spec is E2M1:
+        codes = e2m1_encode(v, rounding, generator)
+    else:
+        codes = fp8_encode(v, spec, rounding, generator)
+    # Blocks of zeros / FP32 subnormals encode as exact zeros.
+    if bool(zero.any()):
+        codes = torch.where(zero.unsqueeze(-1), torch.zeros_like(codes), codes)
+    if not all_finite:
+        bad = ~finite_amax
+        sbyte = torch.where(bad, torch.full_like(sbyte, SCALE_NAN), sbyte)
+        codes = torch.where(bad.unsqueeze(-1), torch.zeros_like(codes), codes)
+    return codes, sbyte.to(torch.uint8)
+
+
+def mx_dequantize_blocks(codes: torch.Tensor, sbytes: torch.Tensor, spec: ElementSpec,
+                         prescale: float = 1.0) -> torch.Tensor:
+    """Inverse of :func:`mx_quantize_blocks`: float32 ``[..., nblocks, 32]``."""
+    vals = e2m1_decode(codes) if spec is E2M1 else fp8_decode(codes, spec)
+    s = sbytes.to(torch.int32)
+    scale = torch.where(s == SCALE_NAN, float("nan"), pow2(s - 127))
+    out = vals * scale.unsqueeze(-1)
+    if prescale != 1.0:
+        out = out / prescale
+    return out
+
+
+def mx_fake_quantize_blocks(
+    xb: torch.Tensor,
+    spec: ElementSpec,
+    scale_rule: str = "floor",
+    rounding: str = "nearest",
+    u: torch.Tensor | None = None,
+    prescale: float = 1.0,
+) -> torch.Tensor:
+    """quantize -> dequantize of ``[..., nblocks, block]`` MX blocks in one branch-free expression.
+
+    Values identical to ``mx_dequantize_blocks(*mx_quantize_blocks(...))`` (tested), but without
+    element codes, so ``torch.compile`` can fuse it into one loop (``kernels.fused``). Elements
+    are rounded arithmetically (``round_to_grid``), not through codes or casts: a second,
+    independent formulation of the same numbers.
+    """
+    xb = xb.float()
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    finite = torch.isfinite(amax)
+    sbyte = mx_scale_bytes(torch.where(finite, amax, torch.zeros_like(amax)), spec, scale_rule)
+    v = xb * pow2(127 - sbyte)
+    if prescale != 1.0:
+        v = v * prescale
+    q = round_to_grid(v, spec, rounding, u=u) * pow2(sbyte - 127)
+    if prescale != 1.0:
+        q = q / prescale
+    zero = exponent_floor(amax) == -127  # zero / FP32-subnormal blocks
+    q = torch.where(zero, torch.zeros_like(q), q)
+    return torch.where(finite, q, torch.full_like(q, float("nan")))
+
+
+# ---------------------------------------------------------------- NVFP4
+def nvfp4_tensor_scale(amax_tensor: torch.Tensor) -> torch.Tensor:
+    """FP32 encode scale ``g_enc`` mapping the tensor amax to 448*6 (1 for an all-zero tensor)."""
+    amax_tensor = amax_tensor.float()
+    g = torch.clamp((E4M3.max_normal * E2M1.max_normal) / amax_tensor, max=FP32_MAX)
+    return torch.where(amax_tensor == 0, torch.ones_like(g), g)
+
+
+def nvfp4_quantize_blocks(
+    xb: torch.Tensor,
+    g_enc: torch.Tensor,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``[..., nblocks, 16]`` float32 blocks -> (E2M1 codes, E4M3 scale bytes).
+
+    A block holding NaN/Inf gets the E4M3 NaN scale byte (0x7F) and decodes to NaN.
+    """
+    xb = xb.float()
+    amax = xb.abs().amax(dim=-1)
+    finite = torch.isfinite(amax)
+    g_dec = 1.0 / g_enc
+    s_dec = torch.clamp(amax * (g_enc / E2M1.max_normal), max=E4M3.max_normal)
+    s_dec = torch.where(finite, s_dec, torch.zeros_like(s_dec)).to(torch.float8_e4m3fn)
+    s_enc = torch.clamp(1.0 / (s_dec.float() * g_dec), max=FP32_MAX)
+    v = torch.clamp(xb * s_enc.unsqueeze(-1), -E2M1.max_normal, E2M1.max_normal)
+    v = torch.where(torch.isnan(v), torch.zeros_like(v), v)
+    codes = e2m1_encode(v, rounding, generator)
+    sbytes = s_dec.view(torch.uint8)
+    if not bool(finite.all()):
+        sbytes = torch.where(finite, sbytes, torch.full_like(sbytes, 0x7F))
+        codes = torch.where(finite.unsqueeze(-1), codes, torch.zeros_like(codes))
+    return codes, sbytes
+
+
+def nvfp4_dequantize_blocks(codes: torch.Tensor, sbytes: torch.Tensor, g_enc: torch.Tensor) -> torch.Tensor:
+    s = sbytes.view(torch.float8_e4m3fn).float()  # 0x7F decodes to NaN
+    g_dec = 1.0 / g_enc
+    return e2m1_decode(codes) * (s * g_dec).unsqueeze(-1)
+
+
+def nvfp4_fake_quantize_blocks(
+    xb: torch.Tensor,
+    g_enc: torch.Tensor,
+    rounding: str = "nearest",
+    u: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """quantize -> dequantize of NVFP4 blocks, branch-free (see :func:`mx_fake_quantize_blocks`)."""
+    xb = xb.float()
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    finite = torch.isfinite(amax)
+    g_dec = 1.0 / g_enc
+    s_dec = torch.clamp(torch.where(finite, amax, torch.zeros_like(amax)) * (g_enc / E2M1.max_normal),
+                        max=E4M3.max_normal).to(torch.float8_e4m3fn).float()
+    s_enc = torch.clamp(1.0 / (s_dec * g_dec), max=FP32_MAX)
+    v = torch.clamp(xb * s_enc, -E2M1.max_normal, E2M1.max_normal)
+    v = torch.where(torch.isnan(v), torch.zeros_like(v), v)
+    q = round_to_grid(v, E2M1, rounding, u=u) * (s_dec * g_dec)
+    return torch.where(finite, q, torch.full_like(q, float("nan")))

@@ -1,0 +1,170 @@
+"""Element formats: rounding a float32 tensor onto a low-precision grid, and element codes.
+
+Every function here works on *already scaled* values: block and tensor scaling live in
+``precision.blocks`` and ``precision.tensorwise``. Bit layouts and rounding rules are those of
+``shared/NUMERICS.md``:
+
+=========  ====  ====  ===========  =============  =============
+element    bias  emax  max normal   min subnormal  Inf / NaN
+=========  ====  ====  ===========  =============  =============
+E2M1 (FP4)  1     2     6            0.5            none
+E4M3        7     8     448          2^-9           NaN only (0x7F / 0xFF)
+E5M2       15    15     57344        2^-16          Inf and NaN
+=========  ====  ====  ===========  =============  =============
+
+Rounding is ``nearest`` (ties to even, saturating to the max normal) or ``stochastic``
+(round up with probability equal to the distance from the lower neighbour over the gap; unbiased
+for in-range values, reproducible from a ``torch.Generator``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "ElementSpec",
+    "E2M1",
+    "E4M3",
+    "E5M2",
+    "ELEMENTS",
+    "round_to_grid",
+    "e2m1_encode",
+    "e2m1_decode",
+    "e2m1_values",
+    "fp8_encode",
+    "fp8_decode",
+    "exponent_floor",
+    "pow2",
+]
+
+
+@dataclass(frozen=True)
+class ElementSpec:
+    """A sign-exponent-mantissa element format (no scale)."""
+
+    name: str
+    mbits: int  # stored mantissa bits
+    emin: int  # exponent of the smallest normal
+    emax: int  # exponent of the largest power of two
+    max_normal: float
+    torch_dtype: torch.dtype | None  # torch storage dtype, where one exists
+
+    @property
+    def min_subnormal(self) -> float:
+        return 2.0 ** (self.emin - self.mbits)
+
+
+E2M1 = ElementSpec("e2m1", mbits=1, emin=0, emax=2, max_normal=6.0, torch_dtype=None)
+E4M3 = ElementSpec("e4m3", mbits=3, emin=-6, emax=8, max_normal=448.0, torch_dtype=torch.float8_e4m3fn)
+E5M2 = ElementSpec("e5m2", mbits=2, emin=-14, emax=15, max_normal=57344.0, torch_dtype=torch.float8_e5m2)
+ELEMENTS = {e.name: e for e in (E2M1, E4M3, E5M2)}
+
+
+def exponent_floor(a: torch.Tensor) -> torch.Tensor:
+    """floor(log2(|a|)) of float32 values from the exponent bits (int32; -127 for 0 and subnormals)."""
+    bits = a.contiguous().view(torch.int32)
+    return ((bits >> 23) & 0xFF) - 127
+
+
+def pow2(e: torch.Tensor) -> torch.Tensor:
+    """Exact float32 2**e for integer e in [-149, 127], built from bits (no transcendental calls)."""
+    e = e.to(torch.int32)
+    normal = ((e + 127).clamp(min=1) << 23).view(torch.float32)
+    # 2^-127 .. 2^-149 are FP32 subnormals: a single mantissa bit.
+    sub = (torch.ones_like(e) << (e + 149).clamp(0, 22)).view(torch.float32)
+    return torch.where(e >= -126, normal, sub)
+
+
+def round_to_grid(
+    a: torch.Tensor,
+    spec: ElementSpec,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+    u: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Round float32 ``a`` onto ``spec``'s value grid, saturating to +-max normal.
+
+    Works for any finite input; NaN stays NaN. ``nearest`` is round-half-to-even;
+    ``stochastic`` rounds up with probability (distance to the lower neighbour) / gap, using
+    ``u`` (uniform [0, 1) numbers shaped like ``a``) or, if not given, one
+    ``torch.rand(a.shape, generator=generator)`` draw.
+    """
+    a = a.float()
+    mag = a.abs()
+    # Spacing of the grid around |a|: 2^(max(floor(log2|a|), emin) - mbits).
+    e = exponent_floor(mag).clamp(min=spec.emin, max=spec.emax)
+    ulp = pow2(e - spec.mbits)
+    steps = mag / ulp  # exact: division by a power of two
+    if rounding == "nearest":
+        q = torch.round(steps)  # half to even
+    elif rounding == "stochastic":
+        lo = torch.floor(steps)
+        if u is None:
+            u = torch.rand(a.shape, generator=generator, device=a.device, dtype=torch.float32)
+        q = lo + (u < (steps - lo)).float()
+    else:
+        raise ValueError(f"rounding: unknown mode {rounding!r}; valid: nearest, stochastic")
+    q = torch.clamp(q * ulp, max=spec.max_normal)
+    return torch.copysign(q, a)
+
+
+# ---------------------------------------------------------------- E2M1 codes
+_E2M1_VALUES = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+)
+# Decision boundaries between neighbouring magnitudes. At a tie the even code wins: ties at 0.25,
+# 1.25, 2.5 and 5 go down (boundary included in the lower bucket), ties at 0.75, 1.75 and 3.5 go up
+# (boundary nudged one float32 ulp down so the tie lands in the upper bucket).
+_E2M1_TIE_DOWN = [0.25, 1.25, 2.5, 5.0]
+_E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+_E2M1_BOUNDS_RNE = torch.where(
+    torch.isin(_E2M1_BOUNDS, torch.tensor(_E2M1_TIE_DOWN)),
+    _E2M1_BOUNDS,
+    torch.nextafter(_E2M1_BOUNDS, torch.tensor(-1.0)),
+)
+
+
+def e2m1_values() -> torch.Tensor:
+    """The 16 E2M1 code values (index = code)."""
+    return _E2M1_VALUES.clone()
+
+
+def e2m1_encode(a: torch.Tensor, rounding: str = "nearest", generator=None) -> torch.Tensor:
+    """Scaled float32 values -> E2M1 codes (uint8, 0..15), saturating at 6.
+
+    Nearest rounding is one bucketize over the decision boundaries; stochastic rounding goes
+    through ``round_to_grid`` and maps the (exact) result to its code.
+    """
+    a = a.float()
+    if rounding == "nearest":
+        mag = torch.bucketize(a.abs(), _E2M1_BOUNDS_RNE.to(a.device), right=False)
+    else:
+        q = round_to_grid(a, E2M1, rounding, generator).abs()
+        mag = torch.bucketize(q, _E2M1_BOUNDS.to(a.device), right=False)  # exact grid values
+    sign = torch.signbit(a).to(torch.uint8) << 3
+    return mag.to(torch.uint8) | sign
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (uint8) -> float32 values."""
+    return _E2M1_VALUES.to(codes.device)[codes.long() & 0xF]
+
+
+# ---------------------------------------------------------------- FP8 codes
+def fp8_encode(a: torch.Tensor, spec: ElementSpec, rounding: str = "nearest", generator=None) -> torch.Tensor:
+    """Scaled float32 values -> FP8 codes (uint8), saturating to +-max normal; NaN/Inf -> NaN code
+    for E4M3 (it has no Inf), kept as +-Inf for E5M2."""
+    a = a.float()
+    finite = torch.isfinite(a)
+    if rounding == "nearest":
+        q = a.clamp(-spec.max_normal, spec.max_normal)  # torch RNE-casts; E5M2 does not saturate itself
+    else:
+        q = round_to_grid(a, spec, rounding, generator)
+    q = torch.where(finite, q, a if spec is E5M2 else torch.full_like(a, float("nan")))
+    return q.to(spec.torch_dtype).view(torch.uint8)
+
+
+def fp8_decode(codes: torch.Tensor, spec: ElementSpec) -> torch.Tensor:
+    return codes.view(spec.torch_dtype).float()

@@ -1,0 +1,216 @@
+"""Precision policy: ordered first-match rules from layer names to ``LinearPrecision``.
+
+A policy resolves once, before the model is built, into a :class:`PrecisionPlan` (a read-only
+mapping ``layer name -> LinearPrecision``) that is logged, printed with ``.table()`` and saved in
+checkpoints. Layer names are megatron-core module paths, e.g.
+``decoder.layers.3.mlp.linear_fc1``, ``decoder.layers.0.self_attention.linear_qkv``,
+``output_layer``.
+
+Selectors (all anchored -- ``decoder.layers.1.*`` never matches layer 10):
+
+=================  ==============================================================
+``GLOB``           fnmatch over the whole name, e.g. ``decoder.layers.*.mlp.*``
+``first:N``        the linears of transformer layers 0 .. N-1
+``last:N``         the linears of the last N transformer layers
+``layers:A-B``     the linears of transformer layers A .. B (inclusive)
+``kind:K``         by module kind: qkv, proj, fc1, fc2, output, attention (qkv+proj), mlp (fc1+fc2)
+=================  ==============================================================
+
+On the command line a rule is ``SELECTOR=VALUE`` where VALUE is a preset name or a per-GEMM spec
+(``--precision-rule first:2=bf16``, ``--precision-rule 'kind:mlp=base=fp8,wgrad=mxfp4+had16'``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from precision import presets
+from precision.recipe import LinearPrecision, SpecError
+
+__all__ = ["Rule", "PrecisionPolicy", "PrecisionPlan", "parse_precision", "KINDS"]
+
+KINDS = {
+    "qkv": ("linear_qkv",),
+    "proj": ("linear_proj",),
+    "fc1": ("linear_fc1",),
+    "fc2": ("linear_fc2",),
+    "output": ("output_layer",),
+    "attention": ("linear_qkv", "linear_proj"),
+    "mlp": ("linear_fc1", "linear_fc2"),
+}
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_SPEC_FILE_KEYS = ("base", "fprop", "dgrad", "wgrad")
+
+
+def layer_index(name: str) -> int | None:
+    m = _LAYER_RE.search(name)
+    return int(m.group(1)) if m else None
+
+
+def parse_precision(value: str) -> LinearPrecision:
+    """A preset name, a per-GEMM spec string, or a path to a YAML/JSON spec file."""
+    value = value.strip()
+    if value in presets.names():
+        return presets.get(value)
+    if os.path.isfile(value):
+        return _load_spec_file(value)
+    if "=" not in value:
+        raise SpecError(f"unknown precision {value!r}: not a preset, a spec (GEMM=RECIPE,...) or a "
+                        f"file; presets: {', '.join(presets.names())}")
+    return LinearPrecision.parse(value)
+
+
+def _load_spec_file(path: str) -> LinearPrecision:
+    with open(path) as f:
+        text = f.read()
+    try:
+        if path.endswith(".json"):
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as e:  # parse errors from either library
+        raise SpecError(f"{path}: not valid YAML/JSON ({e.__class__.__name__}: {e})") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: expected a mapping with keys {', '.join(_SPEC_FILE_KEYS)}")
+    unknown = sorted(set(data) - set(_SPEC_FILE_KEYS))
+    if unknown:
+        raise SpecError(f"{path}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(_SPEC_FILE_KEYS)}")
+    try:
+        return LinearPrecision.parse(",".join(f"{k}={v}" for k, v in data.items()))
+    except SpecError as e:
+        raise SpecError(f"{path}: {e}") from None
+
+
+@dataclass(frozen=True)
+class Rule:
+    """``selector`` (see the module docstring) -> ``precision``; ``label`` says where it came from."""
+
+    selector: str
+    precision: LinearPrecision
+    label: str = ""
+
+    def __post_init__(self):
+        self._check_selector()
+
+    def _check_selector(self) -> None:
+        kind, _, arg = self.selector.partition(":")
+        if kind in ("first", "last"):
+            if not arg.isdigit():
+                raise SpecError(f"rule {self.selector!r}: {kind}:N needs a non-negative integer N")
+        elif kind == "layers":
+            if not re.fullmatch(r"\d+-\d+", arg):
+                raise SpecError(f"rule {self.selector!r}: layers:A-B needs two integers, e.g. layers:0-3")
+        elif kind == "kind":
+            if arg not in KINDS:
+                raise SpecError(f"rule {self.selector!r}: unknown kind {arg!r}; valid: {', '.join(KINDS)}")
+
+    @classmethod
+    def parse(cls, text: str, label: str = "--precision-rule") -> "Rule":
+        if "=" not in text:
+            raise SpecError(f"--precision-rule {text!r}: expected SELECTOR=PRESET_OR_SPEC, e.g. first:2=bf16")
+        selector, value = (s.strip() for s in text.split("=", 1))
+        return cls(selector, parse_precision(value), f"{label} {text}")
+
+    def matches(self, name: str, num_layers: int) -> bool:
+        kind, _, arg = self.selector.partition(":")
+        idx = layer_index(name)
+        if kind == "first":
+            return idx is not None and idx < int(arg)
+        if kind == "last":
+            return idx is not None and idx >= num_layers - int(arg)
+        if kind == "layers":
+            lo, hi = (int(v) for v in arg.split("-"))
+            return idx is not None and lo <= idx <= hi
+        if kind == "kind":
+            return name.rsplit(".", 1)[-1] in KINDS[arg]
+        return fnmatch.fnmatchcase(name, self.selector)
+
+
+class PrecisionPlan(Mapping):
+    """Resolved per-layer precision: ``plan[name] -> LinearPrecision`` (read-only)."""
+
+    def __init__(self, entries: Mapping[str, tuple[LinearPrecision, str]]):
+        self._entries = dict(entries)
+
+    def __getitem__(self, name: str) -> LinearPrecision:
+        try:
+            return self._entries[name][0]
+        except KeyError:
+            raise KeyError(f"precision plan has no entry for layer {name!r}") from None
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def rule_for(self, name: str) -> str:
+        return self._entries[name][1]
+
+    def table(self) -> str:
+        width = max((len(n) for n in self._entries), default=5)
+        lines = [f"{'layer':<{width}}  {'fprop':<22} {'dgrad':<22} {'wgrad':<24} rule"]
+        for name, (p, rule) in self._entries.items():
+            lines.append(f"{name:<{width}}  {p.fprop.spec():<22} {p.dgrad.spec():<22} {p.wgrad.spec():<24} {rule}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, dict[str, str]]:
+        return {n: {"precision": str(p), "rule": r} for n, (p, r) in self._entries.items()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Mapping[str, str]]) -> "PrecisionPlan":
+        return cls({n: (LinearPrecision.parse(v["precision"]), v["rule"]) for n, v in d.items()})
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, PrecisionPlan) and self.to_dict() == other.to_dict()
+
+
+class PrecisionPolicy:
+    """Ordered rules, first match wins; layers no rule matches get ``default``."""
+
+    def __init__(self, default: LinearPrecision, rules: Iterable[Rule] = (), default_label: str = "default"):
+        self.default = default
+        self.rules = list(rules)
+        self.default_label = default_label
+
+    @classmethod
+    def from_args(cls, precision: str, rules: Iterable[str] = ()) -> "PrecisionPolicy":
+        """``--precision`` and ``--precision-rule`` values; the preset's own rules come after the user's."""
+        default = parse_precision(precision)
+        user = [Rule.parse(r) for r in rules]
+        preset_name = precision if precision in presets.names() else "custom"
+        builtin = [Rule(sel, parse_precision(val), f"preset {preset_name}: {sel}={val}")
+                   for sel, val in presets.default_rules(preset_name)]
+        return cls(default, user + builtin, default_label=f"--precision {precision}")
+
+    def first_layers(self, n: int, precision: LinearPrecision | str) -> "PrecisionPolicy":
+        """A new policy with ``first:n`` prepended (Megatron's --first-last-layers-bf16 idiom)."""
+        return self._prepend(f"first:{n}", precision)
+
+    def last_layers(self, n: int, precision: LinearPrecision | str) -> "PrecisionPolicy":
+        return self._prepend(f"last:{n}", precision)
+
+    def kind(self, kind: str, precision: LinearPrecision | str) -> "PrecisionPolicy":
+        return self._prepend(f"kind:{kind}", precision)
+
+    def _prepend(self, selector: str, precision: LinearPrecision | str) -> "PrecisionPolicy":
+        p = parse_precision(precision) if isinstance(precision, str) else precision
+        return PrecisionPolicy(self.default, [Rule(selector, p, selector)] + self.rules, self.default_label)
+
+    def resolve(self, names: Iterable[str], num_layers: int) -> PrecisionPlan:
+        entries = {}
+        for name in names:
+            for rule in self.rules:
+                if rule.matches(name, num_layers):
+                    entries[name] = (rule.precision, rule.label or rule.selector)
+                    break
+            else:
+                entries[name] = (self.default, self.default_label)
+        return PrecisionPlan(entries)

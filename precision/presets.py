@@ -1,0 +1,209 @@
+"""Named precision presets: the MXFP4 pretraining study's ablation ladder, plus NVFP4 and HiF8.
+
+FP8 (TransformerEngine's hybrid: E4M3 for ``x`` and ``w``, E5M2 for ``dy``, per-tensor current
+scaling) is the base format for the GEMMs a preset leaves out of MXFP4. Each preset's docstring
+tables what each GEMM consumes. Evidence (arXiv 2605.09825, Llama-3.1-8B, native FP4 hardware,
+extra tokens to reach the FP8 loss): MXFP4 Fprop+Dgrad +8-11%; plain MXFP4 Wgrad +26%; Wgrad with
+stochastic rounding or a randomized Hadamard did not converge; Wgrad with a deterministic 16-point
+Hadamard +8-9%, a ~10% end-to-end win over FP8.
+
+``get(name)`` returns the preset's ``LinearPrecision``; ``default_rules(name)`` returns the
+per-layer rules a preset brings with it (e.g. which layers ``hif8_w8a8`` leaves in BF16).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from precision.recipe import Gemm, LinearPrecision, parse_gemm
+
+__all__ = ["get", "names", "default_rules", "describe"]
+
+_REGISTRY: dict[str, Callable[[], LinearPrecision]] = {}
+
+
+def _preset(fn: Callable[[], LinearPrecision]) -> Callable[[], LinearPrecision]:
+    _REGISTRY[fn.__name__] = fn
+    return fn
+
+
+def _lp(fprop: str, dgrad: str, wgrad: str) -> LinearPrecision:
+    return LinearPrecision(parse_gemm(fprop, Gemm.FPROP), parse_gemm(dgrad, Gemm.DGRAD),
+                           parse_gemm(wgrad, Gemm.WGRAD))
+
+
+@_preset
+def bf16() -> LinearPrecision:
+    """All three GEMMs in BF16 (operands rounded to BF16, FP32 accumulation).
+
+    | GEMM  | consumes        | rotation |
+    |-------|-----------------|----------|
+    | fprop | x bf16, w bf16  | none     |
+    | dgrad | dy bf16, w bf16 | none     |
+    | wgrad | dy bf16, x bf16 | none     |
+    """
+    return LinearPrecision()
+
+
+@_preset
+def fp8() -> LinearPrecision:
+    """FP8 hybrid, per-tensor current scaling -- the study's baseline.
+
+    | GEMM  | consumes                | rotation |
+    |-------|-------------------------|----------|
+    | fprop | x fp8_e4m3, w fp8_e4m3  | none     |
+    | dgrad | dy fp8_e5m2, w fp8_e4m3 | none     |
+    | wgrad | dy fp8_e5m2, x fp8_e4m3 | none     |
+    """
+    return _lp("fp8", "fp8", "fp8")
+
+
+@_preset
+def mxfp4_fprop() -> LinearPrecision:
+    """MXFP4 Fprop; Dgrad and Wgrad FP8.
+
+    | GEMM  | consumes                | rotation |
+    |-------|-------------------------|----------|
+    | fprop | x mxfp4, w mxfp4        | none     |
+    | dgrad | dy fp8_e5m2, w fp8_e4m3 | none     |
+    | wgrad | dy fp8_e5m2, x fp8_e4m3 | none     |
+    """
+    return _lp("mxfp4", "fp8", "fp8")
+
+
+@_preset
+def mxfp4_fprop_dgrad() -> LinearPrecision:
+    """MXFP4 Fprop and Dgrad; Wgrad FP8 (study: +8-11% tokens vs FP8).
+
+    | GEMM  | consumes                | rotation |
+    |-------|-------------------------|----------|
+    | fprop | x mxfp4, w mxfp4        | none     |
+    | dgrad | dy mxfp4, w mxfp4       | none     |
+    | wgrad | dy fp8_e5m2, x fp8_e4m3 | none     |
+    """
+    return _lp("mxfp4", "mxfp4", "fp8")
+
+
+@_preset
+def mxfp4() -> LinearPrecision:
+    """All three GEMMs in plain MXFP4 (study: Wgrad in MXFP4 costs +26% tokens).
+
+    | GEMM  | consumes          | rotation |
+    |-------|-------------------|----------|
+    | fprop | x mxfp4, w mxfp4  | none     |
+    | dgrad | dy mxfp4, w mxfp4 | none     |
+    | wgrad | dy mxfp4, x mxfp4 | none     |
+    """
+    return _lp("mxfp4", "mxfp4", "mxfp4")
+
+
+@_preset
+def mxfp4_sr() -> LinearPrecision:
+    """All MXFP4, stochastic rounding on both Wgrad operands (study: did not converge).
+
+    | GEMM  | consumes                            | rotation |
+    |-------|-------------------------------------|----------|
+    | fprop | x mxfp4, w mxfp4                    | none     |
+    | dgrad | dy mxfp4, w mxfp4                   | none     |
+    | wgrad | dy mxfp4 (SR), x mxfp4 (SR)         | none     |
+    """
+    return _lp("mxfp4", "mxfp4", "mxfp4+sr")
+
+
+@_preset
+def mxfp4_rht() -> LinearPrecision:
+    """All MXFP4, random-sign 16-point Hadamard (fixed per layer) on Wgrad (study: did not converge).
+
+    | GEMM  | consumes          | rotation                     |
+    |-------|-------------------|------------------------------|
+    | fprop | x mxfp4, w mxfp4  | none                         |
+    | dgrad | dy mxfp4, w mxfp4 | none                         |
+    | wgrad | dy mxfp4, x mxfp4 | rht16 along tokens           |
+    """
+    return _lp("mxfp4", "mxfp4", "mxfp4+rht16")
+
+
+@_preset
+def wgrad_hadamard() -> LinearPrecision:
+    """All MXFP4, deterministic 16-point Hadamard on Wgrad along tokens (study: +8-9% tokens vs
+    FP8 for Wgrad, ~10% end-to-end win over FP8).
+
+    | GEMM  | consumes          | rotation           |
+    |-------|-------------------|--------------------|
+    | fprop | x mxfp4, w mxfp4  | none               |
+    | dgrad | dy mxfp4, w mxfp4 | none               |
+    | wgrad | dy mxfp4, x mxfp4 | had16 along tokens |
+    """
+    return _lp("mxfp4", "mxfp4", "mxfp4+had16")
+
+
+@_preset
+def mxfp4_hadamard_all() -> LinearPrecision:
+    """All MXFP4 with the deterministic 16-point Hadamard on every GEMM's contraction axis.
+
+    | GEMM  | consumes          | rotation                 |
+    |-------|-------------------|--------------------------|
+    | fprop | x mxfp4, w mxfp4  | had16 along in-features  |
+    | dgrad | dy mxfp4, w mxfp4 | had16 along out-features |
+    | wgrad | dy mxfp4, x mxfp4 | had16 along tokens       |
+    """
+    return _lp("mxfp4+had16", "mxfp4+had16", "mxfp4+had16")
+
+
+@_preset
+def nvfp4() -> LinearPrecision:
+    """NVFP4 as in TransformerEngine's NVFP4BlockScaling: stochastic rounding on gradients,
+    random-sign 16-point Hadamard on the Wgrad operands.
+
+    | GEMM  | consumes                | rotation           |
+    |-------|-------------------------|--------------------|
+    | fprop | x nvfp4, w nvfp4        | none               |
+    | dgrad | dy nvfp4 (SR), w nvfp4  | none               |
+    | wgrad | dy nvfp4 (SR), x nvfp4  | rht16 along tokens |
+    """
+    return _lp("nvfp4", "nvfp4/sr@nvfp4", "nvfp4/sr@nvfp4+rht16")
+
+
+@_preset
+def hif8_w8a8() -> LinearPrecision:
+    """HiF8 W8A8 QAT (arXiv 2605.26189): Fprop weights and activations in HiF8 with delayed
+    per-tensor scaling, amax = max over a 64-step window; backward GEMMs in BF16. Its default
+    rules keep attention, the first 3 and last 2 layers and the output layer in BF16.
+
+    | GEMM  | consumes                                     | rotation |
+    |-------|----------------------------------------------|----------|
+    | fprop | x hif8 delayed(max,64), w hif8 delayed(max,64) | none   |
+    | dgrad | dy bf16, w bf16                              | none     |
+    | wgrad | dy bf16, x bf16                              | none     |
+    """
+    return _lp("hif8+delayed(max,64)", "bf16", "bf16")
+
+
+def names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def get(name: str) -> LinearPrecision:
+    try:
+        return _REGISTRY[name]()
+    except KeyError:
+        raise ValueError(f"unknown precision preset {name!r}; valid: {', '.join(_REGISTRY)}") from None
+
+
+def describe(name: str) -> str:
+    """The preset's docstring (with its table)."""
+    get(name)
+    return _REGISTRY[name].__doc__ or ""
+
+
+def default_rules(name: str) -> list[tuple[str, str]]:
+    """Per-layer rules a preset brings, as ``(selector, preset-or-spec)`` pairs, first match wins.
+
+    Selectors use :class:`precision.policy.PrecisionPolicy`'s syntax. Every preset keeps the output
+    layer in BF16 (a rule the user overrides with their own, which come first).
+    """
+    rules = [("kind:output", "bf16")]
+    if name == "hif8_w8a8":
+        rules = [("first:3", "bf16"), ("last:2", "bf16"), ("kind:qkv", "bf16"), ("kind:proj", "bf16")] + rules
+    return rules
+

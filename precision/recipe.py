@@ -1,0 +1,288 @@
+"""Per-GEMM numeric recipes: ``OperandFormat`` -> ``GemmRecipe`` -> ``LinearPrecision``.
+
+Every linear layer runs three GEMMs; each quantizes its two operands along its contraction axis::
+
+    FPROP  y  = x  · wᵀ    operands (x, w)    contraction over in-features
+    DGRAD  dx = dy · w     operands (dy, w)   contraction over out-features
+    WGRAD  dw = dyᵀ· x     operands (dy, x)   contraction over tokens
+
+All three classes are frozen dataclasses validated on construction; variants come from
+``dataclasses.replace``.
+
+Compact spec (``LinearPrecision.parse`` / ``str``)::
+
+    fprop=mxfp4,dgrad=mxfp4,wgrad=mxfp4+had16
+    base=fp8,wgrad=mxfp4+sr+prescale          # base: a preset for the GEMMs not named
+    dgrad=fp8_e5m2@fp8_e4m3                    # two operands (in the GEMM's order) joined by '@'
+    wgrad=mxfp4/sr@mxfp4                       # '/mod' applies to one operand, '+mod' to both
+    fprop=hif8+delayed(max,64)                 # per-tensor delayed scaling, amax algo and window
+
+GEMM spec grammar: ``operand ['@' operand] ('+' modifier)*`` with ``operand = format ('/' mod)*``.
+Operand modifiers: ``sr`` (stochastic rounding), ``prescale`` (3/4 before SR), ``rceil`` (MX scale
+rule; ``floor`` is the default), ``delayed(ALGO[,N])`` (per-tensor formats: ALGO one of
+most_recent, max, ema). GEMM modifiers: a rotation (had16, had32, rht16, rht16_resample) or any
+operand modifier, applied to both operands. ``fp8`` alone means TransformerEngine's hybrid: E4M3
+for ``x`` and ``w``, E5M2 for ``dy``.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+from precision.quantize import FORMATS
+from precision.rotation import ROTATIONS
+from precision.tensorwise import AMAX_ALGOS
+
+__all__ = ["Gemm", "OperandFormat", "GemmRecipe", "LinearPrecision", "SpecError"]
+
+
+class SpecError(ValueError):
+    """An invalid precision spec; the message names the GEMM, the bad value and the valid ones."""
+
+
+class Gemm(str, enum.Enum):
+    """The three GEMMs of a linear layer: the only names code, logs and metrics use."""
+
+    FPROP = "fprop"
+    DGRAD = "dgrad"
+    WGRAD = "wgrad"
+
+    @property
+    def operands(self) -> tuple[str, str]:
+        return {"fprop": ("x", "w"), "dgrad": ("dy", "w"), "wgrad": ("dy", "x")}[self.value]
+
+    @property
+    def result(self) -> str:
+        return {"fprop": "y", "dgrad": "dx", "wgrad": "dw"}[self.value]
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class OperandFormat:
+    """How one GEMM operand is quantized."""
+
+    fmt: str = "bf16"
+    rounding: str = "nearest"  # nearest | stochastic
+    scale_rule: str = "floor"  # MX only: floor | rceil
+    prescale: bool = False  # MX, stochastic: multiply by 3/4 before rounding (2502.20586)
+    amax_algo: str = "current"  # per-tensor formats: current | most_recent | max | ema
+    amax_history_len: int = 1
+
+    def __post_init__(self):
+        if self.fmt not in FORMATS:
+            raise SpecError(f"unknown format {self.fmt!r}; valid: {', '.join(FORMATS)}")
+        spec = FORMATS[self.fmt]
+        if self.rounding not in ("nearest", "stochastic"):
+            raise SpecError(f"{self.fmt}: unknown rounding {self.rounding!r}; valid: nearest, stochastic")
+        if self.rounding == "stochastic" and self.fmt in ("bf16", "hif8"):
+            raise SpecError(f"{self.fmt}: stochastic rounding is not supported; valid with: "
+                            "fp8_e4m3, fp8_e5m2, mxfp8_e4m3, mxfp8_e5m2, mxfp4, nvfp4")
+        if self.scale_rule not in ("floor", "rceil"):
+            raise SpecError(f"{self.fmt}: unknown scale rule {self.scale_rule!r}; valid: floor, rceil")
+        if self.scale_rule != "floor" and not spec.is_mx:
+            raise SpecError(f"{self.fmt}: scale rule {self.scale_rule!r} applies to MX formats only")
+        if self.prescale and not (spec.is_mx and self.rounding == "stochastic"):
+            raise SpecError(f"{self.fmt}: prescale (3/4) needs an MX format with stochastic rounding")
+        if self.amax_algo not in AMAX_ALGOS:
+            raise SpecError(f"{self.fmt}: unknown amax algorithm {self.amax_algo!r}; "
+                            f"valid: {', '.join(AMAX_ALGOS)}")
+        if self.amax_algo != "current" and spec.scaling != "tensor":
+            raise SpecError(f"{self.fmt}: delayed scaling applies to per-tensor formats only "
+                            "(fp8_e4m3, fp8_e5m2, hif8)")
+        if self.amax_history_len < 1:
+            raise SpecError(f"{self.fmt}: amax history length must be >= 1, got {self.amax_history_len}")
+
+    @property
+    def is_high_precision(self) -> bool:
+        return self.fmt == "bf16"
+
+    @property
+    def prescale_factor(self) -> float:
+        return 0.75 if self.prescale else 1.0
+
+    def modifiers(self) -> list[str]:
+        mods = []
+        if self.rounding == "stochastic":
+            mods.append("sr")
+        if self.prescale:
+            mods.append("prescale")
+        if self.scale_rule != "floor":
+            mods.append(self.scale_rule)
+        if self.amax_algo != "current":
+            mods.append(f"delayed({self.amax_algo},{self.amax_history_len})")
+        return mods
+
+    def __str__(self) -> str:
+        return "/".join([self.fmt, *self.modifiers()])
+
+
+BF16 = OperandFormat("bf16")
+
+
+@dataclass(frozen=True)
+class GemmRecipe:
+    """Two operand formats (in the GEMM's operand order) and a rotation along the contraction axis."""
+
+    a: OperandFormat = BF16
+    b: OperandFormat = BF16
+    rotation: str = "none"
+
+    def __post_init__(self):
+        if self.rotation not in ROTATIONS:
+            raise SpecError(f"unknown rotation {self.rotation!r}; valid: {', '.join(ROTATIONS)}")
+
+    def operand(self, name: str, gemm: Gemm) -> OperandFormat:
+        """The format of operand ``name`` ('x', 'w' or 'dy') in ``gemm``."""
+        i = gemm.operands.index(name)
+        return self.a if i == 0 else self.b
+
+    @property
+    def is_high_precision(self) -> bool:
+        return self.a.is_high_precision and self.b.is_high_precision and self.rotation == "none"
+
+    def spec(self) -> str:
+        rot = [] if self.rotation == "none" else [self.rotation]
+        if self.a == self.b:
+            return "+".join([self.a.fmt, *self.a.modifiers(), *rot])
+        return "+".join([f"{self.a}@{self.b}", *rot])
+
+    __str__ = spec
+
+
+_MOD_RE = re.compile(r"^delayed\((\w+)(?:,(\d+))?\)$")
+
+
+def _apply_modifier(fields: dict, mod: str) -> None:
+    """Record one modifier in ``fields`` (OperandFormat keyword arguments)."""
+    if mod == "sr":
+        fields["rounding"] = "stochastic"
+    elif mod == "prescale":
+        fields["prescale"] = True
+    elif mod in ("floor", "rceil"):
+        fields["scale_rule"] = mod
+    elif mod == "current":
+        fields.update(amax_algo="current", amax_history_len=1)
+    elif m := _MOD_RE.match(mod):
+        algo, n = m.group(1), int(m.group(2) or (64 if m.group(1) == "max" else 1))
+        fields.update(amax_algo=algo, amax_history_len=n)
+    else:
+        raise SpecError(f"unknown modifier {mod!r}; valid: sr, prescale, floor, rceil, current, "
+                        f"delayed(ALGO[,N]) with ALGO in {', '.join(AMAX_ALGOS[1:])}, or a rotation "
+                        f"({', '.join(ROTATIONS[1:])})")
+
+
+def _parse_operand(text: str, role: str) -> OperandFormat:
+    """``format('/'mod)*`` for operand ``role`` ('x', 'w' or 'dy')."""
+    fmt, *mods = text.split("/")
+    if fmt == "fp8":
+        fmt = "fp8_e5m2" if role == "dy" else "fp8_e4m3"
+    if fmt not in FORMATS:
+        raise SpecError(f"unknown format {fmt!r}; valid: fp8 (hybrid), {', '.join(FORMATS)}")
+    fields: dict = {}
+    for mod in mods:
+        _apply_modifier(fields, mod)
+    return OperandFormat(fmt, **fields)
+
+
+def parse_gemm(text: str, gemm: Gemm) -> GemmRecipe:
+    """Parse one GEMM's compact spec (see the module docstring)."""
+    try:
+        text = text.strip()
+        if not text:
+            raise SpecError("empty recipe")
+        # '+' separates GEMM modifiers; parentheses never contain '+'.
+        head, *gmods = text.split("+")
+        parts = head.split("@")
+        if len(parts) > 2:
+            raise SpecError(f"{head!r} has {len(parts)} operands; a GEMM has two (a@b)")
+        roles = gemm.operands
+        texts = parts if len(parts) == 2 else [parts[0], parts[0]]
+        rotation = "none"
+        shared_mods = []
+        for mod in gmods:
+            if mod in ROTATIONS[1:]:
+                if rotation != "none":
+                    raise SpecError(f"two rotations ({rotation}, {mod}); give at most one")
+                rotation = mod
+            else:
+                shared_mods.append(mod)
+        ops = [_parse_operand("/".join([t, *shared_mods]), role) for t, role in zip(texts, roles)]
+        return GemmRecipe(ops[0], ops[1], rotation)
+    except SpecError as e:
+        raise SpecError(f"{gemm.value}: {e}") from None
+
+
+@dataclass(frozen=True)
+class LinearPrecision:
+    """The three GEMM recipes of one linear layer."""
+
+    fprop: GemmRecipe = GemmRecipe()
+    dgrad: GemmRecipe = GemmRecipe()
+    wgrad: GemmRecipe = GemmRecipe()
+
+    def __post_init__(self):
+        for g in Gemm:
+            r = getattr(self, g.value)
+            if not isinstance(r, GemmRecipe):
+                raise SpecError(f"{g.value}: expected a GemmRecipe, got {type(r).__name__}")
+
+    def recipe(self, gemm: Gemm) -> GemmRecipe:
+        return getattr(self, Gemm(gemm).value)
+
+    def __str__(self) -> str:
+        return ",".join(f"{g.value}={self.recipe(g).spec()}" for g in Gemm)
+
+    @classmethod
+    def parse(cls, text: str) -> "LinearPrecision":
+        """Parse ``fprop=...,dgrad=...,wgrad=...`` (optionally ``base=PRESET`` for the rest)."""
+        from precision import presets  # presets build on this module
+
+        items = {}
+        for part in _split_top(text):
+            if "=" not in part:
+                raise SpecError(f"{part!r}: expected GEMM=RECIPE with GEMM one of fprop, dgrad, wgrad "
+                                "(or base=PRESET)")
+            key, value = (s.strip() for s in part.split("=", 1))
+            if key not in ("base", "fprop", "dgrad", "wgrad"):
+                raise SpecError(f"unknown key {key!r}; valid: base, fprop, dgrad, wgrad")
+            if key in items:
+                raise SpecError(f"{key}: given twice")
+            items[key] = value
+        base = presets.get(items.pop("base")) if "base" in items else None
+        recipes = {}
+        for g in Gemm:
+            if g.value in items:
+                recipes[g.value] = parse_gemm(items[g.value], g)
+            elif base is not None:
+                recipes[g.value] = base.recipe(g)
+            else:
+                raise SpecError(f"{g.value}: missing; give all of fprop, dgrad, wgrad, or base=PRESET")
+        return cls(**recipes)
+
+    def table(self) -> str:
+        """A small table of what each GEMM consumes."""
+        rows = ["| GEMM | operands | formats | rotation |", "|---|---|---|---|"]
+        for g in Gemm:
+            r = self.recipe(g)
+            rows.append(f"| {g.value} `{g.result} = {'·'.join(g.operands)}` | {g.operands[0]}, {g.operands[1]} "
+                        f"| {r.a}, {r.b} | {r.rotation} |")
+        return "\n".join(rows)
+
+
+def _split_top(text: str) -> list[str]:
+    """Split on commas that are not inside parentheses (``delayed(max,64)``)."""
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    return [p.strip() for p in parts if p.strip()]

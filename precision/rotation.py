@@ -1,0 +1,68 @@
+"""Hadamard rotations applied to both operands of a GEMM along its contraction axis.
+
+Consecutive groups of ``n`` elements along the contraction axis are multiplied by the same
+orthogonal matrix ``Q``; because ``Q Qᵀ = I`` the exact product is unchanged, while outliers are
+spread over the group before quantization.
+
+* ``had16`` / ``had32``: ``Q = H_n``, the normalized Sylvester Hadamard matrix
+  (``H16 = H2⊗H2⊗H2⊗H2 / 4``, ``H2 = [[1,1],[1,-1]]``) -- deterministic, identical every step.
+  This is the MXFP4 pretraining study's fix for Wgrad (arXiv 2605.09825).
+* ``rht16``: ``Q = diag(s)·H16`` with random signs ``s`` fixed per layer (from a seed).
+* ``rht16_resample``: new random signs on every call, drawn from a seeded generator.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["ROTATIONS", "rotation_size", "hadamard_matrix", "random_signs", "rotate"]
+
+ROTATIONS = ("none", "had16", "had32", "rht16", "rht16_resample")
+
+
+def rotation_size(rotation: str) -> int:
+    if rotation not in ROTATIONS:
+        raise ValueError(f"unknown rotation {rotation!r}; valid: {', '.join(ROTATIONS)}")
+    return {"none": 1, "had16": 16, "had32": 32, "rht16": 16, "rht16_resample": 16}[rotation]
+
+
+@functools.lru_cache(maxsize=None)
+def _hadamard_cpu(n: int) -> torch.Tensor:
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"Hadamard size must be a power of two, got {n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    h2 = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.kron(h2, h)
+    return (h / n**0.5).float()  # entries +-1/sqrt(n): exact in float32 for n = 4^k, and 1/sqrt(32) rounded
+
+
+def hadamard_matrix(n: int, device=None) -> torch.Tensor:
+    """Normalized Sylvester Hadamard matrix of size ``n`` (float32)."""
+    return _hadamard_cpu(n).to(device)
+
+
+def random_signs(n: int, generator: torch.Generator | None, device=None) -> torch.Tensor:
+    """``n`` random +-1 values (float32) from ``generator``."""
+    bits = torch.randint(0, 2, (n,), generator=generator, dtype=torch.int64)
+    return (1.0 - 2.0 * bits.float()).to(device)
+
+
+def rotate(x: torch.Tensor, axis: int, n: int, signs: torch.Tensor | None = None) -> torch.Tensor:
+    """Multiply consecutive groups of ``n`` along ``axis`` by ``diag(signs)·H_n`` (float32).
+
+    The length of ``axis`` must be a multiple of ``n`` (callers zero-pad both operands first:
+    zeros contribute nothing to the product).
+    """
+    length = x.shape[axis]
+    if length % n:
+        raise ValueError(f"rotate: axis length {length} is not a multiple of the rotation size {n}")
+    q = hadamard_matrix(n, x.device)
+    if signs is not None:
+        q = signs.to(x.device).unsqueeze(1) * q
+    xm = x.float().movedim(axis, -1)
+    shape = xm.shape
+    out = (xm.reshape(-1, n) @ q).reshape(shape)  # one [rows*groups, n] x [n, n] GEMM
+    return out.movedim(-1, axis)
