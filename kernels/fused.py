@@ -143,4 +143,12 @@ def fake_quantize(
     kind = "nvfp4" if fmt == "nvfp4" else "mx"
     k = _kernel(kind, compiled, fmt=fmt, axis=axis, scale_rule=scale_rule, rounding=rounding,
                 prescale=prescale)
+    n = x.shape[axis]
+    pad = (-n) % spec.block
+    if pad:
+        # Zero-pad outside the compiled region: TorchInductor (torch 2.13, CPU) miscompiles a
+        # padded last axis followed by the block reshape (reads garbage for the partial block).
+        widths = [0, 0] * x.dim()
+        widths[2 * (x.dim() - 1 - axis) + 1] = pad
+        return k(torch.nn.functional.pad(x, widths), u).narrow(axis, 0, n), {}
     return k(x, u), {}

@@ -52,7 +52,7 @@ class _PolicyLinearFn(torch.autograd.Function):
         ctx.precision, ctx.state, ctx.backend = precision, state, backend
         ctx.lead, ctx.has_bias = lead, bias is not None
         ctx.dtypes = (x_hp.dtype, w_hp.dtype, bias.dtype if bias is not None else None)
-        return y.to(x_hp.dtype).reshape(*lead, w_hp.shape[0])
+        return y.to(x_hp.dtype)  # 2-D: reshaping here would return a view megatron's loss edits in place
 
     @staticmethod
     def backward(ctx, dy):
@@ -95,4 +95,5 @@ def policy_linear(
         raise ValueError(f"policy_linear: x has {x.shape[-1]} in-features, weight expects {w.shape[1]}")
     if state is None:
         state = LayerQuantState()
-    return _PolicyLinearFn.apply(x, w, bias, precision, state, backend)
+    y2d = _PolicyLinearFn.apply(x, w, bias, precision, state, backend)
+    return y2d.reshape(*x.shape[:-1], w.shape[0])

@@ -61,10 +61,13 @@ def mx_scale_bytes(amax: torch.Tensor, spec: ElementSpec, scale_rule: str) -> to
     if scale_rule == "floor":
         e = exponent_floor(amax) - spec.emax
     elif scale_rule == "rceil":
-        # ceil(log2(amax / max_normal)) from frexp (r = m * 2^ex, m in [0.5, 1)): exact for every
-        # finite positive r, FP32 subnormals included.
-        m, ex = torch.frexp(amax / spec.max_normal)
-        e = ex - (m == 0.5).to(torch.int32)
+        # ceil(log2(r)), r = amax / max_normal in FP32: exponent bits, +1 unless r is a power of two.
+        # FP32-subnormal r is first scaled by 2^64 (exact) into the normal range.
+        r = amax / spec.max_normal
+        tiny = r < torch.finfo(torch.float32).tiny
+        r = torch.where(tiny, r * 2.0**64, r)
+        up = (r.view(torch.int32) & 0x7FFFFF) != 0
+        e = exponent_floor(r) + up.to(torch.int32) - torch.where(tiny, 64, 0).to(torch.int32)
     else:
         raise ValueError(f"scale_rule: unknown rule {scale_rule!r}; valid: floor, rceil")
     e = e.clamp(-127, 127)
