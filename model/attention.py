@@ -1,0 +1,130 @@
+"""Core attention on ``torch.nn.functional.scaled_dot_product_attention``, for CPU and GPU.
+
+Megatron-core's local ``DotProductAttention`` allocates its score buffer on
+``torch.cuda.current_device()`` and so cannot run on CPU; ``TEDotProductAttention`` needs
+TransformerEngine. ``SDPAttention`` takes their place in the layer spec (``core_attention``) and
+uses whatever SDPA kernel torch picks for the device (flash / memory-efficient on GPU, the fused
+CPU kernel or the math reference on CPU). Attention is not a linear layer: it is outside the
+precision policy and runs in the activations' dtype.
+
+Interface (what megatron 0.16.1's ``SelfAttention`` calls):
+    __init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+             softmax_scale=None, cp_comm_type=None, pg_collection=None)
+    forward(query [sq, b, np, hn], key/value [sk, b, ng, hn], attention_mask,
+            attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> [sq, b, np * hn]
+``np`` / ``ng`` are the heads / query groups local to this tensor-parallel rank (heads / TP);
+grouped-query attention maps each group to ``np / ng`` consecutive query heads, as megatron does.
+
+Masks follow megatron: ``attention_mask`` is boolean with True = *masked out*, broadcastable to
+[b, np, sq, sk]. For causal mask types the causal mask is always applied, combined with
+``attention_mask`` when one is given (e.g. end-of-document masks).
+
+Dropout on the attention probabilities is drawn from megatron's model-parallel RNG tracker when it
+has been seeded (``model_parallel_cuda_manual_seed``, GPU only), so each TP rank's heads get
+independent masks; on CPU it falls back to torch's default generator, which is seeded identically
+on all TP ranks, so ranks' heads get correlated masks. Use ``attention_dropout=0`` (our default)
+for TP>1 runs on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+_CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
+
+
+class SDPAttention(MegatronModule):
+    """Causal / grouped-query core attention built on ``scaled_dot_product_attention``."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPAttention does not support --context-parallel-size > 1")
+        if config.window_size is not None:
+            raise ValueError("SDPAttention does not support sliding-window attention (--window-size)")
+        if config.softmax_type != "vanilla":
+            raise ValueError(
+                f"SDPAttention supports softmax_type 'vanilla' only, got {config.softmax_type!r}"
+            )
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        head_dim = config.kv_channels
+        # apply_query_key_layer_scaling divides the scale by layer_number and multiplies it back
+        # inside an FP32 softmax: a no-op mathematically, so it is ignored here.
+        self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+
+    def extra_repr(self) -> str:
+        return f"mask={self.attn_mask_type.name}, scale={self.softmax_scale:.4g}, dropout={self.dropout_p}"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None:
+            raise NotImplementedError("SDPAttention does not support packed sequences (packed_seq_params)")
+        if attention_bias is not None:
+            raise NotImplementedError("SDPAttention does not support attention_bias")
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        sq, b, np_, hn = query.shape
+        sk, ng = key.shape[0], key.shape[2]
+        if np_ % ng:
+            raise ValueError(f"local query heads ({np_}) are not a multiple of local query groups ({ng})")
+
+        # [s, b, heads, hn] -> [b, heads, s, hn]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+
+        causal = mask_type in _CAUSAL
+        allowed = None  # SDPA's boolean mask: True = attend
+        if attention_mask is not None:
+            allowed = ~attention_mask.to(torch.bool)
+        if causal and (allowed is not None or sq != sk):
+            # queries are the last sq positions of the sk keys (bottom-right aligned)
+            tri = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
+            allowed = tri if allowed is None else allowed & tri
+            causal = False
+
+        dropout_p = self.dropout_p if self.training else 0.0
+        rng = contextlib.nullcontext()
+        if dropout_p > 0 and get_cuda_rng_tracker().is_initialized():
+            rng = get_cuda_rng_tracker().fork()
+        with rng:
+            context = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=allowed,
+                dropout_p=dropout_p,
+                is_causal=causal,
+                scale=self.softmax_scale,
+                enable_gqa=np_ != ng,
+            )
+        # [b, np, sq, hn] -> [sq, b, np * hn]
+        return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)

@@ -1,0 +1,339 @@
+"""Build megatron-core's ``GPTModel`` with every linear layer routed through the precision policy.
+
+    cfg = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                      num_query_groups=2, seq_length=32, vocab_size=256)  # Llama style by default
+    model = build_gpt(cfg)                       # needs torch.distributed + parallel_state set up
+    apply_precision_plan(model, plan)            # plan: {name: LinearPrecision} for every
+                                                 # name in policy_linear_names(model)
+    loss = model(tokens, position_ids, None, labels=labels)          # [b, s] per-token loss
+
+Llama style is RMSNorm, SwiGLU, RoPE, untied embeddings, no biases, grouped-query attention
+(``num_query_groups < num_attention_heads``); GPT-2 style is ``normalization='LayerNorm',
+activation='gelu', position_embedding='learned_absolute', untie_embeddings=False,
+add_bias_linear=True``.
+
+Policy linears. The layer spec (``model.spec``) makes ``linear_qkv``, ``linear_proj``,
+``linear_fc1`` and ``linear_fc2`` ours. ``GPTModel`` builds ``output_layer`` itself as a plain
+``ColumnParallelLinear``; ``PolicyGPTModel`` replaces it after construction by a
+``PolicyColumnParallelLinear`` built without a weight of its own, then hands it the original
+``Parameter`` (same values, same TP attributes, no extra RNG draws). With tied embeddings the
+output layer has no weight and megatron passes the embedding table at forward time, as before.
+
+CPU, as measured with megatron-core 0.16.1:
+  - RNG. ``model_parallel_cuda_manual_seed`` is CUDA-only (it seeds CUDA generators and
+    megatron's CUDA RNG tracker). On CPU call ``torch.manual_seed(seed)`` with the *same* seed on
+    every rank before ``build_gpt``. With ``use_cpu_initialization=True`` every rank draws the full
+    (master) weight from that CPU stream and keeps its shard, so weights are identical for any TP
+    size (as long as the padded vocabulary is: see ``padded_vocab_size``). Hidden dropout acts on
+    TP-replicated activations and uses torch's default generator, identical across TP ranks, which
+    is what it needs. Attention dropout: see ``model.attention``; dropout defaults to 0. On GPU also
+    call ``model_parallel_cuda_manual_seed(seed)`` after ``initialize_model_parallel``.
+    Activation recomputation (``tensor_parallel.checkpoint``) saves CUDA RNG state: GPU only.
+  - RoPE. megatron's ``RotaryEmbedding.get_emb`` moves its frequencies to
+    ``torch.cuda.current_device()``; ``PortableRotaryEmbedding`` does so only when CUDA exists.
+  - Attention and norms: ``model.attention`` and ``model.spec``.
+  - Fusions (bias-dropout-add, bias-activation, RoPE, softmax, cross-entropy) are off: megatron's
+    ``jit_fuser`` is ``torch.compile`` and the others need apex / TransformerEngine.
+  - Sequence parallelism and pipeline parallelism are CUDA-only (megatron's SP collectives
+    allocate on CUDA; PP schedules and tied-embedding PP sync call ``.cuda()``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Literal
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from model.layers import PolicyColumnParallelLinear, PolicyRowParallelLinear
+from model.spec import gpt_block_spec
+
+if TYPE_CHECKING:
+    from precision import LinearPrecision
+
+MX_BLOCK = 32  # MX formats scale blocks of 32 elements along a GEMM's contraction axis
+POLICY_LINEARS = (PolicyColumnParallelLinear, PolicyRowParallelLinear)
+
+
+# ============================================================================================
+# Configuration
+# ============================================================================================
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Model shape and architecture; field names follow Megatron-LM flags (``--hidden-size`` ...)."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int  # = num_attention_heads for plain multi-head attention
+    seq_length: int
+    vocab_size: int  # tokenizer's; padded per megatron's rule (padded_vocab_size)
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    activation: Literal["swiglu", "gelu"] = "swiglu"
+    position_embedding: Literal["rope", "learned_absolute"] = "rope"
+    untie_embeddings: bool = True  # --untie-embeddings-and-output-weights
+    add_bias_linear: bool = False  # --add-bias-linear / --disable-bias-linear
+    init_method_std: float = 0.02
+    rotary_base: int = 10000
+    layernorm_epsilon: float = 1e-5
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    make_vocab_size_divisible_by: int = 128
+
+    def __post_init__(self):
+        choices = {
+            "normalization": ("--normalization", ("RMSNorm", "LayerNorm")),
+            "activation": ("--activation", ("swiglu", "gelu")),
+            "position_embedding": ("--position-embedding-type", ("rope", "learned_absolute")),
+        }
+        for field, (flag, valid) in choices.items():
+            if getattr(self, field) not in valid:
+                raise ValueError(f"{flag} {getattr(self, field)!r} is not one of {', '.join(valid)}")
+
+
+def validate_config(cfg: ModelConfig, tp_size: int) -> None:
+    """Raise ValueError (one line, naming the Megatron-LM flag) if ``cfg`` cannot run at ``tp_size``.
+
+    Besides megatron's divisibility rules, the contraction dimensions that every rank quantizes in
+    MX blocks must be multiples of 32: hidden and FFN sizes, globally and per TP shard
+    (``linear_proj`` contracts over hidden/TP, ``linear_fc2`` over ffn/TP). The vocabulary is padded
+    by ``padded_vocab_size`` as Megatron-LM does.
+    """
+    heads, groups, hidden, ffn = (
+        cfg.num_attention_heads,
+        cfg.num_query_groups,
+        cfg.hidden_size,
+        cfg.ffn_hidden_size,
+    )
+    tp = f"--tensor-model-parallel-size {tp_size}"
+    if heads % tp_size:
+        raise ValueError(f"--num-attention-heads {heads} is not divisible by {tp}")
+    if heads % groups:
+        raise ValueError(f"--num-attention-heads {heads} is not divisible by --num-query-groups {groups}")
+    if groups % tp_size:
+        raise ValueError(f"--num-query-groups {groups} is not divisible by {tp}")
+    if hidden % heads:
+        raise ValueError(f"--hidden-size {hidden} is not divisible by --num-attention-heads {heads}")
+    for flag, size in (("--hidden-size", hidden), ("--ffn-hidden-size", ffn)):
+        if size % MX_BLOCK:
+            raise ValueError(f"{flag} {size} must be a multiple of {MX_BLOCK} (MX block size)")
+        if size % (MX_BLOCK * tp_size):
+            raise ValueError(
+                f"{flag} {size} / {tp} = {size / tp_size:g} per rank must be a multiple of "
+                f"{MX_BLOCK} (MX block size)"
+            )
+
+
+def padded_vocab_size(cfg: ModelConfig, tp_size: int) -> int:
+    """Megatron-LM's rule: round the vocabulary up to a multiple of
+    ``make_vocab_size_divisible_by * tp_size``. Different TP sizes can pad differently, and then
+    the output layer's initial weights differ; the default (128) pads 256 to 256 for TP 1 and 2."""
+    multiple = cfg.make_vocab_size_divisible_by * tp_size
+    return -(-cfg.vocab_size // multiple) * multiple
+
+
+def transformer_config(
+    cfg: ModelConfig, *, params_dtype: torch.dtype = torch.float32, sequence_parallel: bool = False
+) -> TransformerConfig:
+    """The megatron ``TransformerConfig`` for ``cfg`` under the current parallel_state."""
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        normalization=cfg.normalization,
+        layernorm_epsilon=cfg.layernorm_epsilon,
+        gated_linear_unit=cfg.activation == "swiglu",
+        activation_func=F.silu if cfg.activation == "swiglu" else F.gelu,
+        add_bias_linear=cfg.add_bias_linear,
+        hidden_dropout=cfg.hidden_dropout,
+        attention_dropout=cfg.attention_dropout,
+        init_method_std=cfg.init_method_std,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        sequence_parallel=sequence_parallel,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        cross_entropy_loss_fusion=False,
+    )
+
+
+# ============================================================================================
+# The model
+# ============================================================================================
+
+
+class PortableRotaryEmbedding(RotaryEmbedding):
+    """megatron's ``RotaryEmbedding`` that moves its frequencies to CUDA only when CUDA exists."""
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        if self.inv_freq.device.type == "cpu" and torch.cuda.is_available():
+            self.inv_freq = self.inv_freq.to(device=torch.cuda.current_device())
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        if not self.rotary_interleaved:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        else:
+            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+        return emb[:, None, None, :]  # [s, 1, 1, dim]
+
+
+class PolicyGPTModel(GPTModel):
+    """``GPTModel`` whose output layer is a ``PolicyColumnParallelLinear`` and whose RoPE runs on CPU.
+
+    Takes ``GPTModel``'s arguments, plus ``quant_seed`` for the linears' quantization random
+    streams. After construction every column/row-parallel linear is a policy linear that knows its
+    module name (``layer_name``), owns a ``LayerQuantState`` seeded from ``(quant_seed, name)``, and
+    has no recipe until ``apply_precision_plan``.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        transformer_layer_spec,
+        vocab_size: int,
+        max_sequence_length: int,
+        *,
+        quant_seed: int = 0,
+        **kwargs,
+    ):
+        super().__init__(config, transformer_layer_spec, vocab_size, max_sequence_length, **kwargs)
+        if self.post_process:
+            old = self.output_layer
+            self.output_layer = PolicyColumnParallelLinear(
+                config.hidden_size,
+                self.vocab_size,
+                config=config,
+                init_method=config.init_method,
+                bias=False,
+                skip_bias_add=False,
+                gather_output=not self.parallel_output,
+                skip_weight_param_allocation=True,  # no new weight, no RNG draws: take the old one
+                embedding_activation_buffer=self.embedding_activation_buffer,
+                grad_output_buffer=self.grad_output_buffer,
+                tp_group=self.pg_collection.tp,
+            )
+            if old.weight is not None:  # untied (or tied on a later pipeline stage)
+                self.output_layer.weight = old.weight
+        if type(getattr(self, "rotary_pos_emb", None)) is RotaryEmbedding:  # no params: rebuild
+            self.rotary_pos_emb = PortableRotaryEmbedding(
+                kv_channels=config.kv_channels,
+                rotary_percent=kwargs.get("rotary_percent", 1.0),
+                rotary_interleaved=config.rotary_interleaved,
+                seq_len_interpolation_factor=kwargs.get("seq_len_interpolation_factor"),
+                rotary_base=kwargs.get("rotary_base", 10000),
+                rope_scaling=kwargs.get("rope_scaling", False),
+                rope_scaling_factor=kwargs.get("rope_scaling_factor", 8.0),
+                use_cpu_initialization=config.use_cpu_initialization,
+                cp_group=self.pg_collection.cp,
+            )
+        for name, module in self.named_modules():
+            if isinstance(module, POLICY_LINEARS):
+                module.set_layer_name(name, seed=quant_seed)
+            elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                raise TypeError(
+                    f"{name} is a plain {type(module).__name__}; the layer spec must use policy linears"
+                )
+
+
+def build_gpt(
+    cfg: ModelConfig,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    sequence_parallel: bool = False,
+    seed: int = 0,
+) -> PolicyGPTModel:
+    """Build this rank's ``PolicyGPTModel`` for ``cfg``.
+
+    Needs ``torch.distributed`` and ``megatron.core.parallel_state.initialize_model_parallel``;
+    seed torch identically on all ranks first (see the module docstring). ``seed`` (``--seed``)
+    seeds the linears' quantization random streams (stochastic rounding, random Hadamard signs);
+    it is the same on every TP rank.
+    """
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    validate_config(cfg, tp_size)
+    if sequence_parallel and not torch.cuda.is_available():
+        raise ValueError(
+            "--sequence-parallel needs CUDA: megatron-core 0.16.1's sequence-parallel all-gather / "
+            "reduce-scatter allocate on torch.cuda.current_device()"
+        )
+    config = transformer_config(cfg, params_dtype=params_dtype, sequence_parallel=sequence_parallel)
+    return PolicyGPTModel(
+        config,
+        gpt_block_spec(config),
+        vocab_size=padded_vocab_size(cfg, tp_size),
+        max_sequence_length=cfg.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=not cfg.untie_embeddings,
+        position_embedding_type=cfg.position_embedding,
+        rotary_base=cfg.rotary_base,
+        quant_seed=seed,
+    )
+
+
+# ============================================================================================
+# Precision plans
+# ============================================================================================
+
+
+def policy_linear_names(model: torch.nn.Module) -> list[str]:
+    """Full module names of every policy linear in ``model``, in module (registration) order.
+
+    Per layer that is ``self_attention.linear_proj``, ``self_attention.linear_qkv`` (megatron's
+    ``Attention`` registers the projection first), ``mlp.linear_fc1``, ``mlp.linear_fc2``; then
+    ``output_layer``. Pass the unwrapped model: a DDP wrapper prefixes names with ``module.``.
+    """
+    return [name for name, m in model.named_modules() if isinstance(m, POLICY_LINEARS)]
+
+
+def apply_precision_plan(model: torch.nn.Module, plan: Mapping[str, LinearPrecision]) -> None:
+    """Set each policy linear's ``precision`` from ``plan`` (keyed by ``policy_linear_names``).
+
+    The plan must cover exactly the model's linears: a missing or unknown name is an error, and no
+    layer is changed when the plan is rejected.
+    """
+    names = policy_linear_names(model)
+    missing = [n for n in names if plan.get(n) is None]
+    if missing:
+        raise ValueError(f"precision plan has no recipe for linear layer(s): {', '.join(missing)}")
+    unknown = sorted(set(plan) - set(names))
+    if unknown:
+        raise ValueError(f"precision plan names layer(s) this model does not have: {', '.join(unknown)}")
+    modules = dict(model.named_modules())
+    for name in names:
+        modules[name].precision = plan[name]
+
+
+def allreduce_tp_partial_grads(model: torch.nn.Module) -> None:
+    """Sum over TP the gradients that each TP rank holds only partially (megatron's
+    ``finalize_model_grads`` does this; torch DDP does not): norm weights under sequence
+    parallelism (tagged ``sequence_parallel``) and q/k layernorm weights. Without SP and without
+    q/k norms there are none: all other replicated parameters see full activations and full
+    gradients on every rank, and this is a no-op. Call after backward, before the optimizer step."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    if group.size() == 1:
+        return
+    for name, p in model.named_parameters():
+        partial = getattr(p, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name
+        if partial and p.grad is not None:
+            torch.distributed.all_reduce(p.grad, group=group)

@@ -1,0 +1,149 @@
+"""Megatron's tensor-parallel linears with the local GEMM routed through the precision policy.
+
+Megatron-core's ``ColumnParallelLinear`` / ``RowParallelLinear`` do two things: tensor-parallel
+(TP) communication around a linear, and the local GEMM itself. We keep the first and replace the
+second. The seam is ``_forward_impl(input, weight, bias, gradient_accumulation_fusion,
+allreduce_dgrad, sequence_parallel, grad_output_buffer, wgrad_deferral_limit, tp_group)``, which
+megatron's ``forward`` calls after it has decided what communication the GEMM needs. Megatron's
+own implementation (``linear_with_grad_accumulation_and_async_allreduce``) fuses two collectives
+*into* its autograd function for overlap; we express the same two collectives with megatron's
+public mapping functions, outside our GEMM, so the GEMM is one call to ``policy_linear``:
+
+  column-parallel, TP>1, no SP: ``allreduce_dgrad`` is True and megatron's ``forward`` skipped
+      ``copy_to_tensor_model_parallel_region``; we apply it (identity forward, all-reduce of dx).
+  column-parallel, SP:          ``sequence_parallel`` is True; we apply
+      ``gather_from_sequence_parallel_region`` (all-gather of x forward, reduce-scatter of dx).
+  row-parallel:                 megatron passes neither; its ``forward`` reduces (or, with SP,
+      reduce-scatters) the output after us, and adds the bias after the reduction.
+
+    y_local = policy_linear(x_local, w_local, self.precision, bias)   # Fprop; Dgrad, Wgrad in backward
+
+Everything else (weight init and sharding, ``gather_output``, bias handling, state dicts) is
+megatron's. Megatron's fused Wgrad accumulation into ``main_grad`` (``gradient_accumulation_fusion``)
+and deferred embedding Wgrad are not supported: they would bypass the Wgrad recipe.
+
+Each layer holds, as plain attributes:
+  ``precision``    its ``LinearPrecision`` (set by ``model.gpt.apply_precision_plan``; ``print(model)``
+                   shows it; running without one is an error naming the layer);
+  ``layer_name``   its full module name (set by ``set_layer_name``, called by the owning model);
+  ``quant_state``  its ``LayerQuantState`` (random streams, amax histories) for the layer's
+                   lifetime, seeded from ``(seed, layer_name)``; saved and restored through the
+                   module's ``_extra_state`` entry of ``state_dict()`` (megatron's hook for it).
+                   It is the same on every TP rank, so shards draw the same random numbers;
+  ``gemm_backend`` which ``kernels`` backend runs the GEMMs (``"emulated"`` by default).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+
+from model.linear import policy_linear
+from precision.state import LayerQuantState
+
+if TYPE_CHECKING:
+    from precision import LinearPrecision
+
+
+class _PolicyLinearMixin:
+    """Shared state and checks of the two policy-routed linears (put first in the MRO)."""
+
+    precision: LinearPrecision | None
+    layer_name: str | None
+    quant_state: LayerQuantState
+    gemm_backend: str
+
+    def _init_policy(self, config) -> None:
+        self.precision = None
+        self.layer_name = None
+        self.quant_state = LayerQuantState()
+        self.gemm_backend = "emulated"
+        if config.gradient_accumulation_fusion:
+            raise ValueError(
+                f"{type(self).__name__}: --gradient-accumulation-fusion is not supported; it fuses "
+                "Wgrad into main_grad and would bypass the Wgrad recipe (use --no-gradient-accumulation-fusion)"
+            )
+        if config.defer_embedding_wgrad_compute:
+            raise ValueError(
+                f"{type(self).__name__}: --defer-embedding-wgrad-compute is not supported by policy linears"
+            )
+
+    def _policy_gemm(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.precision is None:
+            name = self.layer_name or f"an unnamed {type(self).__name__}"
+            raise RuntimeError(
+                f"linear layer {name} has no precision recipe: call "
+                "model.gpt.apply_precision_plan(model, plan) before running the model"
+            )
+        return policy_linear(x, w, self.precision, bias, state=self.quant_state, backend=self.gemm_backend)
+
+    def set_layer_name(self, name: str, seed: int = 0) -> None:
+        """Name the layer (for errors and logs) and start its quantization state from ``(seed, name)``."""
+        self.layer_name = name
+        self.quant_state = LayerQuantState(seed=seed, name=name)
+
+    # megatron's linears store None as ``_extra_state``; ours store the quantization state.
+    def get_extra_state(self) -> dict:
+        return self.quant_state.state_dict()
+
+    def set_extra_state(self, state) -> None:
+        if state is not None:  # None: a checkpoint from before quantization state was saved
+            self.quant_state.load_state_dict(state)
+
+    def extra_repr(self) -> str:
+        tp = self.tp_group.size() if self.tp_group is not None else 1
+        return (
+            f"in_features={self.input_size}, out_features={self.output_size}, "
+            f"bias={self.bias is not None}, TP={tp}, precision={self.precision}"
+        )
+
+    # Megatron overrides __repr__ (hiding extra_repr); restore torch's so the recipe prints.
+    __repr__ = torch.nn.Module.__repr__
+
+
+class PolicyColumnParallelLinear(_PolicyLinearMixin, ColumnParallelLinear):
+    """``ColumnParallelLinear`` (weight split along out-features) whose local GEMM is ``policy_linear``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_policy(self.config)
+
+    def _forward_impl(
+        self,
+        input,
+        weight,
+        bias,
+        gradient_accumulation_fusion,
+        allreduce_dgrad,
+        sequence_parallel,
+        grad_output_buffer=None,
+        wgrad_deferral_limit=None,
+        tp_group=None,
+    ):
+        if allreduce_dgrad:  # TP>1 without SP: forward skipped the copy; Dgrad must be all-reduced.
+            input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+        elif sequence_parallel:  # x arrives sequence-sharded: gather it, reduce-scatter dx.
+            input = gather_from_sequence_parallel_region(
+                input, tensor_parallel_output_grad=True, group=tp_group
+            )
+        return self._policy_gemm(input, weight, bias)
+
+
+class PolicyRowParallelLinear(_PolicyLinearMixin, RowParallelLinear):
+    """``RowParallelLinear`` (weight split along in-features) whose local GEMM is ``policy_linear``.
+
+    Megatron's ``forward`` passes ``bias=None`` here and adds the bias after reducing the output.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_policy(self.config)
+
+    def _forward_impl(self, input, weight, bias, *args, **kwargs):
+        return self._policy_gemm(input, weight, bias)
