@@ -24,6 +24,7 @@ import torch
 from precision import blocks
 from precision.elements import round_to_grid
 from precision.quantize import FORMATS
+from precision.rotation import rotate
 from precision.tensorwise import scale_from_amax
 
 __all__ = ["fake_quantize", "compile_available"]
@@ -35,17 +36,23 @@ def _to_blocks_padded(x: torch.Tensor, axis: int, block: int) -> torch.Tensor:
     return blocks.to_blocks(x.float(), axis, block)
 
 
-def _mx_fn(x, u, *, fmt, axis, scale_rule, rounding, prescale):
+def _rotated(x, signs, axis, rot_n):
+    return rotate(x, axis, rot_n, signs) if rot_n > 1 else x.float()
+
+
+def _mx_fn(x, u, signs, *, fmt, axis, scale_rule, rounding, prescale, rot_n):
     spec = FORMATS[fmt]
+    x = _rotated(x, signs, axis, rot_n)
     n = x.shape[axis]
     xb = _to_blocks_padded(x, axis, spec.block)
     q = blocks.mx_fake_quantize_blocks(xb, spec.element, scale_rule, rounding, u, prescale)
     return blocks.from_blocks(q, axis, n).contiguous()
 
 
-def _nvfp4_fn(x, u, *, fmt, axis, scale_rule, rounding, prescale):
+def _nvfp4_fn(x, u, signs, *, fmt, axis, scale_rule, rounding, prescale, rot_n):
+    x = _rotated(x, signs, axis, rot_n)
     n = x.shape[axis]
-    xf = x.float()
+    xf = x
     amax_t = torch.where(torch.isfinite(xf), xf.abs(), torch.zeros_like(xf)).amax()
     g_enc = blocks.nvfp4_tensor_scale(amax_t)
     xb = _to_blocks_padded(x, axis, 16)
@@ -53,10 +60,10 @@ def _nvfp4_fn(x, u, *, fmt, axis, scale_rule, rounding, prescale):
     return blocks.from_blocks(q, axis, n).contiguous()
 
 
-def _tensor_fn(x, u, amax_used, *, fmt, rounding):
+def _tensor_fn(x, u, signs, amax_used, *, fmt, rounding, axis, rot_n):
     """Per-tensor FP8: returns (dequantized, current amax, number clipped)."""
     spec = FORMATS[fmt]
-    xf = x.float()
+    xf = _rotated(x, signs, axis, rot_n)
     finite = torch.isfinite(xf)
     amax_cur = torch.where(finite, xf.abs(), torch.zeros_like(xf)).amax()
     amax = torch.where(amax_used < 0, amax_cur, amax_used)  # amax_used < 0: current scaling
@@ -113,12 +120,15 @@ def fake_quantize(
     prescale: float = 1.0,
     generator: torch.Generator | None = None,
     amax: float | None = None,
+    rotation: tuple[int, torch.Tensor | None] | None = None,
     impl: str = "auto",
 ) -> tuple[torch.Tensor, dict]:
-    """quantize -> dequantize ``x`` (float32 result), equal to the reference bit for bit.
+    """(rotate ->) quantize -> dequantize ``x`` (float32 result), equal to the reference bit for bit.
 
-    Returns ``(values, stats)``; per-tensor formats report ``amax`` (this tensor's) and
-    ``num_clipped`` in ``stats``. HiF8 and BF16 go through the reference directly.
+    ``rotation=(n, signs)`` applies ``precision.rotation.rotate(x, axis, n, signs)`` first, fused
+    into the same kernel (``x.shape[axis]`` must be a multiple of n). Returns ``(values, stats)``;
+    per-tensor formats report ``amax`` (this tensor's) and ``num_clipped`` in ``stats``. HiF8 and
+    BF16 go through the reference directly.
     """
     from precision.quantize import quantize  # the reference, for formats without a fused kernel
 
@@ -127,6 +137,9 @@ def fake_quantize(
     if impl not in ("auto", "compiled", "eager"):
         raise ValueError(f"impl: unknown {impl!r}; valid: auto, compiled, eager")
     compiled = impl == "compiled" or (impl == "auto" and compile_available())
+    rot_n, signs = rotation if rotation is not None else (1, None)
+    if rot_n > 1 and fmt in ("bf16", "hif8"):
+        x = rotate(x, axis, rot_n, signs)
     if fmt == "bf16":
         return x.to(torch.bfloat16).float(), {}
     if fmt == "hif8":
@@ -135,20 +148,23 @@ def fake_quantize(
     sr = rounding == "stochastic"
     if spec.scaling == "tensor":
         u = torch.rand(x.shape, generator=generator, device=x.device) if sr else None
-        k = _kernel("tensor", compiled, fmt=fmt, rounding=rounding)
+        k = _kernel("tensor", compiled, fmt=fmt, rounding=rounding, axis=axis, rot_n=rot_n)
         used = torch.tensor(-1.0 if amax is None else float(amax), device=x.device)
-        out, amax_cur, clipped = k(x, u, used)
+        out, amax_cur, clipped = k(x, u, signs, used)
         return out, {"amax": amax_cur, "num_clipped": clipped}
     u = _sr_uniforms(x, axis, spec.block, generator) if sr else None
     kind = "nvfp4" if fmt == "nvfp4" else "mx"
     k = _kernel(kind, compiled, fmt=fmt, axis=axis, scale_rule=scale_rule, rounding=rounding,
-                prescale=prescale)
+                prescale=prescale, rot_n=rot_n)
     n = x.shape[axis]
     pad = (-n) % spec.block
+    if pad and rot_n > 1:  # rotation groups never straddle blocks: callers pad to lcm(n, block)
+        raise ValueError(f"fake_quantize: axis length {n} must be a multiple of the block size {spec.block} "
+                         "when a rotation is fused")
     if pad:
         # Zero-pad outside the compiled region: TorchInductor (torch 2.13, CPU) miscompiles a
         # padded last axis followed by the block reshape (reads garbage for the partial block).
         widths = [0, 0] * x.dim()
         widths[2 * (x.dim() - 1 - axis) + 1] = pad
-        return k(torch.nn.functional.pad(x, widths), u).narrow(axis, 0, n), {}
-    return k(x, u), {}
+        return k(torch.nn.functional.pad(x, widths), u, signs).narrow(axis, 0, n), {}
+    return k(x, u, signs), {}

@@ -16,12 +16,13 @@ themselves in ``BACKENDS`` and must reproduce the emulated backend's quantized o
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
 
 from kernels.fused import fake_quantize
-from precision.quantize import quantize
+from precision.quantize import FORMATS, quantize
 from precision.recipe import Gemm, GemmRecipe, OperandFormat
 from precision.rotation import rotate, rotation_size
 from precision.state import LayerQuantState
@@ -44,12 +45,17 @@ def _pad_axis(t: torch.Tensor, axis: int, multiple: int) -> torch.Tensor:
 def quantize_operand(
     t: torch.Tensor, axis: int, fmt: OperandFormat, gemm: Gemm, operand: str,
     state: LayerQuantState, call: int, impl: str = "auto",
+    rotation: tuple[int, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
-    """Quantize one GEMM operand along ``axis``; return its float32 dequantization.
+    """(Rotate and) quantize one GEMM operand along ``axis``; return its float32 dequantization.
 
-    ``impl="reference"`` runs the eager specification (``precision.quantize``); otherwise the
-    fused quantizer of ``kernels.fused`` (bit-identical, tested).
+    ``impl="reference"`` runs the eager specification (``precision.rotation.rotate`` then
+    ``precision.quantize``); otherwise the fused quantizer of ``kernels.fused``, rotation fused
+    in (bit-identical, tested).
     """
+    if rotation is not None and (impl == "reference" or fmt.fmt == "bf16"):
+        t = rotate(t, axis, *rotation)
+        rotation = None
     if fmt.fmt == "bf16":
         return t.to(torch.bfloat16).float()
     gen = state.generator(gemm, operand, call, t.device) if fmt.rounding == "stochastic" else None
@@ -61,7 +67,7 @@ def quantize_operand(
         q = quantize(t, fmt.fmt, **kw)
         out, stats = q.dequantize(torch.float32), {"amax": q.amax, "num_clipped": q.num_clipped}
     else:
-        out, stats = fake_quantize(t, fmt.fmt, impl=impl, **kw)
+        out, stats = fake_quantize(t, fmt.fmt, impl=impl, rotation=rotation, **kw)
     if stats.get("amax") is not None:
         cur = float(stats["amax"])
         if history is not None:
@@ -75,17 +81,20 @@ def _emulated(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe,
               state: LayerQuantState, impl: str = "auto") -> torch.Tensor:
     a_axis, b_axis = CONTRACTION_AXES[g]
     call = state.next_call(g)
+    rot = None
     if recipe.rotation != "none":
         n = rotation_size(recipe.rotation)
-        # Zero-pad the contraction axis of both operands: zeros add nothing to the product.
-        a, b = _pad_axis(a, a_axis, n), _pad_axis(b, b_axis, n)
+        # Zero-pad the contraction axis of both operands to whole rotation groups and blocks:
+        # zeros add nothing to the product and never change a block's amax.
+        multiple = math.lcm(n, *(FORMATS[f.fmt].block or 1 for f in (recipe.a, recipe.b)))
+        a, b = _pad_axis(a, a_axis, multiple), _pad_axis(b, b_axis, multiple)
         signs = None
         if recipe.rotation.startswith("rht"):
             signs = state.rotation_signs(g, n, call if recipe.rotation.endswith("resample") else None)
-        a, b = rotate(a, a_axis, n, signs), rotate(b, b_axis, n, signs)
+        rot = (n, signs)
     names = g.operands
-    a_q = quantize_operand(a, a_axis, recipe.a, g, names[0], state, call, impl)
-    b_q = quantize_operand(b, b_axis, recipe.b, g, names[1], state, call, impl)
+    a_q = quantize_operand(a, a_axis, recipe.a, g, names[0], state, call, impl, rot)
+    b_q = quantize_operand(b, b_axis, recipe.b, g, names[1], state, call, impl, rot)
     # === FP32-accumulated GEMM on exactly-representable operands ===
     if g is Gemm.FPROP:
         return a_q @ b_q.t()  # [T, in] @ [in, out]

@@ -53,16 +53,29 @@ def random_signs(n: int, generator: torch.Generator | None, device=None) -> torc
 def rotate(x: torch.Tensor, axis: int, n: int, signs: torch.Tensor | None = None) -> torch.Tensor:
     """Multiply consecutive groups of ``n`` along ``axis`` by ``diag(signs)·H_n`` (float32).
 
+    Computed as a fast Walsh-Hadamard transform -- log2(n) butterfly stages ``(a, b) -> (a+b, a-b)``
+    in a fixed order, then one multiplication by ``1/sqrt(n)`` -- which equals the product with the
+    Sylvester matrix and fixes the FP32 summation order, so the fused (compiled) quantizer that
+    repeats this expression reproduces it bit for bit. No transposed copy: the groups are views.
+
     The length of ``axis`` must be a multiple of ``n`` (callers zero-pad both operands first:
     zeros contribute nothing to the product).
     """
+    axis = axis % x.dim()
     length = x.shape[axis]
     if length % n:
         raise ValueError(f"rotate: axis length {length} is not a multiple of the rotation size {n}")
-    q = hadamard_matrix(n, x.device)
+    if n & (n - 1) or n < 1:
+        raise ValueError(f"rotate: size must be a power of two, got {n}")
+    y = x.float()
     if signs is not None:
-        q = signs.to(x.device).unsqueeze(1) * q
-    xm = x.float().movedim(axis, -1)
-    shape = xm.shape
-    out = (xm.reshape(-1, n) @ q).reshape(shape)  # one [rows*groups, n] x [n, n] GEMM
-    return out.movedim(-1, axis)
+        shape = [1] * (y.dim() + 1)
+        shape[axis + 1] = n
+        y = (y.unflatten(axis, (length // n, n)) * signs.to(y.device).reshape(shape)).flatten(axis, axis + 1)
+    h = n // 2
+    while h >= 1:
+        g = y.unflatten(axis, (length // (2 * h), 2, h))
+        a, b = g.select(axis + 1, 0), g.select(axis + 1, 1)
+        y = torch.stack([a + b, a - b], dim=axis + 1).flatten(axis, axis + 2)
+        h //= 2
+    return y * (1.0 / n**0.5)

@@ -40,3 +40,15 @@ def test_rotation_spreads_an_outlier():
     x[0, 3] = 16.0
     r = rotate(x, 1, 16)
     assert torch.all(r.abs() == 4.0)
+
+
+@pytest.mark.parametrize("n", [16, 32])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_fast_transform_equals_the_matrix_product(n, axis):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 64, generator=g)
+    s = random_signs(n, g)
+    q = (s.unsqueeze(1) * hadamard_matrix(n)).double()
+    xm = x.double().movedim(axis, -1)
+    ref = (xm.reshape(-1, n) @ q).reshape(xm.shape).movedim(-1, axis)
+    torch.testing.assert_close(rotate(x, axis, n, s).double(), ref, atol=1e-5, rtol=1e-6)

@@ -1,0 +1,126 @@
+#!/usr/bin/env python
+"""CPU/GPU micro-benchmark of the precision core, ratios against baselines measured in this run.
+
+    python launch/bench_quantize.py                    # defaults of the precision-core issue
+    python launch/bench_quantize.py --size 2048 --tokens 1024 --repeats 5
+
+1. MXFP4 quantize + dequantize of a SIZE x SIZE float32 tensor: ours (fused, compiled; and the
+   eager reference) against torchao's ``to_mx`` (quantize only, and quantize + dequantize).
+2. ``policy_linear`` forward + backward under ``wgrad_hadamard`` (and other presets) against the
+   all-``bf16`` recipe, TOKENS x IN x OUT.
+
+Times are medians over ``--repeats`` after warm-up (compilation happens in warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels.fused import compile_available, fake_quantize  # noqa: E402
+from model.linear import policy_linear  # noqa: E402
+from precision import LayerQuantState, presets, quantize  # noqa: E402
+
+
+def timeit(fn, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def bench_quantizers(size: int, repeats: int, device: str) -> dict[str, float]:
+    x = torch.randn(size, size, device=device)
+    res = {"ours_fused_q+dq": timeit(lambda: fake_quantize(x, "mxfp4"), repeats),
+           "ours_reference_q+dq": timeit(lambda: quantize(x, "mxfp4").dequantize(), max(1, repeats // 2), 1)}
+    try:
+        from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
+
+        def tao_q():
+            return to_mx(x, torch.float4_e2m1fn_x2, 32)
+
+        def tao_qdq():
+            s, d = to_mx(x, torch.float4_e2m1fn_x2, 32)
+            return to_dtype(d, s, torch.float4_e2m1fn_x2, 32, torch.float32)
+
+        res["torchao_to_mx"] = timeit(tao_q, repeats)
+        res["torchao_to_mx+to_dtype"] = timeit(tao_qdq, repeats)
+    except ImportError as e:
+        print(f"torchao not available ({e}); skipping its baseline")
+    return res
+
+
+def bench_linear(tokens: int, din: int, dout: int, names: list[str], repeats: int, device: str) -> dict[str, float]:
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tokens, din, device=device, generator=g, requires_grad=True)
+    w = torch.randn(dout, din, device=device, generator=g, requires_grad=True)
+    dy = torch.randn(tokens, dout, device=device, generator=g)
+    res = {}
+    for name in names:
+        p = presets.get(name)
+        st = LayerQuantState(0, "bench")
+
+        def step():
+            y = policy_linear(x, w, p, state=st)
+            y.backward(dy)
+            x.grad = w.grad = None
+
+        res[name] = timeit(step, repeats)
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", type=int, default=4096, help="quantizer tensor is SIZE x SIZE (default 4096)")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--in-features", type=int, default=1024)
+    ap.add_argument("--out-features", type=int, default=1024)
+    ap.add_argument("--presets", default="bf16,wgrad_hadamard,mxfp4,fp8,nvfp4",
+                    help="comma-separated presets for the linear benchmark (bf16 is the baseline)")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--json", help="also write the results to this JSON file")
+    args = ap.parse_args(argv)
+    names = [n.strip() for n in args.presets.split(",") if n.strip()]
+    for n in names:
+        presets.get(n)  # unknown names fail before any timing
+    if "bf16" not in names:
+        names.insert(0, "bf16")
+
+    print(f"device {args.device}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"torch.compile {'available' if compile_available() else 'unavailable (eager fallback)'}")
+    q = bench_quantizers(args.size, args.repeats, args.device)
+    print(f"\nMXFP4 quantize (+dequantize) of {args.size}x{args.size} float32")
+    base = q.get("torchao_to_mx")
+    print(f"{'implementation':<26}{'ms':>10}{'torchao to_mx / this':>24}")
+    for k, v in q.items():
+        ratio = f"{base / v:>23.2f}x" if base else f"{'n/a':>24}"
+        print(f"{k:<26}{v * 1e3:>10.1f}{ratio}")
+
+    lin = bench_linear(args.tokens, args.in_features, args.out_features, names, args.repeats, args.device)
+    print(f"\npolicy_linear forward+backward, {args.tokens} tokens x {args.in_features} -> {args.out_features}")
+    print(f"{'preset':<22}{'ms':>10}{'x bf16':>10}")
+    for k, v in lin.items():
+        print(f"{k:<22}{v * 1e3:>10.1f}{v / lin['bf16']:>10.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": args.device, "quantize_s": q, "linear_s": lin,
+                                               "args": vars(args)}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
