@@ -1,0 +1,36 @@
+# make test      -- create .venv if missing, install the project + test dependencies, run the tests
+# make pretrain  -- install if needed, then pretrain the tiny model with wgrad_hadamard, TP=2, 2 procs
+# make bench     -- precision-core micro-benchmarks (ratios against baselines measured in the same run)
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# torch is pinned first: on our CPU machines pip takes the local CPU wheel of 2.13.0; on a GPU
+# node the same pin resolves to PyPI's CUDA build. An unpinned torch would pull a multi-GB CUDA build.
+TORCH  := torch==2.13.0
+
+.PHONY: test pretrain bench install clean-venv
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+pretrain: $(STAMP)
+	$(VENV)/bin/torchrun --nproc-per-node 2 launch/pretrain.py --model-size tiny \
+		--precision wgrad_hadamard --tensor-model-parallel-size 2 \
+		--save runs/tiny/checkpoints --tensorboard-dir runs/tiny/tensorboard
+
+bench: $(STAMP)
+	$(PY) launch/bench_quantize.py
+
+clean-venv:
+	rm -rf $(VENV)
