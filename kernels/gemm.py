@@ -26,6 +26,7 @@ from precision.quantize import FORMATS, quantize
 from precision.recipe import Gemm, GemmRecipe, OperandFormat
 from precision.rotation import rotate, rotation_size
 from precision.state import LayerQuantState
+from precision.telemetry import operand_stats
 
 __all__ = ["gemm", "BACKENDS", "CONTRACTION_AXES", "quantize_operand"]
 
@@ -53,11 +54,14 @@ def quantize_operand(
     ``precision.quantize``); otherwise the fused quantizer of ``kernels.fused``, rotation fused
     in (bit-identical, tested).
     """
-    if rotation is not None and (impl == "reference" or fmt.fmt == "bf16"):
-        t = rotate(t, axis, *rotation)
+    if rotation is not None and (impl == "reference" or fmt.fmt == "bf16" or state.collect_stats):
+        t = rotate(t, axis, *rotation)  # telemetry compares against the rotated operand
         rotation = None
     if fmt.fmt == "bf16":
-        return t.to(torch.bfloat16).float()
+        out = t.to(torch.bfloat16).float()
+        if state.collect_stats:
+            state.record(gemm, operand, **operand_stats(t, out, fmt.fmt, axis))
+        return out
     gen = state.generator(gemm, operand, call, t.device) if fmt.rounding == "stochastic" else None
     history = state.amax_history(gemm, operand, fmt) if fmt.amax_algo != "current" else None
     amax = history.amax() if history is not None else None
@@ -68,12 +72,16 @@ def quantize_operand(
         out, stats = q.dequantize(torch.float32), {"amax": q.amax, "num_clipped": q.num_clipped}
     else:
         out, stats = fake_quantize(t, fmt.fmt, impl=impl, rotation=rotation, **kw)
+    scale_amax = None
     if stats.get("amax") is not None:
         cur = float(stats["amax"])
+        scale_amax = cur if amax is None else float(amax)
         if history is not None:
             history.update(cur)
         state.record(gemm, operand, amax=cur, num_clipped=int(stats["num_clipped"]),
-                     scale_amax=cur if amax is None else float(amax), numel=t.numel())
+                     scale_amax=scale_amax, numel=t.numel())
+    if state.collect_stats:
+        state.record(gemm, operand, **operand_stats(t, out, fmt.fmt, axis, scale_amax, fmt.scale_rule))
     return out
 
 

@@ -35,6 +35,7 @@ class LayerQuantState:
         self.calls: dict[str, int] = {g.value: 0 for g in Gemm}
         self.amax: dict[str, AmaxHistory] = {}
         self.stats: dict[str, dict[str, float]] = {}  # "gemm/operand" -> last numbers (telemetry)
+        self.collect_stats = False  # set by the training loop on telemetry steps
 
     # ---------------------------------------------------------------- randomness
     def next_call(self, gemm: Gemm) -> int:
@@ -66,7 +67,7 @@ class LayerQuantState:
         return h
 
     def record(self, gemm: Gemm, operand: str, **numbers: float) -> None:
-        self.stats[f"{gemm.value}/{operand}"] = numbers
+        self.stats.setdefault(f"{gemm.value}/{operand}", {}).update(numbers)
 
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:

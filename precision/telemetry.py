@@ -1,0 +1,74 @@
+"""Numerics telemetry for one quantized GEMM operand: how much did quantization cost here?
+
+``operand_stats(hp, deq, fmt, axis, scale_amax)`` compares the high-precision operand (after any
+rotation: what the quantizer actually saw) with its dequantized value:
+
+=============  ==================================================================================
+``sqnr_db``    10·log10(Σ hp² / Σ (hp − deq)²); 200 dB when exact (e.g. an all-zero tensor)
+``clipped``    fraction of finite values whose magnitude exceeded the largest value their scale
+               can represent (per block for MX / NVFP4; per tensor -- from the amax the scale was
+               *computed from*, which lags under delayed scaling -- for FP8 / HiF8)
+``flushed``    fraction of non-zero values that quantized to zero (underflow)
+``amax``       max |hp| over finite values
+``amax_ratio`` this tensor's amax / the amax its scale came from (> 1: delayed scaling lagged)
+=============  ==================================================================================
+
+These are the numbers a person reads to see which GEMM operand of which layer is breaking
+training (``launch/report.py`` renders them as heatmaps). Computed only on telemetry steps.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from precision import blocks
+from precision.quantize import FORMATS
+
+__all__ = ["operand_stats", "METRICS"]
+
+METRICS = ("sqnr_db", "clipped", "flushed", "amax", "amax_ratio")
+_MAX_DB = 200.0
+
+
+def _block_limits(hp: torch.Tensor, fmt: str, axis: int) -> torch.Tensor:
+    """Largest representable magnitude of each element's block, shaped like ``hp``."""
+    spec = FORMATS[fmt]
+    n = hp.shape[axis]
+    xb = blocks.to_blocks(hp, axis, spec.block)
+    amax = xb.abs().amax(-1, keepdim=True)
+    amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
+    if fmt == "nvfp4":
+        g_enc = blocks.nvfp4_tensor_scale(amax.amax())
+        s_dec = torch.clamp(amax * (g_enc / 6.0), max=448.0).to(torch.float8_e4m3fn).float()
+        limit = 6.0 * s_dec * (1.0 / g_enc)
+    else:
+        sbyte = blocks.mx_scale_bytes(amax, spec.element, "floor")
+        limit = spec.max_normal * blocks.pow2(sbyte - 127)
+    return blocks.from_blocks(limit.expand_as(xb), axis, n)
+
+
+@torch.no_grad()
+def operand_stats(hp: torch.Tensor, deq: torch.Tensor, fmt: str, axis: int = -1,
+                  scale_amax: float | None = None, scale_rule: str = "floor") -> dict[str, float]:
+    hp, deq = hp.float(), deq.float()
+    finite = torch.isfinite(hp)
+    hpf = torch.where(finite, hp, torch.zeros_like(hp))
+    err = torch.where(finite, hp - deq, torch.zeros_like(hp))
+    signal, noise = hpf.pow(2).sum().item(), err.pow(2).sum().item()
+    sqnr = _MAX_DB if noise == 0 else min(_MAX_DB, 10 * math.log10(max(signal, 1e-300) / noise))
+    amax = hpf.abs().amax().item() if hp.numel() else 0.0
+    numel = max(hp.numel(), 1)
+    flushed = ((hpf != 0) & (deq == 0)).sum().item() / numel
+    spec = FORMATS[fmt]
+    if spec.scaling == "tensor":
+        ref = amax if scale_amax is None else scale_amax
+        clipped = ((hpf.abs() > ref) & finite).sum().item() / numel if ref > 0 else 0.0
+    elif spec.scaling == "block" and scale_rule == "floor":
+        clipped = ((hpf.abs() > _block_limits(hpf, fmt, axis)) & finite).sum().item() / numel
+    else:  # bf16; RCEIL scales never clip
+        clipped = 0.0
+    ref_amax = amax if scale_amax is None else scale_amax
+    ratio = amax / ref_amax if ref_amax > 0 else 1.0
+    return {"sqnr_db": sqnr, "clipped": clipped, "flushed": flushed, "amax": amax, "amax_ratio": ratio}
