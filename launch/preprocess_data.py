@@ -1,0 +1,267 @@
+"""Turn jsonl or plain-text files into megatron-core indexed datasets (``.bin/.idx``).
+
+    python launch/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
+        --tokenizer-model tok.model --append-eod --workers 4
+    # -> data/corpus_text_document.bin/.idx, usable as --data-path data/corpus_text_document
+
+Inputs are read with HF ``datasets`` in streaming mode (no Arrow cache, never the network):
+``*.jsonl``/``*.json`` (optionally ``.gz``/``.bz2``/``.xz``/``.zst``) as json, one document per record
+and one output per ``--json-keys`` key; anything else as text, one document per file (or per
+line/paragraph with ``--text-sample-by``). Documents are tokenized in ``--workers`` processes and
+written in input order, so the output does not depend on the worker count.
+
+``--train-tokenizer VOCAB_SIZE`` first trains a sentencepiece BPE model on the first
+``--tokenizer-sample-mb`` MB of the input (first key) and writes it to ``--tokenizer-model``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import gzip
+import json
+import os
+import sys
+import time
+
+_PROG = "preprocess_data.py"
+_JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
+_COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
+
+
+def _fail(message: str) -> None:
+    """One line on stderr, exit status 2."""
+    print(f"{_PROG}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=_PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--input", nargs="+", required=True, help="input files or glob patterns (jsonl/json or text)"
+    )
+    p.add_argument(
+        "--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx per json key"
+    )
+    p.add_argument(
+        "--tokenizer-model", required=True, help="sentencepiece .model (written with --train-tokenizer)"
+    )
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="json fields to tokenize (default: text)")
+    p.add_argument(
+        "--append-eod", action="store_true", help="append the end-of-document id to every document"
+    )
+    p.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
+    p.add_argument(
+        "--train-tokenizer", type=int, metavar="VOCAB_SIZE", help="train a tokenizer on the input first"
+    )
+    p.add_argument(
+        "--tokenizer-sample-mb", type=float, default=4.0, help="input MB used by --train-tokenizer"
+    )
+    p.add_argument(
+        "--text-sample-by", choices=["document", "line", "paragraph"], default="document",
+        help="for text inputs: one document per file (default), per line, or per blank-line-separated paragraph",
+    )  # fmt: skip
+    return p.parse_args(argv)
+
+
+def _strip_compression(path: str) -> str:
+    for ext in _COMPRESSED:
+        if path.endswith(ext):
+            return path[: -len(ext)]
+    return path
+
+
+def _resolve_inputs(patterns: list[str]) -> tuple[list[str], bool]:
+    """Expand globs, check existence, return (files, is_json); fail on a missing or mixed input."""
+    files: list[str] = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        if not matches:
+            _fail(f"--input: no file matches {pattern!r}")
+        for path in matches:
+            if not os.path.isfile(path):
+                _fail(f"--input: no such file: {path} (give existing .jsonl/.json or text files, or globs)")
+            files.append(path)
+    kinds = {_strip_compression(f).endswith(_JSON_SUFFIXES) for f in files}
+    if len(kinds) > 1:
+        _fail("--input: mixes json and text files; preprocess them in separate runs")
+    return files, kinds.pop()
+
+
+def _check_json_keys(files: list[str], keys: list[str]) -> None:
+    """Cheap early check of the first record of each plain .jsonl file (before importing datasets)."""
+    for path in files:
+        if not path.endswith((".jsonl", ".ndjson")):
+            continue
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8") as f:
+            line = next((ln for ln in f if ln.strip()), None)
+        if line is None:
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            _fail(f"--input: {path}: first record is not valid json ({err.msg}, col {err.colno})")
+        if not isinstance(record, dict):
+            _fail(f"--input: {path}: records must be json objects, got {type(record).__name__}")
+        _check_record_keys(record, keys, path)
+
+
+def _check_record_keys(record: dict, keys: list[str], path: str) -> None:
+    missing = [k for k in keys if k not in record]
+    if missing:
+        _fail(
+            f"--json-keys: {missing[0]!r} not in {path} (its records have keys: {', '.join(sorted(record))})"
+        )
+
+
+def _check_tokenizer_model(path: str) -> None:
+    """Fail fast (before the heavy torch/megatron imports) on a missing or unreadable model."""
+    if not os.path.isfile(path):
+        _fail(
+            f"--tokenizer-model: no such file: {path} "
+            "(give a sentencepiece .model, or add --train-tokenizer VOCAB_SIZE)"
+        )
+    import sentencepiece as spm
+
+    try:
+        spm.SentencePieceProcessor(model_file=path)
+    except (RuntimeError, OSError):
+        _fail(f"--tokenizer-model: {path} is not a sentencepiece model file")
+
+
+# Per-worker tokenizer, loaded once per process.
+_WORKER_SP = None
+
+
+def _init_worker(model_path: str) -> None:
+    global _WORKER_SP
+    import sentencepiece as spm
+
+    _WORKER_SP = spm.SentencePieceProcessor(model_file=model_path)
+
+
+def _encode_batch(texts: list[str]) -> list[list[int]]:
+    return _WORKER_SP.encode(texts)
+
+
+def _records(files: list[str], is_json: bool, sample_by: str):
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    from datasets import load_dataset
+
+    if is_json:
+        return load_dataset("json", data_files=files, split="train", streaming=True)
+    return load_dataset("text", data_files=files, split="train", streaming=True, sample_by=sample_by)
+
+
+def _text_batches(records, keys: list[str], source: str, batch_size: int = 256):
+    """Yields lists of {key: text} dicts; fails with one line on a record whose key is missing or not text."""
+    batch = []
+    for record in records:
+        for key in keys:
+            value = record.get(key)
+            if value is None:  # HF fills keys absent from a record with None
+                _fail(f"--json-keys: {key!r} is missing or null in a record of {source}")
+            if not isinstance(value, str):
+                _fail(f"--json-keys: {key!r} holds {type(value).__name__}, not text, in a record of {source}")
+        batch.append({k: record[k] for k in keys})
+        if len(batch) == batch_size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _train_tokenizer(records, args, source: str) -> None:
+    from pretrain.data.tokenizer import train_tokenizer
+
+    budget, sample = args.tokenizer_sample_mb * 1e6, []
+    for batch in _text_batches(records, args.json_keys[:1], source):
+        sample.extend(r[args.json_keys[0]] for r in batch)
+        budget -= sum(len(r[args.json_keys[0]]) for r in batch)
+        if budget <= 0:
+            break
+    try:
+        train_tokenizer(
+            sample, args.tokenizer_model, args.train_tokenizer, sample_mb=args.tokenizer_sample_mb
+        )
+    except ValueError as err:
+        _fail(str(err))
+    print(
+        f"trained tokenizer: {args.tokenizer_model} (vocab {args.train_tokenizer}, {len(sample)} documents)"
+    )
+
+
+def _encoded(batches, keys: list[str], model_path: str, workers: int):
+    """Yields (key, token ids per document) in input order, tokenized in a worker pool if workers > 1."""
+    if workers == 1:
+        _init_worker(model_path)
+        for batch in batches:
+            for key in keys:
+                yield key, _encode_batch([r[key] for r in batch])
+        return
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(workers, _init_worker, (model_path,)) as pool:
+        jobs = ([r[key] for r in batch] for batch in batches for key in keys)
+        for i, ids in enumerate(pool.imap(_encode_batch, jobs, chunksize=4)):
+            yield keys[i % len(keys)], ids
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse_args(argv)
+    files, is_json = _resolve_inputs(args.input)
+    if args.workers < 1:
+        _fail(f"--workers: must be >= 1, got {args.workers}")
+    if args.train_tokenizer is not None:
+        if args.train_tokenizer < 260:
+            _fail(
+                "--train-tokenizer: vocabulary size must be >= 260 (256 byte pieces + 4 special ids), "
+                f"got {args.train_tokenizer}"
+            )
+        if os.path.exists(args.tokenizer_model):
+            _fail(
+                f"--tokenizer-model: {args.tokenizer_model} exists; --train-tokenizer will not overwrite it"
+            )
+    else:
+        _check_tokenizer_model(args.tokenizer_model)
+    keys = args.json_keys if is_json else ["text"]
+    if is_json:
+        _check_json_keys(files, keys)
+    source = files[0] if len(files) == 1 else f"{len(files)} input files"
+
+    t0 = time.perf_counter()
+    if args.train_tokenizer is not None:
+        _train_tokenizer(_records(files, is_json, args.text_sample_by), args, source)
+
+    from pretrain.data.indexed import IndexedWriter, document_prefix
+    from pretrain.data.tokenizer import Tokenizer
+
+    try:
+        tokenizer = Tokenizer(args.tokenizer_model)
+    except ValueError as err:
+        _fail(str(err))
+    eod = tokenizer.eod if args.append_eod else None
+    batches = _text_batches(_records(files, is_json, args.text_sample_by), keys, source)
+    with contextlib.ExitStack() as stack:  # on any failure the writers delete their partial files
+        writers = {
+            k: stack.enter_context(
+                IndexedWriter(document_prefix(args.output_prefix, k), tokenizer.vocab_size, eod)
+            )
+            for k in keys
+        }
+        for key, ids in _encoded(batches, keys, tokenizer.path, args.workers):
+            for doc in ids:
+                writers[key].add(doc)
+    for writer in writers.values():
+        empty = f", {writer.num_empty} empty skipped" if writer.num_empty else ""
+        print(
+            f"{writer.prefix}.bin/.idx: {writer.num_documents} documents, {writer.num_tokens} tokens{empty}"
+        )
+    print(f"done in {time.perf_counter() - t0:.1f}s")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    main()
