@@ -9,14 +9,14 @@
 2. ``policy_linear`` forward + backward under ``wgrad_hadamard`` (and other presets) against the
    all-``bf16`` recipe, TOKENS x IN x OUT.
 
-Times are medians over ``--repeats`` after warm-up (compilation happens in warm-up).
+Times are the minimum over ``--repeats`` after warm-up (compilation happens in warm-up); the
+linear presets are measured in interleaved rounds, so a busy machine slows all of them alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -40,7 +40,7 @@ def timeit(fn, repeats: int, warmup: int = 2) -> float:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return min(times)
 
 
 def bench_quantizers(size: int, repeats: int, device: str) -> dict[str, float]:
@@ -69,17 +69,21 @@ def bench_linear(tokens: int, din: int, dout: int, names: list[str], repeats: in
     x = torch.randn(tokens, din, device=device, generator=g, requires_grad=True)
     w = torch.randn(dout, din, device=device, generator=g, requires_grad=True)
     dy = torch.randn(tokens, dout, device=device, generator=g)
-    res = {}
-    for name in names:
-        p = presets.get(name)
-        st = LayerQuantState(0, "bench")
-
+    def make_step(p, st):
         def step():
             y = policy_linear(x, w, p, state=st)
             y.backward(dy)
             x.grad = w.grad = None
+        return step
 
-        res[name] = timeit(step, repeats)
+    steps = {name: make_step(presets.get(name), LayerQuantState(0, "bench")) for name in names}
+    for step in steps.values():  # warm-up (compiles the fused quantizers)
+        step()
+        step()
+    res = {name: float("inf") for name in names}
+    for _ in range(repeats):  # interleaved rounds
+        for name, step in steps.items():
+            res[name] = min(res[name], timeit(step, 1, warmup=0))
     return res
 
 
