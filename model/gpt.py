@@ -10,7 +10,9 @@
 Llama style is RMSNorm, SwiGLU, RoPE, untied embeddings, no biases, grouped-query attention
 (``num_query_groups < num_attention_heads``); GPT-2 style is ``normalization='LayerNorm',
 activation='gelu', position_embedding='learned_absolute', untie_embeddings=False,
-add_bias_linear=True``.
+add_bias_linear=True``. Qwen2 is Llama style plus ``add_qkv_bias=True``; Llama 3.x adds
+``rope_scaling_factor`` (megatron's Llama-3 RoPE scaling: low/high frequency factors 1 and 4 over
+an original context of 8192). ``pretrain.hf_convert`` builds these configs from Hugging Face ones.
 
 Policy linears. The layer spec (``model.spec``) makes ``linear_qkv``, ``linear_proj``,
 ``linear_fc1`` and ``linear_fc2`` ours. ``GPTModel`` builds ``output_layer`` itself as a plain
@@ -83,8 +85,10 @@ class ModelConfig:
     position_embedding: Literal["rope", "learned_absolute"] = "rope"
     untie_embeddings: bool = True  # --untie-embeddings-and-output-weights
     add_bias_linear: bool = False  # --add-bias-linear / --disable-bias-linear
+    add_qkv_bias: bool = False  # --add-qkv-bias: bias on linear_qkv only (Qwen2)
     init_method_std: float = 0.02
     rotary_base: int = 10000
+    rope_scaling_factor: float | None = None  # --use-rope-scaling --rope-scaling-factor (Llama 3.x)
     layernorm_epsilon: float = 1e-5
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
@@ -157,6 +161,7 @@ def transformer_config(
         gated_linear_unit=cfg.activation == "swiglu",
         activation_func=F.silu if cfg.activation == "swiglu" else F.gelu,
         add_bias_linear=cfg.add_bias_linear,
+        add_qkv_bias=cfg.add_qkv_bias,
         hidden_dropout=cfg.hidden_dropout,
         attention_dropout=cfg.attention_dropout,
         init_method_std=cfg.init_method_std,
@@ -287,6 +292,8 @@ def build_gpt(
         share_embeddings_and_output_weights=not cfg.untie_embeddings,
         position_embedding_type=cfg.position_embedding,
         rotary_base=cfg.rotary_base,
+        rope_scaling=cfg.rope_scaling_factor is not None,
+        rope_scaling_factor=cfg.rope_scaling_factor or 8.0,
         quant_seed=seed,
     )
 
