@@ -1,10 +1,15 @@
 """Quantize/GEMM implementations behind one entry point (``kernels.gemm``).
 
 The emulated backend is the reference and runs anywhere; hardware backends plug into
-``kernels.gemm.BACKENDS``.
+``kernels.gemm.BACKENDS`` (``fp8_scaled_mm``, ``mx_scaled_mm``, and ``auto`` which picks per GEMM:
+see ``kernels.backends``). ``kernels.quantize`` quantizes one tensor with the reference or the
+fused Triton kernels (``kernels.triton_quant``, optional: ``pip install triton``).
 """
 
+from kernels import scaled_mm as _scaled_mm  # noqa: F401  (registers the hardware GEMM backends)
+from kernels.backends import describe_backends, select_backend
 from kernels.gemm import BACKENDS, CONTRACTION_AXES, gemm
+from kernels.quantizer import quantize
 from precision.recipe import Gemm
 
-__all__ = ["gemm", "Gemm", "BACKENDS", "CONTRACTION_AXES"]
+__all__ = ["gemm", "Gemm", "BACKENDS", "CONTRACTION_AXES", "quantize", "select_backend", "describe_backends"]

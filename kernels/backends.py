@@ -1,0 +1,167 @@
+"""Which GEMM backend runs each GEMM: chosen per GEMM from the recipe and the device.
+
+=================  ==============================================  ===============================
+backend            runs                                            where
+=================  ==============================================  ===============================
+``emulated``       any recipe: quantize -> dequantize -> FP32 GEMM  anywhere (the specification)
+``reference``      the same with the eager reference quantizers    anywhere
+``fp8_scaled_mm``  per-tensor FP8 operands (E4M3/E5M2, not both      CUDA sm_89+ (Ada, Hopper,
+                   E5M2) via ``torch._scaled_mm``                   Blackwell); gfx950
+``mx_scaled_mm``   MXFP8 / MXFP4 / NVFP4 operands (both the same    CUDA sm_100 (blocked scales);
+                   family) via ``torch._scaled_mm`` block scaling   gfx950 (MX only, row-major)
+=================  ==============================================  ===============================
+
+``select_backend(precision, device)`` picks, for each GEMM, the hardware backend that can run its
+recipe on this device, else ``emulated`` (so MXFP4 on Hopper is emulated and FP8 runs on its
+tensor cores). ``requested`` names one backend for every GEMM instead; asking for hardware the
+device lacks, or for a backend that cannot run a GEMM's formats, raises a one-line error naming the
+GEMM, the layer and what the device supports. ``describe_backends(plan, device)`` is the start-up
+report of which GEMM of which layer runs on what. The ``auto`` GEMM backend (registered in
+``kernels.gemm.BACKENDS``) applies ``select_backend`` per call, so a layer can simply use
+``backend="auto"``.
+
+Devices may be given as a ``torch.device``/string, or as a capability to simulate one: a
+``(major, minor)`` tuple for CUDA (``(9, 0)`` = sm_90), an AMD arch string (``"gfx950"``), or
+``None`` for a CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Mapping
+
+import torch
+
+from precision.quantize import FORMATS
+from precision.recipe import Gemm, GemmRecipe, LinearPrecision
+
+__all__ = ["HW_BACKENDS", "GEMM_BACKENDS", "device_capability", "capability_name",
+           "device_backends", "recipe_backend", "select_backend", "describe_backends", "BackendError"]
+
+HW_BACKENDS = ("fp8_scaled_mm", "mx_scaled_mm")
+GEMM_BACKENDS = ("auto", "emulated", "reference", *HW_BACKENDS)
+_MX_FAMILIES = {"mxfp4": "mxfp4", "nvfp4": "nvfp4", "mxfp8_e4m3": "mxfp8", "mxfp8_e5m2": "mxfp8"}
+
+
+class BackendError(RuntimeError):
+    """A GEMM backend that cannot run here; the message names the GEMM, layer and alternatives."""
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int):
+    if torch.version.hip:
+        name = torch.cuda.get_device_properties(index).gcnArchName
+        return name.split(":")[0]
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def device_capability(device) -> tuple[int, int] | str | None:
+    """``(major, minor)`` for CUDA, the gfx arch for ROCm, ``None`` for CPU; capabilities pass through."""
+    if device is None or isinstance(device, (tuple, str)) and not _looks_like_device(device):
+        return device
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    return _cuda_capability(dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def _looks_like_device(d) -> bool:
+    return isinstance(d, str) and d.split(":")[0] in ("cpu", "cuda", "meta", "mps", "xpu")
+
+
+def capability_name(cap) -> str:
+    if cap is None:
+        return "cpu"
+    if isinstance(cap, tuple):
+        return f"sm_{cap[0]}{cap[1]}"
+    return str(cap)
+
+
+def device_backends(cap) -> tuple[str, ...]:
+    """The hardware GEMM backends a device capability supports."""
+    out = []
+    if isinstance(cap, tuple) and cap >= (8, 9) or cap == "gfx950":
+        out.append("fp8_scaled_mm")
+    if isinstance(cap, tuple) and cap[0] == 10 or cap == "gfx950":
+        out.append("mx_scaled_mm")
+    return tuple(out)
+
+
+def recipe_backend(recipe: GemmRecipe, cap=None) -> tuple[str | None, str]:
+    """The hardware backend that can run ``recipe``'s formats (or None), and why (one phrase)."""
+    fa, fb = recipe.a.fmt, recipe.b.fmt
+    sa, sb = FORMATS[fa], FORMATS[fb]
+    if fa in ("fp8_e4m3", "fp8_e5m2") and fb in ("fp8_e4m3", "fp8_e5m2"):
+        if fa == fb == "fp8_e5m2":
+            return None, "E5M2 x E5M2 has no FP8 tensor-core GEMM"
+        return "fp8_scaled_mm", "per-tensor FP8"
+    if fa in _MX_FAMILIES and fb in _MX_FAMILIES:
+        if _MX_FAMILIES[fa] != _MX_FAMILIES[fb]:
+            return None, f"mixed block formats {fa} x {fb}"
+        if fa == fb == "mxfp8_e5m2":
+            return None, "MXFP8 E5M2 x E5M2 has no tensor-core GEMM"
+        if fa == "nvfp4" and cap == "gfx950":
+            return None, "NVFP4 (E4M3 scales, 16-blocks) has no gfx950 GEMM"
+        return "mx_scaled_mm", "block-scaled"
+    if sa.name == "bf16" and sb.name == "bf16":
+        return None, "BF16 operands"
+    return None, f"formats {fa} x {fb}"
+
+
+def _select_one(g: Gemm, recipe: GemmRecipe, cap, requested: str, layer: str | None) -> str:
+    where = f"{layer} {g.value}" if layer else g.value
+    if requested in ("emulated", "reference"):
+        return requested
+    hw, why = recipe_backend(recipe, cap)
+    have = device_backends(cap)
+    if requested == "auto":
+        return hw if hw is not None and hw in have else "emulated"
+    if requested not in HW_BACKENDS:
+        raise ValueError(f"{where}: unknown GEMM backend {requested!r}; valid: {', '.join(GEMM_BACKENDS)}")
+    supported = ", ".join([*have, "emulated", "reference"])
+    if requested not in have:
+        raise BackendError(f"{where}: backend {requested} needs "
+                           f"{'sm_89+ or gfx950' if requested == 'fp8_scaled_mm' else 'sm_100 or gfx950'}; "
+                           f"this device is {capability_name(cap)}, which supports: {supported}")
+    if hw != requested:
+        raise BackendError(f"{where}: backend {requested} cannot run {recipe.spec()} ({why}); "
+                           f"on {capability_name(cap)} use one of: {supported} (or auto)")
+    return requested
+
+
+def select_backend(recipe_or_precision: GemmRecipe | LinearPrecision, device, requested: str = "auto",
+                   *, layer: str | None = None, gemm: Gemm | None = None):
+    """The backend for one GEMM recipe (a name), or for a layer's three GEMMs (``{Gemm: name}``).
+
+    ``device``: a torch device or a capability (see the module docstring). ``layer``/``gemm``:
+    only used to name the GEMM in errors.
+    """
+    if requested not in GEMM_BACKENDS:
+        raise ValueError(f"unknown GEMM backend {requested!r}; valid: {', '.join(GEMM_BACKENDS)}")
+    cap = device_capability(device)
+    if isinstance(recipe_or_precision, LinearPrecision):
+        return {g: _select_one(g, recipe_or_precision.recipe(g), cap, requested, layer) for g in Gemm}
+    g = Gemm(gemm) if gemm is not None else Gemm.FPROP
+    return _select_one(g, recipe_or_precision, cap, requested, layer)
+
+
+def describe_backends(plan: Mapping[str, LinearPrecision] | LinearPrecision, device,
+                      requested: str = "auto") -> str:
+    """Start-up report: one line per layer, ``recipe -> backend`` for each GEMM, and a summary."""
+    cap = device_capability(device)
+    layers = {"(all layers)": plan} if isinstance(plan, LinearPrecision) else dict(plan)
+    width = max([len(n) for n in layers] + [5])
+    hw = ", ".join(device_backends(cap)) or "none"
+    rows, count = [], Counter()
+    for name, prec in layers.items():
+        chosen = select_backend(prec, cap, requested, layer=name)
+        count.update(chosen.values())
+        rows.append((name, [f"{prec.recipe(g).spec()} -> {chosen[g]}" for g in Gemm]))
+    cw = [max([len(g.value)] + [len(r[1][i]) for r in rows]) for i, g in enumerate(Gemm)]
+    lines = [f"GEMM backends on {capability_name(cap)} (hardware GEMMs here: {hw}; requested: {requested})",
+             f"{'layer':<{width}}  " + "  ".join(f"{g.value:<{cw[i]}}" for i, g in enumerate(Gemm)).rstrip()]
+    for name, cells in rows:
+        lines.append(f"{name:<{width}}  " + "  ".join(f"{c:<{cw[i]}}" for i, c in enumerate(cells)).rstrip())
+    lines.append("GEMMs per backend: " + ", ".join(f"{k} {v}" for k, v in sorted(count.items())))
+    return "\n".join(lines)

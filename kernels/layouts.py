@@ -1,0 +1,93 @@
+"""Operand and block-scale layouts that hardware scaled-GEMMs expect.
+
+``torch._scaled_mm(A, B, ...)`` computes ``A [M, K] @ B [K, N]`` with ``A`` row-major and ``B``
+column-major: both operands **contraction-major** (K contiguous). A GEMM's operands arrive in
+their natural layouts (``kernels.gemm.CONTRACTION_AXES``); quantizing each one with
+``layout="contraction_last"`` gives ``A_k [M, K]`` and ``B_k [N, K]``, and ``B = B_k.t()``::
+
+    FPROP  y  = x ·wᵀ   A_k = x  [T, in]   B_k = w  [out, in]    (w blocks along axis 1)
+    DGRAD  dx = dy·w    A_k = dy [T, out]  B_k = wᵀ [in, out]    (w blocks along axis 0)
+    WGRAD  dw = dyᵀ·x   A_k = dyᵀ[out, T]  B_k = xᵀ [in, T]      (dy, x blocks along tokens)
+
+Block scales come as ``[rows, K / block]`` (one byte per block). cuBLAS on sm_100 wants them in its
+"blocked" layout: the matrix zero-padded to multiples of 128 rows x 4 columns and cut into
+128x4 tiles stored one after another (row-tile major); inside a tile, element ``(r, c)`` sits at
+``(r % 32) * 16 + (r // 32) * 4 + c`` -- 32 row-groups of 4x4. ``to_blocked`` / ``from_blocked``
+compute that placement by index arithmetic (torchao's ``to_blocked`` reshapes instead: the tests
+hold the two equal). On gfx950 (MI355X) the scales stay plain row-major ``[rows, K / block]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["SCALE_LAYOUTS", "to_blocked", "from_blocked", "blocked_offsets", "pack_fp4", "unpack_fp4",
+           "pad_rows"]
+
+SCALE_LAYOUTS = ("blocked", "row_major")
+
+
+def _ceil_to(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def blocked_offsets(rows: int, cols: int, device=None) -> torch.Tensor:
+    """Flat position in the blocked layout of each element of the padded ``[rows', cols']`` matrix."""
+    pr, pc = _ceil_to(rows, 128), _ceil_to(cols, 4)
+    r = torch.arange(pr, device=device).unsqueeze(1)
+    c = torch.arange(pc, device=device).unsqueeze(0)
+    tile = (r // 128) * (pc // 4) + c // 4
+    return tile * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+
+
+def to_blocked(scales: torch.Tensor) -> torch.Tensor:
+    """``[rows, cols]`` block scales -> the flat cuBLAS blocked layout (zero padding included).
+
+    Length ``ceil(rows/128)*128 * ceil(cols/4)*4``; the dtype is kept (uint8, e8m0 or e4m3 bytes).
+    """
+    if scales.dim() != 2:
+        raise ValueError(f"to_blocked: expected a 2-D [rows, K/block] scale matrix, "
+                         f"got shape {tuple(scales.shape)}")
+    rows, cols = scales.shape
+    raw = scales.view(torch.uint8) if scales.element_size() == 1 else scales
+    padded = torch.zeros(_ceil_to(rows, 128), _ceil_to(cols, 4), dtype=raw.dtype, device=scales.device)
+    padded[:rows, :cols] = raw
+    out = torch.empty(padded.numel(), dtype=raw.dtype, device=scales.device)
+    out[blocked_offsets(rows, cols, scales.device).reshape(-1)] = padded.reshape(-1)
+    return out.view(scales.dtype) if raw.dtype != scales.dtype else out
+
+
+def from_blocked(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of :func:`to_blocked`: the ``[rows, cols]`` scale matrix (padding dropped)."""
+    raw = blocked.view(torch.uint8) if blocked.element_size() == 1 else blocked
+    flat = raw.reshape(-1)
+    expected = _ceil_to(rows, 128) * _ceil_to(cols, 4)
+    if flat.numel() != expected:
+        raise ValueError(f"from_blocked: {flat.numel()} bytes cannot hold a blocked [{rows}, {cols}] "
+                         f"scale matrix ({expected} expected)")
+    out = flat[blocked_offsets(rows, cols, flat.device)][:rows, :cols].contiguous()
+    return out.view(blocked.dtype) if raw.dtype != blocked.dtype else out
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (uint8, one per element) -> two per byte along the last axis, low nibble = even index."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"pack_fp4: last dimension must be even, got {codes.shape[-1]}")
+    c = codes.reshape(*codes.shape[:-1], -1, 2)
+    return (c[..., 0] & 0xF) | ((c[..., 1] & 0xF) << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_fp4`."""
+    p = packed.view(torch.uint8)
+    return torch.stack([p & 0xF, p >> 4], dim=-1).reshape(*p.shape[:-1], -1)
+
+
+def pad_rows(t: torch.Tensor, multiple: int, dim: int = 0) -> torch.Tensor:
+    """Zero-pad ``dim`` to a multiple (zero codes are +0.0 in every format here)."""
+    pad = (-t.shape[dim]) % multiple
+    if not pad:
+        return t
+    shape = list(t.shape)
+    shape[dim] = pad
+    return torch.cat([t, torch.zeros(shape, dtype=t.dtype, device=t.device)], dim=dim)

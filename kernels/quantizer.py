@@ -1,0 +1,114 @@
+"""``kernels.quantize``: the quantizer entry point, choosing between the reference and Triton.
+
+>>> q = kernels.quantize(x, "mxfp4", axis=0, rotation="had16")        # auto: Triton on CUDA
+>>> q.codes, q.scales, q.dequantize()                                  # precision.QuantizedTensor
+
+``backend``:
+
+* ``reference`` -- ``precision.quantize`` (after ``precision.rotation.rotate`` when ``rotation`` is
+  given): the executable specification, any device.
+* ``triton`` -- ``kernels.triton_quant``: one fused pass (rotation included) on a CUDA device, or on
+  CPU under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is imported -- slow,
+  for tests). Nearest rounding equals the reference bit for bit. Stochastic rounding draws in the
+  kernel from a seed taken from ``generator``: reproducible, but a different stream.
+* ``auto`` -- ``triton`` when ``x`` is on CUDA, triton is importable and the format has a kernel;
+  otherwise ``reference``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+from precision.quantize import FORMATS, QuantizedTensor
+from precision.quantize import quantize as reference_quantize
+from precision.rotation import rotate, rotation_size
+
+__all__ = ["quantize", "QUANTIZE_BACKENDS", "triton_importable", "triton_missing_reason"]
+
+QUANTIZE_BACKENDS = ("auto", "reference", "triton")
+TRITON_FORMATS = ("mxfp4", "mxfp8_e4m3", "mxfp8_e5m2", "nvfp4", "fp8_e4m3", "fp8_e5m2")
+
+
+@functools.lru_cache(maxsize=None)
+def triton_importable() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # a broken or blocked install
+        return False
+
+
+def triton_missing_reason(x: torch.Tensor | None = None, fmt: str | None = None) -> str | None:
+    """Why the Triton quantizer cannot run here (one line), or None when it can."""
+    if fmt is not None and fmt not in TRITON_FORMATS:
+        return f"no Triton kernel for format {fmt!r} (Triton formats: {', '.join(TRITON_FORMATS)})"
+    if not triton_importable():
+        return "triton is not installed (pip install 'lowprec-pretrain[gpu]', or pip install triton)"
+    if x is not None and x.device.type != "cuda":
+        from kernels.triton_quant import interpreter_problem, interpreting
+
+        if not interpreting():
+            return (f"the tensor is on {x.device.type}, Triton needs a CUDA device "
+                    "(or TRITON_INTERPRET=1 set before importing triton, for the CPU interpreter)")
+        return interpreter_problem()
+    return None
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: str,
+    *,
+    axis: int = -1,
+    rounding: str = "nearest",
+    scale_rule: str = "floor",
+    rotation: str | None = None,
+    generator: torch.Generator | None = None,
+    backend: str = "auto",
+    signs: torch.Tensor | None = None,
+    prescale: float = 1.0,
+    amax: torch.Tensor | float | None = None,
+) -> QuantizedTensor:
+    """Quantize ``x`` to ``fmt`` with blocks along ``axis``; returns a ``precision.QuantizedTensor``.
+
+    ``rotation``: ``None``, ``had16``, ``had32`` or ``rht16`` (with ``signs``, the +-1 vector): the
+    tensor is rotated by ``diag(signs)·H_n`` along ``axis`` first (whose length must be a multiple
+    of ``n``), and the codes are those of the rotated tensor. ``prescale`` and ``amax`` are as in
+    ``precision.quantize`` (3/4 SR pre-scale; delayed-scaling amax for per-tensor formats).
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; valid: {', '.join(FORMATS)}")
+    if backend not in QUANTIZE_BACKENDS:
+        raise ValueError(f"quantize backend: unknown {backend!r}; valid: {', '.join(QUANTIZE_BACKENDS)}")
+    rot = None if rotation in (None, "none") else rotation
+    if rot is not None:
+        n = rotation_size(rot)
+        if rot.startswith("rht") and signs is None:
+            raise ValueError(f"rotation {rot}: needs signs= (a +-1 vector of length {n})")
+    if backend == "auto":
+        backend = "triton" if x.is_cuda and triton_missing_reason(x, fmt) is None else "reference"
+    if backend == "reference":
+        if rot is not None:
+            x = rotate(x, axis % x.dim(), rotation_size(rot), signs if rot.startswith("rht") else None)
+        return reference_quantize(x, fmt, axis=axis, rounding=rounding, scale_rule=scale_rule,
+                                  generator=generator, prescale=prescale, amax=amax)
+
+    why = triton_missing_reason(x, fmt)
+    if why is not None:
+        raise RuntimeError(f"kernels.quantize(backend='triton'): {why}")
+    from kernels.triton_quant import quantize_triton
+
+    seed = None
+    if rounding == "stochastic":
+        dev = generator.device if generator is not None else x.device
+        seed = torch.randint(0, 2**62, (1,), generator=generator, device=dev, dtype=torch.int64)
+    r = quantize_triton(x, fmt, axis=axis, rounding=rounding, scale_rule=scale_rule, rotation=rot,
+                        signs=signs if rot is not None and rot.startswith("rht") else None,
+                        seed=seed, prescale=prescale, amax=amax)
+    spec = FORMATS[fmt]
+    if spec.scaling == "tensor":
+        return QuantizedTensor(fmt, r.codes, r.scales, r.axis, num_clipped=r.num_clipped, amax=r.amax)
+    if fmt == "nvfp4":
+        return QuantizedTensor(fmt, r.codes, r.scales, r.axis, tensor_scale=r.tensor_scale)
+    return QuantizedTensor(fmt, r.codes, r.scales, r.axis, prescale=prescale)

@@ -1,0 +1,576 @@
+"""Fused Triton quantizers: one pass from a BF16/FP32 tensor to codes + scales (+ dequantized values).
+
+Formats: ``mxfp4``, ``mxfp8_e4m3``, ``mxfp8_e5m2`` (32-blocks, E8M0 scales, FLOOR or RCEIL),
+``nvfp4`` (16-blocks, E4M3 scales, FP32 tensor scale) and per-tensor ``fp8_e4m3`` / ``fp8_e5m2``.
+Formats with a tensor-wide number (NVFP4's tensor scale, FP8's amax) take two launches: an amax
+kernel (atomic max of the finite ``|x|``, rotated first if asked), a few 0-d torch ops that compute
+the scale exactly as ``precision`` does (no host sync), then the quantize kernel.
+
+Layout -- blocks run along ``axis`` (a GEMM operand's contraction axis), for any axis, without a
+transposed copy. The input is addressed as ``[outer, n, inner]`` (``n`` the block axis) with its own
+strides; the kernel's tile is ``TILE_R`` rows x ``TK`` elements of the block axis, where a "row" is
+one ``(outer, inner)`` pair. For ``axis=-1`` rows are contiguous runs; for ``axis=0`` of a row-major
+``[T, H]`` tensor (Wgrad: blocks over tokens) the loads are strided along the block axis and
+contiguous across rows, which is what coalesces on a GPU. Row ``r = o*inner + i`` is also the row
+order of ``x.movedim(axis, -1)``, so per-element random offsets (``r * n_pad + k``) and the
+reference's stochastic-rounding draws line up with the reference's block layout.
+
+Outputs are written either in the input's layout (``layout="input"``: what ``precision.quantize``
+returns) or contraction-last (``layout="contraction_last"``: ``x.movedim(axis, -1)`` order, the
+K-major operand ``torch._scaled_mm`` wants; with ``pack=True`` two FP4 codes per byte along K, low
+nibble = even index).
+
+Numerics are those of ``precision`` (see ``shared/NUMERICS.md``) and equal the reference bit for bit
+for nearest rounding (tested under ``TRITON_INTERPRET=1``): scale exponents from float32 bits,
+rounding onto the element grid by exact power-of-two rescaling and the ``(s + 2^23) - 2^23``
+round-half-even identity, codes from the grid value's bits, divisions with ``div_rn``. FMA
+contraction is disabled on launch so that ``a*b + c`` is never fused where the reference rounds
+twice.
+
+Stochastic rounding: ``u`` from ``tl.rand(seed, r * n_pad + k)`` inside the kernel (reproducible from
+the seed on this backend; a different stream from the reference's ``torch.rand``), or -- for hardware
+GEMM backends that must reproduce the emulated operands bit for bit -- uniforms drawn by the caller
+in the reference's order (``uniforms=``).
+
+Rotation (``rotation="had16" | "had32" | "rht16"``): ``diag(signs)·H_n`` applied to consecutive groups
+of ``n`` along the block axis before quantization, fused into the same pass. It is computed as a
+top-bit-first Walsh-Hadamard butterfly on ``x * (s_i / sqrt(n))``; for ``n = 16`` (entries +-1/4,
+exact products) this is exactly the "pairwise halves" summation order that the CPU reference
+``precision.rotation.rotate`` (an fp32 matmul) produces, so fused had16/rht16 quantization equals
+``quantize(rotate(x))`` bit for bit on CPU (FP32-subnormal inputs excepted). For ``n = 32`` the
+products ``x * fl(1/sqrt(32))`` are inexact and the matmul's summation order is the BLAS library's:
+rotated values agree to float32 rounding (a few ulps; the tensor amax to 1 ulp), so codes sitting
+on a rounding boundary can flip: measured on a 512x512 N(0,1) tensor, 0 to 4 codes in 262144
+(<= 0.0015%) per format and layout. On a GPU the emulated backend's ``rotate`` is a cuBLAS matmul
+with its own order, so the hardware GEMM backends rotate with ``rotate`` and quantize unrotated.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.quantizer import TRITON_FORMATS
+from precision import blocks
+from precision.elements import E2M1
+from precision.quantize import FORMATS, ROUNDINGS, SCALE_RULES
+from precision.rotation import hadamard_matrix, rotation_size
+from precision.tensorwise import scale_from_amax
+
+__all__ = ["TRITON_FORMATS", "TritonQuantResult", "interpreter_problem", "interpreting", "quantize_triton"]
+
+
+MODE_MX, MODE_NVFP4, MODE_TENSOR = 0, 1, 2
+ELEM_E2M1, ELEM_E4M3, ELEM_E5M2 = 0, 1, 2
+_ELEM_ID = {"e2m1": ELEM_E2M1, "e4m3": ELEM_E4M3, "e5m2": ELEM_E5M2}
+_BIAS = {"e2m1": 1, "e4m3": 7, "e5m2": 15}
+FP32_MAX = tl.constexpr(torch.finfo(torch.float32).max)  # a constexpr: visible inside @jit
+
+
+def interpreting() -> bool:
+    """Whether Triton runs in its CPU interpreter (``TRITON_INTERPRET=1`` before import)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def interpreter_problem() -> str | None:
+    """Why the interpreter cannot run our kernels, or None: TRITON_INTERPRET=1 set only after triton
+    itself was imported (torch.compile, torchao and megatron import it) leaves ``tl.max`` & co.
+    compiled-only."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if interpreting() and not isinstance(_quant_kernel, InterpretedFunction):
+        return "TRITON_INTERPRET=1 was set after kernels.triton_quant was imported"
+    if interpreting() and not isinstance(tl.standard.max, InterpretedFunction):
+        return ("TRITON_INTERPRET=1 was set after triton was imported (torch.compile, torchao and megatron "
+                "import it); set it in the environment before starting Python")
+    return None
+
+
+# ====================================================================== device helpers
+@triton.jit
+def _expfloor(a):
+    """floor(log2(a)) of float32 a >= 0 from its exponent bits (-127 for 0 and subnormals)."""
+    return ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+
+
+@triton.jit
+def _pow2(e):
+    """Exact float32 2**e for int32 e in [-149, 127]."""
+    normal = (tl.maximum(e + 127, 1) << 23).to(tl.float32, bitcast=True)
+    one = tl.full(e.shape, 1, tl.int32)
+    sub = (one << tl.minimum(tl.maximum(e + 149, 0), 22)).to(tl.float32, bitcast=True)
+    return tl.where(e >= -126, normal, sub)
+
+
+@triton.jit
+def _signbit(v):
+    return (v.to(tl.int32, bitcast=True) >> 31) & 1
+
+
+@triton.jit
+def _round_grid(v, u, EMIN: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr,
+                SR: tl.constexpr):
+    """|v| rounded onto the element grid (ties to even, or stochastic with ``u``), saturating.
+
+    Returns the magnitude (>= 0); the caller keeps the sign separately. Mirrors
+    ``precision.elements.round_to_grid`` operation for operation.
+    """
+    mag = tl.abs(v)
+    e = tl.minimum(tl.maximum(_expfloor(mag), EMIN), EMAX)
+    steps = mag * _pow2(MBITS - e)  # exact: scaling by a power of two
+    if SR:
+        lo = tl.floor(steps)
+        q = lo + (u < (steps - lo)).to(tl.float32)
+    else:
+        q = (steps + 8388608.0) - 8388608.0  # round half to even (steps < 2^23 whenever it matters)
+    return tl.minimum(q * _pow2(e - MBITS), MAXN)
+
+
+@triton.jit
+def _grid_code(qm, EMIN: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, SUBSCALE: tl.constexpr):
+    """Code magnitude of a (non-negative, on-grid) element value."""
+    bits = qm.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127
+    normal = ((e + BIAS) << MBITS) | ((bits & 0x7FFFFF) >> (23 - MBITS))
+    sub = (qm * SUBSCALE).to(tl.int32)  # subnormal element: the mantissa is an exact integer
+    return tl.where(e >= EMIN, normal, sub)
+
+
+@triton.jit
+def _hadamard(a, TILE_R: tl.constexpr, TK: tl.constexpr, ROT: tl.constexpr, LOG_ROT: tl.constexpr):
+    """Unnormalized Walsh-Hadamard butterflies on consecutive groups of ROT along axis 1, top bit
+    first (pairs (i, i + ROT/2) first): the pairwise-halves order of the reference's fp32 matmul."""
+    for s in tl.static_range(LOG_ROT):  # half-width ROT >> (s + 1): a constexpr per unrolled stage
+        t = tl.reshape(a, [TILE_R, TK // (ROT >> s), 2, ROT >> (s + 1)])
+        t = tl.permute(t, (0, 1, 3, 2))
+        lo, hi = tl.split(t)
+        t = tl.join(lo + hi, lo - hi)
+        t = tl.permute(t, (0, 1, 3, 2))
+        a = tl.reshape(t, [TILE_R, TK])
+    return a
+
+
+# ====================================================================== the kernels
+@triton.jit
+def _load_tile(x_ptr, signs_ptr, R, N, INNER, sx_o, sx_i, sx_k, TILE_R: tl.constexpr, TK: tl.constexpr,
+               ROT: tl.constexpr, LOG_ROT: tl.constexpr, ROT_C: tl.constexpr, HAS_SIGNS: tl.constexpr):
+    """This program's [TILE_R, TK] float32 tile (zero outside the tensor), rotated if asked, and its
+    addressing: rows r = (o, i), block-axis index k."""
+    r1 = tl.program_id(0).to(tl.int64) * TILE_R + tl.arange(0, TILE_R)      # [TILE_R]
+    k1 = tl.program_id(1).to(tl.int64) * TK + tl.arange(0, TK)              # [TK]
+    r2 = r1[:, None]
+    o2 = (r1 // INNER)[:, None]
+    i2 = (r1 % INNER)[:, None]
+    k2 = k1[None, :]
+    row_ok = r2 < R
+    valid = row_ok & (k2 < N)
+    x = tl.load(x_ptr + o2 * sx_o + i2 * sx_i + k2 * sx_k, mask=valid, other=0.0).to(tl.float32)
+    if ROT > 0:  # diag(signs)·H_ROT along the block axis
+        if HAS_SIGNS:
+            sg = tl.load(signs_ptr + (k1 % ROT)).to(tl.float32)
+            x = x * (sg * ROT_C)[None, :]
+        else:
+            x = x * ROT_C
+        x = _hadamard(x, TILE_R, TK, ROT, LOG_ROT)
+    return x, r2, o2, i2, k2, row_ok, valid
+
+
+@triton.jit
+def _amax_kernel(x_ptr, signs_ptr, amax_ptr, R, N, INNER, sx_o, sx_i, sx_k,
+                 TILE_R: tl.constexpr, TK: tl.constexpr, ROT: tl.constexpr, LOG_ROT: tl.constexpr,
+                 ROT_C: tl.constexpr, HAS_SIGNS: tl.constexpr):
+    """Atomic max of the finite |x| (rotated if asked) into an int32 cell: non-negative float32
+    values order like their bit patterns."""
+    x, r2, o2, i2, k2, row_ok, valid = _load_tile(x_ptr, signs_ptr, R, N, INNER, sx_o, sx_i, sx_k, TILE_R, TK,
+                                                  ROT, LOG_ROT, ROT_C, HAS_SIGNS)
+    finite = (x == x) & (tl.abs(x) < float("inf"))
+    m = tl.max(tl.max(tl.where(finite & valid, tl.abs(x), 0.0), axis=1), axis=0)
+    tl.atomic_max(amax_ptr, m.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _quant_kernel(
+    x_ptr, signs_ptr, u_ptr, seed_ptr, gs_ptr,
+    codes_ptr, scales_ptr, dq_ptr, aux_ptr,
+    R, N, INNER, NPAD, NBLK,
+    sx_o, sx_i, sx_k, sc_o, sc_i, sc_k, ss_o, ss_i, ss_k, sd_o, sd_i, sd_k, su_o, su_i, su_k,
+    prescale,
+    MODE: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, TILE_R: tl.constexpr,
+    ROT: tl.constexpr, LOG_ROT: tl.constexpr, ROT_C: tl.constexpr, HAS_SIGNS: tl.constexpr,
+    ELEM: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
+    MAXN: tl.constexpr, SUBSCALE: tl.constexpr, SIGN_SHIFT: tl.constexpr,
+    RCEIL: tl.constexpr, SR: tl.constexpr, U_GIVEN: tl.constexpr, PRESCALE: tl.constexpr,
+    WRITE_CODES: tl.constexpr, WRITE_DQ: tl.constexpr, PACK: tl.constexpr,
+):
+    """MODE 0: MX, 1: NVFP4, 2: per-tensor FP8 (scales from ``gs_ptr``; clip counts to ``aux_ptr``)."""
+    TK: tl.constexpr = NB * BLOCK
+    pid_r = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    x, r2, o2, i2, k2, row_ok, valid = _load_tile(x_ptr, signs_ptr, R, N, INNER, sx_o, sx_i, sx_k, TILE_R, TK,
+                                                  ROT, LOG_ROT, ROT_C, HAS_SIGNS)
+    finite = (x == x) & (tl.abs(x) < float("inf"))
+
+    # ---- random numbers for stochastic rounding -----------------------------------------
+    u = x  # placeholder, unused for nearest rounding
+    if SR:
+        if U_GIVEN:
+            u = tl.load(u_ptr + o2 * su_o + i2 * su_i + k2 * su_k, mask=valid, other=0.0)
+        else:
+            seed = tl.load(seed_ptr)
+            u = tl.rand(seed, r2 * NPAD + k2)
+
+    sign = _signbit(x)
+
+    if MODE == 2:
+        # ================= per-tensor FP8: v = x * scale ============================
+        scale = tl.load(gs_ptr)
+        inv_scale = tl.load(gs_ptr + 1)
+        v = x * scale
+        fin = (v == v) & (tl.abs(v) < float("inf"))
+        nclip = tl.sum(tl.sum(((tl.abs(v) > MAXN) & fin & valid).to(tl.int32), axis=1), axis=0)
+        tl.store(aux_ptr + pid_r * tl.num_programs(1) + pid_k, nclip)
+        sign = _signbit(v)
+        qm = _round_grid(tl.where(fin, v, 0.0), u, EMIN, EMAX, MBITS, MAXN, SR)
+        code = _grid_code(qm, EMIN, MBITS, BIAS, SUBSCALE) | (sign << SIGN_SHIFT)
+        qv = tl.where(sign == 1, -qm, qm)
+        if ELEM == 1:  # E4M3 has no Inf: every non-finite value is the NaN code
+            code = tl.where(fin, code, 0x7F)
+            qv = tl.where(fin, qv, float("nan"))
+        else:  # E5M2 keeps +-Inf; NaN keeps its sign bit, as torch's cast does
+            code = tl.where(fin, code, tl.where(v == v, 0x7C, 0x7F) | (sign << 7))
+            qv = tl.where(fin, qv, v)
+        dq = qv * inv_scale
+        c2 = code
+        d2 = dq
+    else:
+        # ================= block formats ===========================================
+        xb = tl.reshape(x, [TILE_R, NB, BLOCK])
+        fb = tl.reshape(finite, [TILE_R, NB, BLOCK])
+        ub = tl.reshape(u, [TILE_R, NB, BLOCK])
+        sb = tl.reshape(sign, [TILE_R, NB, BLOCK])
+        bad = tl.max((fb == 0).to(tl.int32), axis=2) > 0             # [TILE_R, NB]
+        xb = tl.where(fb, xb, 0.0)  # non-finite blocks are dropped whole; keep the arithmetic finite
+        amax = tl.max(tl.abs(xb), axis=2)
+        ef = _expfloor(amax)
+        if MODE == 0:
+            # ---- MX: E8M0 scale byte (FLOOR or RCEIL), elements x / 2^(s-127) -------
+            if RCEIL:
+                r = tl.math.div_rn(amax, tl.zeros_like(amax) + MAXN)
+                tiny = r < 1.1754943508222875e-38
+                r = tl.where(tiny, r * 18446744073709551616.0, r)  # * 2^64, exact
+                up = ((r.to(tl.int32, bitcast=True) & 0x7FFFFF) != 0).to(tl.int32)
+                e = _expfloor(r) + up - tl.where(tiny, 64, 0)
+            else:
+                e = ef - EMAX
+            e = tl.minimum(tl.maximum(e, -127), 127)
+            zero = ef == -127
+            sbyte = tl.where(zero, 0, e + 127)
+            v = xb * _pow2(127 - sbyte)[:, :, None]
+            if PRESCALE:
+                v = v * prescale
+            qm = _round_grid(v, ub, EMIN, EMAX, MBITS, MAXN, SR)
+            code = _grid_code(qm, EMIN, MBITS, BIAS, SUBSCALE) | (sb << SIGN_SHIFT)
+            drop = (zero | bad)[:, :, None]
+            code = tl.where(drop, 0, code)
+            qv = tl.where(sb == 1, -qm, qm)
+            dq = qv * _pow2(sbyte - 127)[:, :, None]
+            if PRESCALE:
+                dq = tl.math.div_rn(dq, tl.zeros_like(dq) + prescale)
+            dq = tl.where(zero[:, :, None], 0.0, dq)
+            dq = tl.where(bad[:, :, None], float("nan"), dq)
+            sbyte = tl.where(bad, 255, sbyte)
+        else:
+            # ---- NVFP4: E4M3 block scale under the FP32 tensor scale ----------------
+            g6 = tl.load(gs_ptr)          # g_enc / 6
+            g_dec = tl.load(gs_ptr + 1)   # 1 / g_enc
+            s_dec = tl.minimum(tl.where(bad, 0.0, amax) * g6, 448.0)
+            s_dec = _round_grid(s_dec, s_dec, -6, 8, 3, 448.0, False)   # E4M3, nearest
+            sbyte = _grid_code(s_dec, -6, 3, 7, 512.0)
+            s_enc = tl.minimum(tl.math.div_rn(tl.zeros_like(s_dec) + 1.0, s_dec * g_dec), FP32_MAX)
+            v = tl.minimum(tl.maximum(xb * s_enc[:, :, None], -6.0), 6.0)
+            v = tl.where(v == v, v, 0.0)
+            qm = _round_grid(v, ub, 0, 2, 1, 6.0, SR)
+            code = _grid_code(qm, 0, 1, 1, 2.0) | (_signbit(v) << 3)
+            code = tl.where(bad[:, :, None], 0, code)
+            qv = tl.where(_signbit(v) == 1, -qm, qm)
+            dq = qv * (s_dec * g_dec)[:, :, None]
+            dq = tl.where(bad[:, :, None], float("nan"), dq)
+            sbyte = tl.where(bad, 0x7F, sbyte)
+
+        # ---- scales: one byte per block ---------------------------------------------
+        kb1 = pid_k.to(tl.int64) * NB + tl.arange(0, NB)
+        kb2 = kb1[None, :]
+        tl.store(scales_ptr + o2 * ss_o + i2 * ss_i + kb2 * ss_k, sbyte.to(tl.uint8),
+                 mask=row_ok & (kb2 < NBLK))
+        c2 = tl.reshape(code, [TILE_R, TK])
+        d2 = tl.reshape(dq, [TILE_R, TK])
+
+    # ---- codes (optionally two FP4 per byte) and dequantized values -----------------------
+    if WRITE_CODES:
+        if PACK:
+            pr = tl.reshape(c2, [TILE_R, TK // 2, 2])
+            lo, hi = tl.split(pr)
+            packed = (lo | (hi << 4)).to(tl.uint8)
+            kp = (pid_k.to(tl.int64) * (TK // 2) + tl.arange(0, TK // 2))[None, :]
+            tl.store(codes_ptr + o2 * sc_o + i2 * sc_i + kp * sc_k, packed, mask=row_ok & (kp * 2 < N))
+        else:
+            tl.store(codes_ptr + o2 * sc_o + i2 * sc_i + k2 * sc_k, c2.to(tl.uint8), mask=valid)
+    if WRITE_DQ:
+        tl.store(dq_ptr + o2 * sd_o + i2 * sd_i + k2 * sd_k, d2, mask=valid)
+
+
+# ====================================================================== host side
+@dataclass
+class TritonQuantResult:
+    """What one :func:`quantize_triton` call produced (``None`` for what was not asked for).
+
+    ``codes`` / ``scales``: uint8, in the layout asked for (see the module docstring);
+    per-tensor formats: ``scales`` is the float32 encode scale (0-d). ``dequantized``: float32,
+    shaped like the input. ``tensor_scale``: NVFP4's ``g_enc``. ``amax`` / ``num_clipped``:
+    per-tensor formats (current amax of the finite values; saturated count).
+    """
+
+    fmt: str
+    axis: int
+    codes: torch.Tensor | None
+    scales: torch.Tensor | None
+    dequantized: torch.Tensor | None
+    tensor_scale: torch.Tensor | None = None
+    amax: torch.Tensor | None = None
+    num_clipped: torch.Tensor | None = None
+    prescale: float = 1.0
+
+
+def _collapse(shape, strides):
+    """One (size, stride) for a run of dims, or None when they cannot be addressed by one stride."""
+    size, stride = 1, 0
+    for n, s in zip(reversed(shape), reversed(strides)):
+        if n == 1:
+            continue
+        if size == 1:
+            size, stride = n, s
+        elif s == stride * size:
+            size *= n
+        else:
+            return None
+    return size, stride
+
+
+def _ois(t: torch.Tensor, axis: int):
+    """(outer, inner, s_outer, s_inner, s_axis) addressing of ``t`` around ``axis``, or None."""
+    sh, st = list(t.shape), list(t.stride())
+    a = _collapse(sh[:axis], st[:axis])
+    b = _collapse(sh[axis + 1:], st[axis + 1:])
+    if a is None or b is None:
+        return None
+    return a[0], b[0], a[1], b[1], st[axis]
+
+
+def _contraction_last(shape, axis, n_axis, dtype, device):
+    """A tensor in ``movedim(axis, -1)`` order (contiguous), viewed back with ``axis`` in place."""
+    moved = [s for d, s in enumerate(shape) if d != axis] + [n_axis]
+    return torch.empty(moved, dtype=dtype, device=device).movedim(-1, axis)
+
+
+def _alloc(shape, axis, n_axis, dtype, device, layout):
+    if layout == "input":
+        s = list(shape)
+        s[axis] = n_axis
+        return torch.empty(s, dtype=dtype, device=device)
+    return _contraction_last(shape, axis, n_axis, dtype, device)
+
+
+def _strides(t: torch.Tensor | None, axis: int):
+    if t is None:
+        return 0, 0, 0
+    _, _, so, si, sk = _ois(t, axis)
+    return so, si, sk
+
+
+_TILE_R_GPU = 64
+
+
+def quantize_triton(
+    x: torch.Tensor,
+    fmt: str,
+    *,
+    axis: int = -1,
+    rounding: str = "nearest",
+    scale_rule: str = "floor",
+    rotation: str | None = None,
+    signs: torch.Tensor | None = None,
+    seed: int | torch.Tensor | None = None,
+    uniforms: torch.Tensor | None = None,
+    prescale: float = 1.0,
+    amax: torch.Tensor | float | None = None,
+    codes: bool = True,
+    dequantize: bool = False,
+    layout: str = "input",
+    pack: bool = False,
+    tile_rows: int | None = None,
+) -> TritonQuantResult:
+    """Quantize ``x`` to ``fmt`` in one fused pass (two for per-tensor formats and NVFP4).
+
+    ``rotation``: ``None``/"none", ``had16``, ``had32`` or ``rht16`` (``signs``: the +-1 vector,
+    required for ``rht*``). ``seed``: stochastic rounding's in-kernel seed (int or 1-element int64
+    tensor); ``uniforms``: SR draws in the reference's order instead (bit-identical to the
+    reference). ``codes``/``dequantize``: which outputs to write. ``layout``: ``input`` or
+    ``contraction_last``; ``pack``: FP4 codes two per byte along the block axis
+    (``contraction_last`` only).
+    """
+    if fmt not in TRITON_FORMATS:
+        raise ValueError(f"triton quantizer: no kernel for format {fmt!r}; "
+                         f"valid: {', '.join(TRITON_FORMATS)}")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding: unknown mode {rounding!r}; valid: {', '.join(ROUNDINGS)}")
+    if scale_rule not in SCALE_RULES:
+        raise ValueError(f"scale_rule: unknown rule {scale_rule!r}; valid: {', '.join(SCALE_RULES)}")
+    if layout not in ("input", "contraction_last"):
+        raise ValueError(f"layout: unknown {layout!r}; valid: input, contraction_last")
+    if x.dim() == 0:
+        raise ValueError("quantize: x must have at least one dimension")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"triton quantizer: input dtype {x.dtype} not supported; "
+                         "valid: float32, bfloat16, float16")
+    if x.device.type != "cuda" and not interpreting():
+        raise RuntimeError(f"triton quantizer: needs a CUDA device (x is on {x.device.type}), or "
+                           "TRITON_INTERPRET=1 set before importing triton for the CPU interpreter")
+    if x.device.type != "cuda" and (why := interpreter_problem()):
+        raise RuntimeError(f"triton quantizer: {why}")
+    spec = FORMATS[fmt]
+    axis = axis % x.dim()
+    n = x.shape[axis]
+    sr = rounding == "stochastic"
+    rot = 0 if rotation in (None, "none") else rotation_size(rotation)
+    if rot and n % rot:
+        raise ValueError(f"rotation {rotation}: axis {axis} has length {n}, not a multiple of {rot}; "
+                         "zero-pad both GEMM operands first")
+    if rotation is not None and rotation.startswith("rht") and signs is None:
+        raise ValueError(f"rotation {rotation}: needs signs= (the +-1 vector of length {rot})")
+    if pack and (spec.bits != 4 or layout != "contraction_last" or n % 2):
+        raise ValueError("pack=True: 4-bit formats, layout='contraction_last' and an even axis length only")
+    if sr and uniforms is None and seed is None:
+        raise ValueError("stochastic rounding: give seed= (in-kernel random numbers) or uniforms=")
+
+    dev = x.device
+    ois = _ois(x, axis)
+    if ois is None:  # dims that no single stride addresses: one copy
+        x = x.contiguous()
+        ois = _ois(x, axis)
+    outer, inner, sx_o, sx_i, sx_k = ois
+    R = outer * inner
+
+    block = spec.block if spec.scaling == "block" else 64
+    tk = max(block, rot, 2)
+    nb = tk // block
+    npad = -(-n // block) * block if spec.scaling == "block" else n
+    nblk = -(-n // block) if spec.scaling == "block" else 0
+    # GPU: a fixed tile; interpreter: few, large programs (each is a numpy pass)
+    cpu_tile = max(16, min(256, triton.next_power_of_2(R)))
+    tile_r = tile_rows or (_TILE_R_GPU if dev.type == "cuda" else cpu_tile)
+    grid = (triton.cdiv(R, tile_r), triton.cdiv(n, tk))
+
+    elem = spec.element
+    ekw = dict(ELEM=_ELEM_ID[elem.name], EMIN=elem.emin, EMAX=elem.emax, MBITS=elem.mbits,
+               BIAS=_BIAS[elem.name], MAXN=float(elem.max_normal),
+               SUBSCALE=float(2.0 ** (elem.mbits - elem.emin)), SIGN_SHIFT=3 if elem is E2M1 else 7)
+    rot_c = float(hadamard_matrix(rot)[0, 0]) if rot else 1.0
+    signs_t = (signs.to(device=dev, dtype=torch.float32).contiguous() if signs is not None
+               else torch.empty(1, device=dev))
+    dummy_f = torch.empty(1, device=dev)
+    launch = dict(BLOCK=block, NB=nb, TILE_R=tile_r, ROT=rot, LOG_ROT=int(math.log2(rot)) if rot else 0,
+                  ROT_C=rot_c, HAS_SIGNS=signs is not None and rot > 0, **ekw)
+
+    def run(mode, gs, codes_t, scales_t, dq_t, aux, u_t, seed_t, write_codes, write_dq):
+        sc = _strides(codes_t, axis) if codes_t is not None else (0, 0, 0)
+        ss = _strides(scales_t, axis) if scales_t is not None and scales_t.dim() else (0, 0, 0)
+        sd = _strides(dq_t, axis)
+        su = _strides(u_t, axis)
+        args = (x, signs_t, u_t if u_t is not None else dummy_f, seed_t if seed_t is not None else dummy_f,
+                gs if gs is not None else dummy_f,
+                codes_t if codes_t is not None else dummy_f, scales_t if scales_t is not None else dummy_f,
+                dq_t if dq_t is not None else dummy_f, aux if aux is not None else dummy_f,
+                R, n, inner, npad, nblk, sx_o, sx_i, sx_k, *sc, *ss, *sd, *su, float(prescale))
+        meta = dict(MODE=mode, RCEIL=scale_rule == "rceil", SR=sr, U_GIVEN=uniforms is not None,
+                    PRESCALE=prescale != 1.0, WRITE_CODES=write_codes, WRITE_DQ=write_dq, PACK=pack, **launch)
+        _launch(_quant_kernel, grid, args, meta)
+
+    # ---- tensor-wide numbers: amax pass -------------------------------------------------------
+    amax_cur = None
+    if spec.scaling == "tensor" or fmt == "nvfp4":
+        bits = torch.zeros(1, dtype=torch.int32, device=dev)
+        _launch(_amax_kernel, grid, (x, signs_t, bits, R, n, inner, sx_o, sx_i, sx_k),
+                dict(TILE_R=tile_r, TK=tk, ROT=rot, LOG_ROT=launch["LOG_ROT"], ROT_C=rot_c,
+                     HAS_SIGNS=launch["HAS_SIGNS"]))
+        amax_cur = bits.view(torch.float32)[0]
+
+    # ---- SR random numbers ---------------------------------------------------------------------
+    u_t = seed_t = None
+    if sr:
+        if uniforms is not None:
+            u_t = _uniforms_view(uniforms.to(dev, torch.float32), x.shape, axis, npad,
+                                 spec.scaling == "block")
+        else:
+            seed_t = (seed.reshape(1).to(device=dev, dtype=torch.int64) if isinstance(seed, torch.Tensor)
+                      else torch.tensor([int(seed)], dtype=torch.int64, device=dev))
+
+    shape = list(x.shape)
+    codes_t = None
+    if codes:
+        if pack:
+            moved = [s for d, s in enumerate(shape) if d != axis] + [n // 2]
+            codes_t = torch.empty(moved, dtype=torch.uint8, device=dev).movedim(-1, axis)
+        else:
+            codes_t = _alloc(shape, axis, n, torch.uint8, dev, layout)
+    dq_t = torch.empty(shape, dtype=torch.float32, device=dev) if dequantize else None
+
+    if spec.scaling == "tensor":
+        used = (amax_cur if amax is None
+                else torch.as_tensor(amax, dtype=torch.float32, device=dev).reshape(()))
+        scale = scale_from_amax(used, spec.max_normal)           # the reference's own expression
+        gs = torch.stack([scale, 1.0 / scale]).float().contiguous()
+        clips = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=dev)
+        run(MODE_TENSOR, gs, codes_t, None, dq_t, clips, u_t, seed_t, codes, dequantize)
+        res = TritonQuantResult(fmt, axis, codes_t, scale, dq_t, amax=amax_cur,
+                                num_clipped=clips.sum(dtype=torch.int64))
+    else:
+        scales_t = _alloc(shape, axis, nblk, torch.uint8, dev, layout)
+        gs, g_enc = None, None
+        if fmt == "nvfp4":
+            g_enc = blocks.nvfp4_tensor_scale(amax_cur)          # the reference's own expression
+            gs = torch.stack([g_enc / E2M1.max_normal, 1.0 / g_enc]).float().contiguous()
+        run(MODE_NVFP4 if fmt == "nvfp4" else MODE_MX, gs, codes_t, scales_t, dq_t, None, u_t, seed_t,
+            codes, dequantize)
+        res = TritonQuantResult(fmt, axis, codes_t, scales_t, dq_t, tensor_scale=g_enc,
+                                prescale=prescale if fmt != "nvfp4" else 1.0)
+    if layout == "contraction_last":
+        # hand back the contiguous K-last tensors themselves
+        if res.codes is not None:
+            res.codes = res.codes.movedim(axis, -1)
+        if spec.scaling == "block":
+            res.scales = res.scales.movedim(axis, -1)
+    return res
+
+
+def _launch(kernel, grid, args, meta) -> None:
+    if interpreting():
+        import numpy as np  # the interpreter runs on numpy: NaN/Inf lanes that get masked warn
+
+        with np.errstate(all="ignore"):
+            kernel[grid](*args, **meta)
+    else:  # no FMA contraction: the reference rounds every product and sum separately
+        kernel[grid](*args, **meta, enable_fp_fusion=False)
+
+
+def _uniforms_view(u: torch.Tensor, shape, axis: int, npad: int, block: bool) -> torch.Tensor:
+    """The reference's SR draws viewed like ``x`` (block formats: ``axis`` padded to ``npad``)."""
+    if not block:
+        return u.reshape(shape)
+    moved = [s for d, s in enumerate(shape) if d != axis] + [npad]
+    return u.reshape(moved).movedim(-1, axis)
+

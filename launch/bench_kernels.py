@@ -1,0 +1,299 @@
+#!/usr/bin/env python
+"""Quantizer and linear-layer benchmarks; every ratio is against a baseline measured in this run.
+
+    python launch/bench_kernels.py                                   # CPU: small default sizes
+    python launch/bench_kernels.py --tokens 8192 --hidden 4096 --ffn 4096,14336   # GPU sizes
+    python launch/bench_kernels.py --json results/bench_kernels.json
+
+1. Copy bandwidth: ``y.copy_(x)`` of the quantizer input (float32, SIZE x SIZE), read + write bytes.
+2. Quantizers, each format x layout (blocks along the last axis = ``rowwise``, along the first =
+   ``colwise``, as Wgrad's token axis) x rotation (none, had16): time, GB/s (bytes read + written)
+   and the fraction of the copy bandwidth. Implementations: ``fused`` (``kernels.fused``,
+   torch.compile; quantize->dequantize), ``reference`` (``precision.quantize``: codes + scales,
+   eager), and on CUDA ``triton`` (``kernels.triton_quant``: codes + scales) and ``triton_qdq``
+   (dequantized values only, what emulation consumes).
+3. ``policy_linear`` forward + backward per preset at TOKENS x HIDDEN -> FFN, relative to the
+   ``bf16`` preset through the same code (and, for context, ``torch.nn.functional.linear``); on
+   CUDA also with the ``auto`` GEMM backend (FP8 / MX tensor cores where the device has them).
+4. torchao's float8 and MXFP8 training paths on the same linear, where torchao can run them.
+
+Times are the best of ``--repeats`` runs after warm-up (compilation happens in warm-up): on a shared
+machine the minimum is the least noisy estimate. The copy bandwidth is measured before and after the
+quantizer table and the better of the two is the reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import BACKENDS  # noqa: E402
+from kernels.fused import compile_available, fake_quantize  # noqa: E402
+from model.linear import policy_linear  # noqa: E402
+from precision import LayerQuantState, presets, quantize  # noqa: E402
+from precision.quantize import FORMATS  # noqa: E402
+from precision.rotation import rotate  # noqa: E402
+
+FORMAT_CHOICES = ("mxfp4", "mxfp8_e4m3", "mxfp8_e5m2", "nvfp4", "fp8_e4m3", "fp8_e5m2")
+DEFAULT_PRESETS = ("bf16", "fp8", "mxfp4_fprop", "mxfp4", "mxfp4_sr", "wgrad_hadamard", "nvfp4")
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timeit(fn, device: str, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+# ============================================================================ 1-2: quantizers
+def bench_copy(x: torch.Tensor, repeats: int) -> dict:
+    y = torch.empty_like(x)
+    t = timeit(lambda: y.copy_(x), str(x.device), repeats, warmup=2)
+    nbytes = 2 * x.numel() * x.element_size()
+    return {"seconds": t, "gbps": nbytes / t / 1e9}
+
+
+def _out_bytes(fmt: str, numel: int, codes: bool, dq: bool) -> int:
+    spec = FORMATS[fmt]
+    b = 0
+    if codes:
+        b += numel + (numel // spec.block if spec.scaling == "block" else 4)
+    if dq:
+        b += 4 * numel
+    return b
+
+
+def quantizer_cases(x: torch.Tensor, fmt: str, axis: int, rotation: str | None, triton_ok: bool):
+    """(impl, callable, bytes written) for one format x layout x rotation."""
+    rot = (16, None) if rotation == "had16" else None
+    cases = [("fused", lambda: fake_quantize(x, fmt, axis=axis, rotation=rot),
+              _out_bytes(fmt, x.numel(), False, True))]
+
+    def ref():
+        t = rotate(x, axis % x.dim(), 16) if rotation else x
+        return quantize(t, fmt, axis=axis)
+
+    cases.append(("reference", ref, _out_bytes(fmt, x.numel(), True, False)))
+    if triton_ok:
+        from kernels.triton_quant import quantize_triton
+
+        cases.append(("triton", lambda: quantize_triton(x, fmt, axis=axis, rotation=rotation),
+                      _out_bytes(fmt, x.numel(), True, False)))
+        cases.append(("triton_qdq", lambda: quantize_triton(x, fmt, axis=axis, rotation=rotation, codes=False,
+                                                            dequantize=True),
+                      _out_bytes(fmt, x.numel(), False, True)))
+    return cases
+
+
+def bench_quantizers(args, device: str, copy_gbps: float, triton_ok: bool) -> list[dict]:
+    x = torch.randn(args.size, args.size, device=device)
+    rows = []
+    for fmt in args.formats:
+        for layout, axis in (("rowwise", -1), ("colwise", 0)):
+            for rotation in (None, "had16"):
+                for impl, fn, out_b in quantizer_cases(x, fmt, axis, rotation, triton_ok):
+                    if impl not in args.impls:
+                        continue
+                    reps = args.repeats if impl != "reference" else max(1, args.repeats // 2)
+                    t = timeit(fn, device, reps)
+                    gbps = (x.numel() * 4 + out_b) / t / 1e9
+                    rows.append({"format": fmt, "layout": layout, "rotation": rotation or "none",
+                                 "impl": impl,
+                                 "ms": t * 1e3, "gbps": gbps, "frac_copy": gbps / copy_gbps})
+    return rows
+
+
+# ============================================================================ 3-4: linear layers
+def _linear_step(x, w, dy, fn):
+    def step():
+        xr = x.detach().requires_grad_(True)
+        wr = w.detach().requires_grad_(True)
+        fn(xr, wr).backward(dy)
+    return step
+
+
+def bench_linear(args, device: str, ffn: int) -> list[dict]:
+    g = torch.Generator(device=device).manual_seed(0)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    x = torch.randn(args.tokens, args.hidden, device=device, generator=g).to(dtype)
+    w = (torch.randn(ffn, args.hidden, device=device, generator=g) / args.hidden**0.5).to(dtype)
+    dy = torch.randn(args.tokens, ffn, device=device, generator=g).to(dtype)
+    backends = args.linear_backends
+    rows = []
+    t_torch = timeit(_linear_step(x, w, dy, torch.nn.functional.linear), device, args.repeats)
+    rows.append({"ffn": ffn, "preset": "torch F.linear", "backend": "-", "ms": t_torch * 1e3})
+    for backend in backends:
+        base = None
+        for name in ["bf16"] + [p for p in args.presets if p != "bf16"]:
+            prec = presets.get(name)
+            state = LayerQuantState(0, "bench")
+
+            def fn(xr, wr, prec=prec, state=state, backend=backend):
+                return policy_linear(xr, wr, prec, state=state, backend=backend)
+
+            t = timeit(_linear_step(x, w, dy, fn), device, args.repeats)
+            base = base or t
+            rows.append({"ffn": ffn, "preset": name, "backend": backend, "ms": t * 1e3, "vs_bf16": t / base,
+                         "vs_torch": t / t_torch})
+    rows.extend(bench_torchao(args, device, x, w, dy, ffn, t_torch))
+    return rows
+
+
+def bench_torchao(args, device, x, w, dy, ffn, t_torch) -> list[dict]:
+    """torchao's float8 (tensorwise) and MXFP8 training paths on an nn.Linear of the same shape."""
+    out = []
+    for label in ("torchao float8 tensorwise", "torchao mxfp8 (rceil)"):
+        row = {"ffn": ffn, "preset": label, "backend": "torchao"}
+        if not device.startswith("cuda"):
+            row["na"] = "n/a (needs CUDA)"
+            out.append(row)
+            continue
+        try:
+            lin = torch.nn.Linear(args.hidden, ffn, bias=False, device=device, dtype=x.dtype)
+            with torch.no_grad():
+                lin.weight.copy_(w)
+            model = torch.nn.Sequential(lin)
+            if "float8" in label:
+                from torchao.float8 import convert_to_float8_training
+
+                convert_to_float8_training(model)
+            else:
+                from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+                from torchao.quantization import quantize_
+
+                quantize_(model, MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_RCEIL))
+
+            def step():
+                xr = x.detach().requires_grad_(True)
+                model(xr).backward(dy)
+
+            t = timeit(step, device, args.repeats)
+            row.update(ms=t * 1e3, vs_torch=t / t_torch)
+        except Exception as e:  # torchao paths are optional and hardware-specific
+            row["na"] = f"n/a ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
+        out.append(row)
+    return out
+
+
+# ============================================================================ main
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--size", type=int, default=None, help="quantizer input is SIZE x SIZE float32 "
+                   "(default 4096 on CUDA, 1024 on CPU)")
+    p.add_argument("--tokens", type=int, default=None, help="linear: tokens (default 8192 CUDA / 1024 CPU)")
+    p.add_argument("--hidden", type=int, default=None, help="linear: in-features (default 4096 / 1024)")
+    p.add_argument("--ffn", default=None,
+                   help="linear: comma-separated out-features (default 4096,14336 / 1024)")
+    p.add_argument("--formats", default=",".join(FORMAT_CHOICES), help="quantizer formats, comma-separated")
+    p.add_argument("--presets", default=",".join(DEFAULT_PRESETS), help="linear presets, comma-separated")
+    p.add_argument("--impls", default="fused,reference,triton,triton_qdq",
+                   help="quantizer implementations, comma-separated (triton ones only run on CUDA)")
+    p.add_argument("--linear-backends", default=None,
+                   help="GEMM backends for the linear benchmark (default: emulated; on CUDA emulated,auto)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--skip-quantizers", action="store_true")
+    p.add_argument("--skip-linear", action="store_true")
+    p.add_argument("--json", default=None, help="write all results to this JSON file")
+    a = p.parse_args(argv)
+    cuda = a.device.startswith("cuda")
+    a.size = a.size or (4096 if cuda else 1024)
+    a.tokens = a.tokens or (8192 if cuda else 1024)
+    a.hidden = a.hidden or (4096 if cuda else 1024)
+    a.ffn = [int(v) for v in (a.ffn or ("4096,14336" if cuda else "1024")).split(",")]
+    a.formats = [f for f in a.formats.split(",") if f]
+    a.presets = [q for q in a.presets.split(",") if q]
+    a.impls = [i for i in a.impls.split(",") if i]
+    a.linear_backends = (a.linear_backends or ("emulated,auto" if cuda else "emulated")).split(",")
+    for b in a.linear_backends:
+        if b not in BACKENDS:
+            p.error(f"--linear-backends: unknown {b!r}; valid: {', '.join(BACKENDS)}")
+    for f in a.formats:
+        if f not in FORMAT_CHOICES:
+            p.error(f"--formats: unknown {f!r}; valid: {', '.join(FORMAT_CHOICES)}")
+    for q in a.presets:
+        if q not in presets.names():
+            p.error(f"--presets: unknown {q!r}; valid: {', '.join(presets.names())}")
+    return a
+
+
+def _print_table(title: str, rows: list[dict], cols: list[tuple[str, str, str]]) -> None:
+    print(f"\n== {title}")
+    cells = [[(fmt.format(r[k]) if k in r else r.get("na", "-") if k == cols[-1][0] else "-")
+              for k, _, fmt in cols] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (_, h, _) in enumerate(cols)]
+    print("  ".join(h.ljust(widths[i]) for i, (_, h, _) in enumerate(cols)))
+    for c in cells:
+        print("  ".join(v.ljust(widths[i]) for i, v in enumerate(c)))
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device = args.device
+    from kernels.quantizer import triton_missing_reason
+
+    probe = torch.empty(1, device=device)
+    triton_why = triton_missing_reason(probe, "mxfp4") if device.startswith("cuda") else "CPU run"
+    triton_ok = triton_why is None
+    env = {"device": device, "torch": torch.__version__, "compile_available": compile_available(),
+           "triton": "used" if triton_ok else f"not used ({triton_why})",
+           "threads": torch.get_num_threads()}
+    if device.startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name()
+    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    results: dict = {"env": env, "args": {k: v for k, v in vars(args).items() if k != "json"}}
+
+    if not args.skip_quantizers:
+        x = torch.randn(args.size, args.size, device=device)
+        copy = bench_copy(x, args.repeats * 3)
+        results["copy"] = copy
+        print(f"\ncopy bandwidth (y.copy_(x), {args.size}x{args.size} fp32): {copy['gbps']:.2f} GB/s")
+        q = bench_quantizers(args, device, copy["gbps"], triton_ok)
+        copy_after = bench_copy(x, args.repeats * 3)
+        if copy_after["gbps"] > copy["gbps"]:  # the machine was busier at the start: rescale
+            for row in q:
+                row["frac_copy"] = row["gbps"] / copy_after["gbps"]
+            copy = results["copy"] = copy_after
+        print(f"copy bandwidth used as the reference: {copy['gbps']:.2f} GB/s")
+        results["quantizers"] = q
+        _print_table(f"quantizers, {args.size}x{args.size} float32 input (GB/s = bytes read + written)", q,
+                     [("format", "format", "{}"), ("layout", "layout", "{}"), ("rotation", "rotation", "{}"),
+                      ("impl", "impl", "{}"), ("ms", "ms", "{:.2f}"), ("gbps", "GB/s", "{:.2f}"),
+                      ("frac_copy", "of copy", "{:.1%}")])
+    if not args.skip_linear:
+        lin = []
+        for ffn in args.ffn:
+            lin.extend(bench_linear(args, device, ffn))
+        results["linear"] = lin
+        _print_table(f"linear fwd+bwd, tokens={args.tokens} hidden={args.hidden} (ratios vs the bf16 preset, "
+                     "same backend, this run)", lin,
+                     [("ffn", "ffn", "{}"), ("preset", "preset", "{}"), ("backend", "backend", "{}"),
+                      ("ms", "ms", "{:.1f}"), ("vs_torch", "vs F.linear", "{:.2f}x"),
+                      ("vs_bf16", "vs bf16 preset", "{:.2f}x")])
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=2))
+        print(f"\nwrote {args.json}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""GEMM backend selection per device capability, its errors, the start-up report, and the
+``auto`` backend; plus a smoke run of ``launch/bench_kernels.py --json``."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import BACKENDS, describe_backends, gemm, select_backend
+from kernels.backends import BackendError, capability_name, device_backends, device_capability
+from model.linear import policy_linear
+from precision import Gemm, LayerQuantState, presets, quantize
+from precision.recipe import parse_gemm
+from precision.rotation import rotate
+
+SM80, SM89, SM90, SM100 = (8, 0), (8, 9), (9, 0), (10, 0)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_backends_registered():
+    assert {"emulated", "reference", "fp8_scaled_mm", "mx_scaled_mm", "auto"} <= set(BACKENDS)
+
+
+def test_device_capabilities():
+    assert device_capability("cpu") is None and device_capability(torch.device("cpu")) is None
+    assert device_capability(SM90) == SM90 and device_capability("gfx950") == "gfx950"
+    assert [capability_name(c) for c in (None, SM90, SM100, "gfx950")] == ["cpu", "sm_90", "sm_100", "gfx950"]
+    assert device_backends(None) == () and device_backends(SM80) == ()
+    assert device_backends(SM89) == device_backends(SM90) == ("fp8_scaled_mm",)
+    assert device_backends(SM100) == device_backends("gfx950") == ("fp8_scaled_mm", "mx_scaled_mm")
+
+
+@pytest.mark.parametrize("cap,preset,want", [
+    (None, "mxfp4_fprop", ("emulated", "emulated", "emulated")),
+    (SM80, "fp8", ("emulated", "emulated", "emulated")),
+    (SM90, "fp8", ("fp8_scaled_mm",) * 3),
+    (SM90, "mxfp4_fprop", ("emulated", "fp8_scaled_mm", "fp8_scaled_mm")),   # MXFP4 emulated on Hopper
+    (SM100, "mxfp4_fprop", ("mx_scaled_mm", "fp8_scaled_mm", "fp8_scaled_mm")),
+    (SM100, "wgrad_hadamard", ("mx_scaled_mm",) * 3),
+    (SM100, "nvfp4", ("mx_scaled_mm",) * 3),
+    ("gfx950", "nvfp4", ("emulated",) * 3),                                  # no NVFP4 GEMM on gfx950
+    ("gfx950", "mxfp4", ("mx_scaled_mm",) * 3),
+    (SM100, "bf16", ("emulated",) * 3),
+    (SM100, "hif8_w8a8", ("emulated",) * 3),
+])
+def test_auto_selection(cap, preset, want):
+    chosen = select_backend(presets.get(preset), cap)
+    assert tuple(chosen[g] for g in Gemm) == want
+
+
+def test_selection_of_one_recipe_and_explicit_requests():
+    rec = parse_gemm("fp8_e5m2@fp8_e4m3", Gemm.DGRAD)
+    assert select_backend(rec, SM90) == "fp8_scaled_mm"
+    assert select_backend(rec, SM90, "emulated") == "emulated"
+    assert select_backend(parse_gemm("fp8_e5m2", Gemm.DGRAD), SM90) == "emulated"  # E5M2 x E5M2
+    assert select_backend(parse_gemm("mxfp4@mxfp8_e4m3", Gemm.FPROP), SM100) == "emulated"  # mixed families
+
+
+def test_errors_name_gemm_layer_and_what_the_device_supports():
+    layer = "decoder.layers.3.mlp.linear_fc2"
+    with pytest.raises(BackendError) as e:
+        select_backend(presets.get("mxfp4"), SM90, "mx_scaled_mm", layer=layer)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg == (f"{layer} fprop: backend mx_scaled_mm needs sm_100 or gfx950; this device is sm_90, "
+                   "which supports: fp8_scaled_mm, emulated, reference")
+    cpu_msg = "^fprop: backend mx_scaled_mm needs sm_100 or gfx950; this device is cpu, which supports: emulated, "
+    with pytest.raises(BackendError, match=cpu_msg + "reference$"):
+        select_backend(presets.get("mxfp4"), "cpu", "mx_scaled_mm")
+    with pytest.raises(BackendError, match=r"^l wgrad: backend fp8_scaled_mm cannot run mxfp4\+had16 "
+                                           r"\(block-scaled\); on sm_100 use one of"):
+        select_backend(parse_gemm("mxfp4+had16", Gemm.WGRAD), SM100, "fp8_scaled_mm", layer="l",
+                       gemm=Gemm.WGRAD)
+    with pytest.raises(ValueError, match="unknown GEMM backend 'tensorcores'"):
+        select_backend(presets.get("fp8"), SM90, "tensorcores")
+
+
+def test_describe_backends_report():
+    plan = {"decoder.layers.0.mlp.linear_fc1": presets.get("mxfp4_fprop"),
+            "output_layer": presets.get("bf16")}
+    text = describe_backends(plan, SM90)
+    lines = text.splitlines()
+    assert lines[0] == "GEMM backends on sm_90 (hardware GEMMs here: fp8_scaled_mm; requested: auto)"
+    assert lines[1].split() == ["layer", "fprop", "dgrad", "wgrad"]
+    assert "mxfp4 -> emulated" in lines[2] and lines[2].count("-> fp8_scaled_mm") == 2
+    assert lines[3].split()[0] == "output_layer" and lines[3].count("bf16 -> emulated") == 3
+    assert lines[-1] == "GEMMs per backend: emulated 4, fp8_scaled_mm 2"
+    assert "hardware GEMMs here: none" in describe_backends(presets.get("nvfp4"), "cpu")
+
+
+def test_auto_backend_on_cpu_is_the_emulated_backend():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 64, generator=g), torch.randn(32, 64, generator=g)
+    dy = torch.randn(64, 32, generator=g)
+    outs = []
+    for backend in ("reference", "auto"):
+        xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        y = policy_linear(xr, wr, presets.get("mxfp4_fprop"), state=LayerQuantState(1, "l"), backend=backend)
+        y.backward(dy)
+        outs.append((y, xr.grad, wr.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert torch.equal(gemm(Gemm.FPROP, x, w, parse_gemm("fp8", Gemm.FPROP), "auto"),
+                       gemm(Gemm.FPROP, x, w, parse_gemm("fp8", Gemm.FPROP), "reference"))
+
+
+def test_bench_kernels_json_smoke(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(ROOT / "launch" / "bench_kernels.py"), "--device", "cpu", "--size", "64",
+           "--tokens", "64", "--hidden", "64", "--ffn", "32", "--formats", "mxfp4,fp8_e4m3",
+           "--presets", "bf16,mxfp4", "--repeats", "1", "--impls", "reference",
+           "--linear-backends", "reference", "--json", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "copy bandwidth" in r.stdout and "n/a (needs CUDA)" in r.stdout
+    res = json.loads(out.read_text())
+    assert res["copy"]["gbps"] > 0
+    q = res["quantizers"]
+    assert {(r["format"], r["layout"], r["rotation"]) for r in q} == {
+        (f, lay, rot) for f in ("mxfp4", "fp8_e4m3") for lay in ("rowwise", "colwise")
+        for rot in ("none", "had16")}
+    assert all(r["gbps"] > 0 and 0 < r["frac_copy"] for r in q)
+    lin = {(r["preset"], r["backend"]): r for r in res["linear"]}
+    assert lin[("bf16", "reference")]["vs_bf16"] == 1.0 and lin[("mxfp4", "reference")]["vs_bf16"] > 0
+    assert lin[("torchao float8 tensorwise", "torchao")]["na"] == "n/a (needs CUDA)"
+
+
+def test_kernels_quantize_backend_errors(monkeypatch):
+    """Asking for Triton where it cannot run: one line naming what is missing (no triton needed)."""
+    import kernels
+    import kernels.quantizer as kq
+
+    x = torch.randn(16, 32)
+    prefix = r"^kernels.quantize\(backend='triton'\): "
+    with pytest.raises(RuntimeError, match=prefix + r"no Triton kernel for format 'hif8' \(Triton formats: mxfp4, "):
+        kernels.quantize(x, "hif8", backend="triton")
+    with pytest.raises(ValueError, match="unknown 'cuda'; valid: auto, reference, triton"):
+        kernels.quantize(x, "mxfp4", backend="cuda")
+    with pytest.raises(ValueError, match="rotation rht16: needs signs="):
+        kernels.quantize(x, "mxfp4", rotation="rht16")
+    monkeypatch.setattr(kq, "triton_importable", lambda: False)
+    missing = r"triton is not installed \(pip install 'lowprec-pretrain\[gpu\]', or pip install triton\)$"
+    with pytest.raises(RuntimeError, match=prefix + missing):
+        kernels.quantize(x, "mxfp4", backend="triton")
+    ref = kernels.quantize(x, "mxfp4", axis=0, rotation="had16")  # auto on CPU: the reference
+    assert torch.equal(ref.codes, quantize(rotate(x, 0, 16), "mxfp4", axis=0).codes)
+
+
+def test_kernels_quantize_cpu_without_interpreter(monkeypatch):
+    import kernels
+
+    if not kernels.quantizer.triton_importable():
+        pytest.skip("triton is not installed")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match=r"the tensor is on cpu, Triton needs a CUDA device \(or TRITON_INTERPRET"):
+        kernels.quantize(torch.randn(4, 32), "mxfp4", backend="triton")

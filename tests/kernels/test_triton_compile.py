@@ -1,0 +1,65 @@
+"""The Triton kernels compile for GPU targets (sm_90, sm_100) -- checked on a machine without one.
+
+The interpreter (which the other tests use on CPU) accepts code the GPU compiler rejects, so this
+compiles representative variants ahead of time to PTX and cubins with triton's bundled ptxas, in a
+subprocess without TRITON_INTERPRET, and checks the PTX for what the numerics rely on: IEEE
+division (``div.rn.f32``, never ``div.full``) and no FMA contraction.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed (pip install 'lowprec-pretrain[gpu]')")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT = r'''
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import triton_quant as tq
+
+ELEM = {"e2m1": dict(ELEM=0, EMIN=0, EMAX=2, MBITS=1, BIAS=1, MAXN=6.0, SUBSCALE=2.0, SIGN_SHIFT=3),
+        "e4m3": dict(ELEM=1, EMIN=-6, EMAX=8, MBITS=3, BIAS=7, MAXN=448.0, SUBSCALE=512.0, SIGN_SHIFT=7),
+        "e5m2": dict(ELEM=2, EMIN=-14, EMAX=15, MBITS=2, BIAS=15, MAXN=57344.0, SUBSCALE=65536.0, SIGN_SHIFT=7)}
+PTRS = {"x_ptr": "*bf16", "seed_ptr": "*i64", "codes_ptr": "*u8", "scales_ptr": "*u8", "aux_ptr": "*i32",
+        "amax_ptr": "*i32"}
+
+def build(fn, constexprs, arch):
+    sig = {n: "constexpr" if n in constexprs else PTRS.get(n, "*fp32") if n.endswith("_ptr")
+           else "fp32" if n == "prescale" else "i64" for n in fn.arg_names}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+                          target=GPUTarget("cuda", arch, 32), options={"enable_fp_fusion": False})
+
+# (mode, block, elem, rot, sr, u_given, pack, rceil, prescale)
+VARIANTS = [(0, 32, "e2m1", 16, True, False, True, True, True), (0, 32, "e4m3", 32, False, True, False, False, False),
+            (1, 16, "e2m1", 16, True, True, True, False, False), (2, 64, "e5m2", 0, True, False, False, False, False)]
+for arch in (90, 100):
+    for mode, block, elem, rot, sr, ug, pack, rceil, pre in VARIANTS:
+        tk = max(block, rot, 2)
+        c = dict(MODE=mode, BLOCK=block, NB=tk // block, TILE_R=64, ROT=rot, LOG_ROT=rot.bit_length() - 1 if rot else 0,
+                 ROT_C=0.25 if rot == 16 else 0.17677669529663687, HAS_SIGNS=rot == 16, RCEIL=rceil, SR=sr,
+                 U_GIVEN=ug, PRESCALE=pre, WRITE_CODES=True, WRITE_DQ=True, PACK=pack, **ELEM[elem])
+        ptx = build(tq._quant_kernel, c, arch).asm["ptx"]
+        assert "div.full" not in ptx and "div.approx.f32" not in ptx, "approximate division"
+        assert not re.search(r"fma\.rn\.f32", ptx), "FMA contraction"
+        if rceil or pre or mode == 1:
+            assert "div.rn.f32" in ptx
+    build(tq._amax_kernel, dict(TILE_R=64, TK=32, ROT=32, LOG_ROT=5, ROT_C=0.17677669529663687,
+                                HAS_SIGNS=False), arch)
+print("compiled", 2 * (len(VARIANTS) + 1))
+'''
+
+
+def test_kernels_compile_for_sm90_and_sm100():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "0"
+    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "compiled 10" in r.stdout

@@ -1,0 +1,244 @@
+"""The fused Triton quantizers equal the CPU reference bit for bit.
+
+Without CUDA they run in Triton's interpreter: TRITON_INTERPRET=1 must be set before the kernels
+are decorated (``@triton.jit`` reads it then), so it is set here, at the top of the module, before
+``kernels.triton_quant`` is imported. With CUDA the same tests run the compiled kernels on the GPU
+against the reference computed on the CPU. Shapes are small: the interpreter runs every program
+instance through numpy.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install 'lowprec-pretrain[gpu]')")
+
+import kernels  # noqa: E402
+from kernels.fused import _sr_uniforms  # noqa: E402
+from kernels.triton_quant import interpreter_problem, interpreting, quantize_triton  # noqa: E402
+from precision import quantize  # noqa: E402
+from precision.rotation import random_signs, rotate  # noqa: E402
+
+if not torch.cuda.is_available() and not interpreting():
+    pytest.skip("no CUDA device and TRITON_INTERPRET is not 1", allow_module_level=True)
+if not torch.cuda.is_available() and interpreter_problem():
+    pytest.skip(interpreter_problem(), allow_module_level=True)
+
+DEV = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
+BLOCK_FORMATS = ("mxfp4", "mxfp8_e4m3", "mxfp8_e5m2", "nvfp4")
+ALL_FORMATS = (*BLOCK_FORMATS, "fp8_e4m3", "fp8_e5m2")
+
+
+def bits_equal(a, b):
+    """Same bits everywhere, except that any NaN equals any NaN."""
+    nan = torch.isnan(a)
+    same_nan = torch.equal(nan, torch.isnan(b))
+    return same_nan and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32))
+
+
+def data(rows=48, cols=80):
+    """Wide dynamic range, a partial last block (80 = 2.5 blocks of 32), NaN, Inf, zero and
+    FP32-subnormal blocks, and E2M1 ties."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, cols, generator=g) * torch.logspace(-4, 4, cols)
+    x[3, 5] = float("nan")
+    x[7:9, 40] = float("inf")
+    x[9, 41] = -float("inf")
+    x[10, :32] = 0
+    x[11, :32] = 1e-40
+    x[12, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2)
+    x[13, :8] = -0.0
+    return x.to(DEV)
+
+
+def ref_quantize(x, *args, **kw):
+    """The specification, computed on the CPU."""
+    return quantize(x.cpu(), *args, **kw)
+
+
+def assert_same(ref, out):
+    assert torch.equal(ref.codes.cpu(), out.codes.cpu()), "codes differ"
+    assert torch.equal(ref.scales.cpu(), out.scales.cpu()), "scales differ"
+    assert bits_equal(ref.dequantize().cpu(), out.dequantized.cpu()), "dequantized values differ"
+
+
+CASES = [(f, axis, rule) for f in ALL_FORMATS for axis in (0, 1)
+         for rule in (("floor", "rceil") if f.startswith("mx") else ("floor",))]
+
+
+@pytest.mark.parametrize("fmt,axis,rule", CASES)
+def test_nearest_bit_exact(fmt, axis, rule):
+    x = data()
+    ref = ref_quantize(x, fmt, axis=axis, scale_rule=rule)
+    out = quantize_triton(x, fmt, axis=axis, scale_rule=rule, dequantize=True)
+    assert_same(ref, out)
+    if fmt.startswith("fp8"):
+        assert torch.equal(ref.amax.cpu(), out.amax.cpu())
+        assert int(ref.num_clipped) == int(out.num_clipped)
+    if fmt == "nvfp4":
+        assert torch.equal(ref.tensor_scale.cpu(), out.tensor_scale.cpu())
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8_e5m2"])
+@pytest.mark.parametrize("axis", [0, 1, 2])
+def test_any_axis_bf16_input_no_copy(fmt, axis):
+    """3-D bf16 input, blocks along the first, a middle or the last axis (strided loads)."""
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(3, 40, 6, generator=g) * 5).bfloat16().to(DEV)
+    ref = ref_quantize(x, fmt, axis=axis)
+    assert_same(ref, quantize_triton(x, fmt, axis=axis, dequantize=True))
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_transposed_view_input(axis):
+    x = data().t()  # non-contiguous: handled through strides
+    ref = ref_quantize(x, "mxfp4", axis=axis)
+    assert_same(ref, quantize_triton(x, "mxfp4", axis=axis, dequantize=True))
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_delayed_amax_counts_clipping(fmt):
+    x = data(32, 64)
+    x = torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+    ref = ref_quantize(x, fmt, amax=1.0)
+    out = quantize_triton(x, fmt, amax=1.0, dequantize=True)
+    assert_same(ref, out)
+    assert int(out.num_clipped) == int(ref.num_clipped) > 0
+
+
+# ------------------------------------------------------------------ rotations
+def smooth(rows=64, cols=64, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * torch.logspace(-2, 2, cols)
+    x[5, 3] = 0
+    x[6, 7] = 300.0  # an outlier for the rotation to spread
+    return x.to(DEV)
+
+
+ROT_CASES = [(f, axis, rot) for rot in ("had16", "rht16")
+             for f in ("mxfp4", "nvfp4", "mxfp8_e4m3", "fp8_e4m3") for axis in (0, 1)]
+
+
+@pytest.mark.parametrize("fmt,axis,rotation", ROT_CASES)
+def test_fused_hadamard16_bit_exact(fmt, axis, rotation):
+    """had16/rht16: the fused butterfly sums in the CPU reference matmul's order -> same bits."""
+    x = smooth()
+    signs = random_signs(16, torch.Generator().manual_seed(3)) if rotation == "rht16" else None
+    ref = ref_quantize(rotate(x.cpu(), axis, 16, signs), fmt, axis=axis)
+    out = quantize_triton(x, fmt, axis=axis, rotation=rotation, signs=signs, dequantize=True)
+    assert_same(ref, out)
+
+
+@pytest.mark.parametrize("fmt,axis", [("mxfp4", 0), ("mxfp4", 1), ("nvfp4", 1), ("fp8_e4m3", 0)])
+def test_fused_hadamard32_close(fmt, axis):
+    """had32: 1/sqrt(32) is inexact, so the sum order matters: exact on the reference-rotated input,
+    within float32 rounding for the fused rotation."""
+    x = smooth()
+    xr = rotate(x.cpu(), axis, 32)
+    ref = quantize(xr, fmt, axis=axis)
+    xr = xr.to(DEV)
+    assert_same(ref, quantize_triton(xr, fmt, axis=axis, dequantize=True))  # rotated by the reference
+    out = quantize_triton(x, fmt, axis=axis, rotation="had32", dequantize=True)
+    mismatch = (out.codes.cpu() != ref.codes.cpu()).float().mean().item()
+    assert mismatch < 0.01, f"{mismatch:.2%} of codes differ"
+    deq_ref, deq = ref.dequantize().cpu(), out.dequantized.cpu()
+    scale = deq_ref.abs().amax()
+    assert ((deq - deq_ref).abs() <= 0.5 * scale).all()  # a differing code is one grid step
+    if fmt.startswith("fp8"):
+        torch.testing.assert_close(out.scales.cpu(), ref.scales.cpu(), rtol=1e-5, atol=0)
+
+
+def test_rotation_needs_whole_groups_and_signs():
+    x = smooth(8, 40)
+    with pytest.raises(ValueError, match="not a multiple of 16"):
+        quantize_triton(x, "mxfp4", rotation="had16")
+    with pytest.raises(ValueError, match="needs signs"):
+        quantize_triton(smooth(), "mxfp4", rotation="rht16")
+
+
+# ------------------------------------------------------------------ stochastic rounding
+@pytest.mark.parametrize("fmt,axis", [("mxfp4", 0), ("mxfp4", 1), ("nvfp4", 0), ("mxfp8_e5m2", 1),
+                                      ("fp8_e4m3", 1)])
+def test_sr_with_reference_draws_bit_exact(fmt, axis):
+    """Given the reference's uniforms (what the hardware GEMM backends pass), SR is bit-exact too."""
+    x = data()
+    prescale = 0.75 if fmt.startswith("mx") else 1.0
+    ref = quantize(x, fmt, axis=axis, rounding="stochastic", prescale=prescale,
+                   generator=torch.Generator(DEV).manual_seed(5))
+    gen = torch.Generator(DEV).manual_seed(5)
+    spec_block = {"mxfp4": 32, "nvfp4": 16, "mxfp8_e5m2": 32}.get(fmt)
+    if spec_block:
+        u = _sr_uniforms(x, axis, spec_block, gen)
+    else:
+        u = torch.rand(x.shape, generator=gen, device=DEV)
+    out = quantize_triton(x, fmt, axis=axis, rounding="stochastic", uniforms=u, prescale=prescale,
+                          dequantize=True)
+    assert_same(ref, out)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8_e5m2"])
+def test_in_kernel_sr_reproducible_and_seeded(fmt):
+    x = smooth()
+    a = quantize_triton(x, fmt, axis=0, rounding="stochastic", seed=11)
+    b = quantize_triton(x, fmt, axis=0, rounding="stochastic", seed=11)
+    c = quantize_triton(x, fmt, axis=0, rounding="stochastic", seed=12)
+    assert torch.equal(a.codes, b.codes)
+    assert not torch.equal(a.codes, c.codes)
+
+
+@pytest.mark.parametrize("fmt,lo,hi", [("mxfp4", 1.0, 1.5), ("fp8_e4m3", 1.0, 1.125)])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_in_kernel_sr_unbiased(fmt, lo, hi, axis):
+    """E[Q(v)] = v: blocks of one large value (fixing the scale at 1) and many copies of v."""
+    v = lo + 0.3 * (hi - lo)
+    x = torch.full((64, 64), v)
+    if fmt == "mxfp4":
+        x[:, ::32] = 4.0  # block amax 4 -> E8M0 scale 2^0: v sits between the E2M1 values lo and hi
+    else:
+        x[0, 0] = 448.0  # per-tensor scale 1
+    x = x.to(DEV)
+    if axis == 0:
+        x = x.t().contiguous()
+    out = quantize_triton(x, fmt, axis=axis, rounding="stochastic", seed=7, dequantize=True).dequantized.cpu()
+    vals = out[x.cpu() == v]
+    assert set(vals.unique().tolist()) <= {lo, hi}
+    assert abs(vals.mean().item() - v) < 0.02 * (hi - lo) * 4  # ~4 standard errors
+    assert 0.2 < (vals == hi).float().mean().item() < 0.4  # P(up) = 0.3
+
+
+# ------------------------------------------------------------------ layouts for the hardware
+@pytest.mark.parametrize("fmt,axis", [("mxfp4", 0), ("mxfp4", 1), ("nvfp4", 0), ("mxfp8_e4m3", 0)])
+def test_contraction_last_layout_and_packing(fmt, axis):
+    x = smooth()
+    ref = ref_quantize(x.movedim(axis, -1).contiguous(), fmt, axis=-1)
+    out = quantize_triton(x, fmt, axis=axis, layout="contraction_last", pack=fmt != "mxfp8_e4m3")
+    want = ref.packed() if fmt != "mxfp8_e4m3" else ref.codes
+    assert out.codes.is_contiguous() and out.scales.is_contiguous()
+    assert torch.equal(out.codes.cpu(), want.cpu())
+    assert torch.equal(out.scales.cpu(), ref.scales.cpu())
+
+
+# ------------------------------------------------------------------ the public entry point
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8_e4m3"])
+def test_kernels_quantize_triton_equals_reference(fmt):
+    x = smooth()
+    for kw in ({"axis": 0}, {"axis": 1, "rotation": "had16"}):
+        ref = kernels.quantize(x.cpu(), fmt, backend="reference", **kw)
+        out = kernels.quantize(x, fmt, backend="triton", **kw)
+        assert type(out) is type(ref)
+        assert torch.equal(ref.codes, out.codes.cpu()) and torch.equal(ref.scales, out.scales.cpu())
+        assert bits_equal(ref.dequantize(), out.dequantize().cpu())
+
+
+def test_kernels_quantize_sr_generator_reproducible():
+    x = smooth()
+    a = kernels.quantize(x, "mxfp4", rounding="stochastic", generator=torch.Generator(DEV).manual_seed(1),
+                         backend="triton")
+    b = kernels.quantize(x, "mxfp4", rounding="stochastic", generator=torch.Generator(DEV).manual_seed(1),
+                         backend="triton")
+    assert torch.equal(a.codes, b.codes)
