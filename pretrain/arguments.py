@@ -1,0 +1,453 @@
+"""Command line of ``launch/pretrain.py``: Megatron-LM flag names, model-size files, early validation.
+
+    args = parse_args(argv)                   # argparse + configs/models/NAME.yaml; one-line errors
+    validate_args(args, world_size)           # everything checkable before torch.distributed / build
+    cfg = model_config(args, vocab_size)      # model.gpt.ModelConfig
+
+Precedence: parser defaults < ``--model-size`` file < flags given on the command line. A model-size
+file (``configs/models/NAME.yaml``, or any ``.yaml`` path) maps argument names (``hidden_size``,
+``lr``, ...; a flag's name with ``_`` for ``-``) to values; an unknown key is an error.
+
+Every refusal is one line on stderr, ``pretrain.py: error: <flag or path>: <what is valid>``, and
+exit status 2 (:func:`fail`); argparse's own errors (unknown flag, bad number) use the same format.
+``validate_args`` needs only the world size, which torchrun puts in the environment, so bad input is
+refused before ``torch.distributed``, data or model are touched. It imports ``model.gpt`` (and so
+megatron-core) only for its last check, the model shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import NoReturn
+
+import yaml
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL_SIZES_DIR = os.path.join(REPO, "configs", "models")
+PROG = "pretrain.py"
+
+
+class ConfigError(ValueError):
+    """Bad input; the message is one line naming the flag or path and what is valid."""
+
+
+def fail(message: str) -> NoReturn:
+    """Print ``pretrain.py: error: message`` (one line) to stderr and exit with status 2."""
+    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # argparse prints usage + error; we print one line
+        fail(message)
+
+
+def model_sizes() -> list[str]:
+    """Names of the model-size files in ``configs/models``."""
+    if not os.path.isdir(MODEL_SIZES_DIR):
+        return []
+    return sorted(f[: -len(".yaml")] for f in os.listdir(MODEL_SIZES_DIR) if f.endswith(".yaml"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=PROG,
+        description="Pretrain a megatron-core GPT under a per-GEMM precision policy.",
+        allow_abbrev=False,
+    )
+    g = p.add_argument_group("model")
+    add = g.add_argument
+    add(
+        "--model-size",
+        metavar="NAME|FILE",
+        help=f"model shape and recommended hyper-parameters from configs/models/NAME.yaml "
+        f"({', '.join(model_sizes())}) or a .yaml file; explicit flags override it",
+    )
+    add("--num-layers", type=int)
+    add("--hidden-size", type=int)
+    add("--ffn-hidden-size", type=int, help="default: 4 * hidden size")
+    add("--num-attention-heads", type=int)
+    add("--num-query-groups", type=int, help="grouped-query attention groups (default: = heads)")
+    add("--seq-length", type=int)
+    add("--normalization", choices=["RMSNorm", "LayerNorm"], default="RMSNorm")
+    add(
+        "--swiglu", action=argparse.BooleanOptionalAction, default=True, help="SwiGLU MLP (--no-swiglu: GeLU)"
+    )
+    add("--position-embedding-type", choices=["rope", "learned_absolute"], default="rope")
+    add("--rotary-base", type=int, default=10000)
+    add(
+        "--use-rope-scaling",
+        action="store_true",
+        help="Llama 3.x RoPE frequency scaling (--rope-scaling-factor)",
+    )
+    add("--rope-scaling-factor", type=float, default=8.0)
+    add("--untie-embeddings-and-output-weights", action=argparse.BooleanOptionalAction, default=True)
+    add("--add-bias-linear", action="store_true", default=False)
+    add("--disable-bias-linear", dest="add_bias_linear", action="store_false")
+    add("--add-qkv-bias", action="store_true", help="bias on linear_qkv only (Qwen2)")
+    add("--init-method-std", type=float, default=0.02)
+    add("--norm-epsilon", type=float, default=1e-5)
+    add("--hidden-dropout", type=float, default=0.0)
+    add("--attention-dropout", type=float, default=0.0)
+    add("--make-vocab-size-divisible-by", type=int, default=128)
+
+    g = p.add_argument_group("precision")
+    add = g.add_argument
+    add(
+        "--precision",
+        default="bf16",
+        metavar="NAME|SPEC|FILE",
+        help="default recipe of every linear: a preset (precision.presets), a per-GEMM spec, "
+        "or a YAML/JSON file",
+    )
+    add(
+        "--precision-rule",
+        action="append",
+        default=[],
+        metavar="SELECTOR=VALUE",
+        help="per-layer override, first match wins, e.g. first:1=bf16 or 'kind:mlp=wgrad=mxfp4+had16' "
+        "(repeatable)",
+    )
+    add(
+        "--gemm-backend",
+        choices=["emulated", "reference"],
+        default="emulated",
+        help="emulated: fused torch.compile quantizers; reference: the eager spec (bit-identical, slower)",
+    )
+
+    g = p.add_argument_group("parallelism")
+    add = g.add_argument
+    add("--tensor-model-parallel-size", type=int, default=1)
+    add("--pipeline-model-parallel-size", type=int, default=1)
+    add("--sequence-parallel", action="store_true", help="CUDA only; needs TP > 1")
+
+    g = p.add_argument_group("training")
+    add = g.add_argument
+    add("--micro-batch-size", type=int, default=1)
+    add("--global-batch-size", type=int, help="default: micro batch size * data-parallel size")
+    add("--train-iters", type=int)
+    add("--lr", type=float, default=3e-4)
+    add("--min-lr", type=float, default=0.0)
+    add("--lr-warmup-iters", type=int, default=0)
+    add("--lr-decay-iters", type=int, help="default: --train-iters")
+    add("--lr-decay-style", choices=["cosine", "linear", "constant"], default="cosine")
+    add("--weight-decay", type=float, default=0.1)
+    add("--adam-beta1", type=float, default=0.9)
+    add("--adam-beta2", type=float, default=0.95)
+    add("--adam-eps", type=float, default=1e-8)
+    add("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (0: off)")
+    add("--seed", type=int, default=1234)
+    add("--exit-interval", type=int, help="save (with --save) and exit after an iteration divisible by this")
+
+    g = p.add_argument_group("data")
+    add = g.add_argument
+    add(
+        "--data-path",
+        nargs="+",
+        metavar="PREFIX",
+        help="indexed-dataset prefixes (PREFIX.bin/.idx), optionally weighted: W1 P1 W2 P2; "
+        "default: the built-in stdlib corpus",
+    )
+    add("--valid-data-path", nargs="+", metavar="PREFIX", help="separate validation prefixes")
+    add("--split", default="99,1,0", help="train,valid,test document split of --data-path (default 99,1,0)")
+    add("--tokenizer-model", metavar="FILE", help="sentencepiece model (required with --data-path)")
+    add(
+        "--data-cache-dir",
+        default=os.path.join(os.path.expanduser("~"), ".cache", "lowprec-pretrain"),
+        help="built-in corpus and dataset index cache (default ~/.cache/lowprec-pretrain)",
+    )
+
+    g = p.add_argument_group("checkpoints, evaluation, logging")
+    add = g.add_argument
+    add(
+        "--save",
+        metavar="DIR",
+        help="checkpoint directory (Megatron layout: DIR/iter_0000010/mp_rank_00/...)",
+    )
+    add("--save-interval", type=int, help="save every N iterations (and always at the end and on SIGTERM)")
+    add(
+        "--load",
+        metavar="DIR",
+        help="resume from DIR's latest checkpoint; may equal --save and not exist yet",
+    )
+    add(
+        "--finetune", action="store_true", help="with --load: load model weights only, restart at iteration 0"
+    )
+    add(
+        "--eval-interval",
+        type=int,
+        default=1000,
+        help="held-out evaluation every N iterations (0: only at the end)",
+    )
+    add("--eval-iters", type=int, default=10, help="global batches per evaluation (0: no evaluation)")
+    add("--log-interval", type=int, default=10)
+    add("--tensorboard-dir", metavar="DIR")
+    return p
+
+
+# =================================================================================================
+# Parsing
+# =================================================================================================
+
+
+def _model_size_file(value: str) -> str:
+    if value.endswith((".yaml", ".yml")) or os.sep in value:
+        if not os.path.isfile(value):
+            raise ConfigError(f"--model-size: no such file: {value}")
+        return value
+    path = os.path.join(MODEL_SIZES_DIR, f"{value}.yaml")
+    if not os.path.isfile(path):
+        raise ConfigError(
+            f"--model-size: unknown size {value!r}; valid: {', '.join(model_sizes())} or a .yaml file"
+        )
+    return path
+
+
+def _load_model_size(parser: argparse.ArgumentParser, value: str) -> dict:
+    path = _model_size_file(value)
+    with open(path) as f:
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--model-size: {path} is not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--model-size: {path} must be a mapping of argument names to values")
+    dests = {a.dest for a in parser._actions} - {"help", "model_size"}
+    unknown = sorted(set(data) - dests)
+    if unknown:
+        raise ConfigError(
+            f"--model-size: {path}: unknown key(s) {', '.join(unknown)}; keys are flag names "
+            f"with '_' for '-', e.g. hidden_size"
+        )
+    return data
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse ``argv`` over the model-size file's values; fill derived defaults. Exits 2 on bad input."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.model_size:
+            parser.set_defaults(**_load_model_size(parser, args.model_size))
+            args = parser.parse_args(argv)
+    except ConfigError as e:
+        fail(str(e))
+    required = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters")
+    missing = [f"--{k.replace('_', '-')}" for k in required if getattr(args, k) is None]
+    if missing:
+        sizes = ", ".join(model_sizes())
+        fail(f"missing {', '.join(missing)} (give them, or --model-size NAME with NAME in {sizes})")
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.num_query_groups is None:
+        args.num_query_groups = args.num_attention_heads
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    return args
+
+
+# =================================================================================================
+# Validation (before torch.distributed, data or model)
+# =================================================================================================
+
+
+def _positive(args, *names: str, allow_zero: bool = False) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and (value < 0 if allow_zero else value <= 0):
+            bound = ">= 0" if allow_zero else "> 0"
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be {bound}")
+
+
+def _check_precision(args) -> None:
+    from precision import PrecisionPolicy, SpecError, parse_precision
+    from precision.policy import Rule
+
+    try:
+        parse_precision(args.precision)
+    except SpecError as e:
+        raise ConfigError(f"--precision: {e}") from None
+    for rule in args.precision_rule:
+        try:
+            Rule.parse(rule)
+        except SpecError as e:
+            msg = str(e)
+            raise ConfigError(
+                msg if msg.startswith("--precision-rule") else f"--precision-rule {rule!r}: {msg}"
+            ) from None
+    PrecisionPolicy.from_args(args.precision, args.precision_rule)
+
+
+def data_prefixes(paths: list[str]) -> list[str]:
+    """The prefixes of a megatron ``--data-path`` list (``P1 P2`` or ``W1 P1 W2 P2``)."""
+
+    def is_number(s: str) -> bool:
+        try:
+            float(s)
+            return True
+        except ValueError:
+            return False
+
+    if len(paths) > 1 and is_number(paths[0]):
+        if len(paths) % 2 or not all(is_number(w) for w in paths[::2]):
+            raise ConfigError(
+                f"--data-path: expected PREFIX ... or WEIGHT PREFIX WEIGHT PREFIX ..., got {' '.join(paths)}"
+            )
+        return list(paths[1::2])
+    return list(paths)
+
+
+def _check_data(args) -> None:
+    from pretrain.data.indexed import check_indexed_prefix
+
+    for flag, paths in (("--data-path", args.data_path), ("--valid-data-path", args.valid_data_path)):
+        for prefix in data_prefixes(paths or []):
+            try:
+                check_indexed_prefix(prefix, flag)
+            except FileNotFoundError as e:
+                raise ConfigError(str(e)) from None
+    if args.valid_data_path and not args.data_path:
+        raise ConfigError("--valid-data-path needs --data-path (without it the built-in corpus is used)")
+    if args.tokenizer_model is not None and not os.path.isfile(args.tokenizer_model):
+        raise ConfigError(f"--tokenizer-model: no such file: {args.tokenizer_model} (a sentencepiece .model)")
+    if args.data_path and args.tokenizer_model is None:
+        raise ConfigError(
+            "--data-path needs --tokenizer-model (the sentencepiece model the data was tokenized with)"
+        )
+
+
+def _check_checkpoints(args) -> None:
+    if args.load is not None and not os.path.isdir(args.load):
+        same_as_save = args.save is not None and os.path.abspath(args.load) == os.path.abspath(args.save)
+        if os.path.exists(args.load) or not same_as_save:
+            raise ConfigError(
+                f"--load: no such checkpoint directory: {args.load} (give a --save directory of an "
+                f"earlier run; --load equal to --save may not exist yet)"
+            )
+    if args.finetune:
+        from pretrain.checkpointing import TRACKER
+
+        if args.load is None:
+            raise ConfigError("--finetune needs --load (the checkpoint whose weights to start from)")
+        if not os.path.isfile(os.path.join(args.load, TRACKER)):
+            raise ConfigError(f"--finetune: no checkpoint in --load {args.load} ({TRACKER} missing)")
+    if args.save is not None and os.path.exists(args.save) and not os.path.isdir(args.save):
+        raise ConfigError(f"--save: {args.save} exists and is not a directory")
+
+
+def _check_parallel(args, world_size: int, cuda: bool) -> None:
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if world_size % (tp * pp):
+        raise ConfigError(
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} does not divide "
+            f"the world size {world_size} (torchrun --nproc-per-node x nodes)"
+        )
+    if pp > 1:
+        if not cuda:
+            raise ConfigError(
+                f"--pipeline-model-parallel-size {pp}: pipeline parallelism needs CUDA (megatron-core's "
+                "schedules are CUDA-only); use 1 on CPU"
+            )
+        raise ConfigError(
+            f"--pipeline-model-parallel-size {pp}: pipeline parallelism is not supported by "
+            "launch/pretrain.py yet; use tensor and data parallelism (1)"
+        )
+    if args.sequence_parallel and tp > 1 and not cuda:
+        raise ConfigError(
+            "--sequence-parallel needs CUDA (megatron-core's sequence-parallel collectives allocate "
+            "on the GPU); drop it on CPU"
+        )
+    if args.sequence_parallel and args.seq_length % tp:
+        raise ConfigError(
+            f"--sequence-parallel: --seq-length {args.seq_length} is not divisible by "
+            f"--tensor-model-parallel-size {tp}"
+        )
+    dp = world_size // (tp * pp)
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        raise ConfigError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+            f"{args.micro_batch_size} x data-parallel size {dp} = {args.micro_batch_size * dp}"
+        )
+
+
+def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> None:
+    """Raise :class:`ConfigError` (one line) for anything wrong that needs no process group or model."""
+    _positive(
+        args,
+        "num_layers",
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "seq_length",
+        "micro_batch_size",
+        "global_batch_size",
+        "train_iters",
+        "lr_decay_iters",
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "log_interval",
+        "save_interval",
+        "exit_interval",
+        "make_vocab_size_divisible_by",
+    )
+    _positive(
+        args,
+        "lr",
+        "min_lr",
+        "lr_warmup_iters",
+        "weight_decay",
+        "clip_grad",
+        "eval_interval",
+        "eval_iters",
+        "init_method_std",
+        allow_zero=True,
+    )
+    if args.min_lr > args.lr:
+        raise ConfigError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+    if args.lr_warmup_iters > args.lr_decay_iters:
+        raise ConfigError(
+            f"--lr-warmup-iters {args.lr_warmup_iters} exceeds --lr-decay-iters {args.lr_decay_iters}"
+        )
+    _check_parallel(args, world_size, cuda)
+    _check_precision(args)
+    _check_data(args)
+    _check_checkpoints(args)
+    try:
+        from model.gpt import validate_config
+
+        validate_config(model_config(args, vocab_size=1), args.tensor_model_parallel_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def model_config(args: argparse.Namespace, vocab_size: int):
+    """The ``model.gpt.ModelConfig`` of ``args`` for a tokenizer of ``vocab_size`` tokens."""
+    from model.gpt import ModelConfig
+
+    return ModelConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        seq_length=args.seq_length,
+        vocab_size=vocab_size,
+        normalization=args.normalization,
+        activation="swiglu" if args.swiglu else "gelu",
+        position_embedding=args.position_embedding_type,
+        untie_embeddings=args.untie_embeddings_and_output_weights,
+        add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        init_method_std=args.init_method_std,
+        rotary_base=args.rotary_base,
+        rope_scaling_factor=args.rope_scaling_factor if args.use_rope_scaling else None,
+        layernorm_epsilon=args.norm_epsilon,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+    )

@@ -1,0 +1,226 @@
+"""Checkpoints in Megatron-LM's layout, written atomically; exact resume on CPU and GPU.
+
+    DIR/latest_checkpointed_iteration.txt      "10": the newest *complete* checkpoint
+    DIR/iter_0000010/mp_rank_00/model_optim_rng.pt
+    DIR/iter_0000010/mp_rank_01/model_optim_rng.pt  one file per tensor-parallel rank
+
+Each file (written by data-parallel rank 0 of its TP rank; plain ``torch.save``) holds Megatron-LM's
+keys ``checkpoint_version``, ``iteration``, ``model`` (the unwrapped model's ``state_dict``: every
+policy linear's ``_extra_state`` is its ``LayerQuantState`` -- stochastic-rounding call counters
+and amax histories), ``optimizer``, ``opt_param_scheduler``, ``rng_state`` (one entry per data
+parallel rank: python, numpy, torch CPU, CUDA and megatron's CUDA RNG tracker), ``args`` (a dict),
+and ours: ``consumed_train_samples`` (the data position), ``precision_plan``
+(``PrecisionPlan.to_dict()``), ``model_config`` (``dataclasses.asdict(ModelConfig)``, vocabulary
+included) and ``tokenizer_model`` (the tokenizer file the run used). Load with
+``torch.load(..., weights_only=False)``: RNG states hold numpy arrays.
+
+Atomicity: all ranks write into ``DIR/.tmp_iter_0000010``; after a barrier global rank 0 renames it
+to ``DIR/iter_0000010`` and then replaces the tracker file (written beside it, fsynced,
+``os.replace``). A crash at any point leaves either the previous checkpoint and tracker, or the new
+ones; a stale ``.tmp_*`` directory is never read and is removed by the next save.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+from megatron.core import parallel_state
+
+TRACKER = "latest_checkpointed_iteration.txt"
+FILE = "model_optim_rng.pt"
+CHECKPOINT_VERSION = 3.0
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message is one line naming ``--load`` and the path."""
+
+
+def iter_dir_name(iteration: int | str) -> str:
+    return "release" if iteration == "release" else f"iter_{iteration:07d}"
+
+
+def rank_file(ckpt_dir: str, tp_rank: int) -> str:
+    """Megatron's per-rank path (``mp_rank_XX``; pipeline parallelism would add ``_YYY``)."""
+    return os.path.join(ckpt_dir, f"mp_rank_{tp_rank:02d}", FILE)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_atomic_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def read_tracker(load_dir: str) -> int | str | None:
+    """The iteration in ``load_dir``'s tracker file (``"release"`` allowed), or None without one."""
+    path = os.path.join(load_dir, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    if text == "release":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"--load: {path} holds {text!r}, not an iteration number") from None
+
+
+# ================================================================================================
+# RNG state
+# ================================================================================================
+
+
+def get_rng_state() -> dict:
+    state = {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "rng_tracker_states": None,
+    }
+    if torch.cuda.is_available():
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        state["rng_tracker_states"] = get_cuda_rng_tracker().get_states()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if torch.cuda.is_available() and state.get("cuda_rng_state") is not None:
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+        if state.get("rng_tracker_states"):
+            from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+            get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def gather_rng_states() -> list[dict]:
+    """Every data-parallel rank's RNG state (same list on all of them), as Megatron-LM saves them."""
+    group = parallel_state.get_data_parallel_group()
+    states = [None] * group.size()
+    torch.distributed.all_gather_object(states, get_rng_state(), group=group)
+    return states
+
+
+# ================================================================================================
+# Save / load
+# ================================================================================================
+
+
+def save_checkpoint(save_dir: str, iteration: int, state: dict) -> str:
+    """Write this rank's ``state`` (``rng_state`` is added here) for ``iteration``; collective.
+
+    Returns the checkpoint directory. Only data-parallel rank 0 of each TP rank writes (model and
+    optimizer are replicated over data parallelism); global rank 0 publishes the directory.
+    """
+    rank = torch.distributed.get_rank()
+    final = os.path.join(save_dir, iter_dir_name(iteration))
+    tmp = os.path.join(save_dir, f".tmp_{iter_dir_name(iteration)}")
+    if rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        for name in os.listdir(save_dir):  # stale partial saves of crashed runs
+            if name.startswith((".tmp_iter_", ".old_iter_")):
+                shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+        os.makedirs(tmp)
+    rng_states = gather_rng_states()
+    torch.distributed.barrier()
+
+    if parallel_state.get_data_parallel_rank() == 0:
+        path = rank_file(tmp, parallel_state.get_tensor_model_parallel_rank())
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        payload = {
+            "checkpoint_version": CHECKPOINT_VERSION,
+            "iteration": iteration,
+            **state,
+            "rng_state": rng_states,
+        }
+        with open(path, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+    torch.distributed.barrier()
+
+    if rank == 0:
+        if os.path.exists(final):  # re-saving an iteration (e.g. --finetune into the same --save)
+            old = os.path.join(save_dir, f".old_{iter_dir_name(iteration)}")
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(save_dir)
+        _write_atomic_text(os.path.join(save_dir, TRACKER), str(iteration))
+    torch.distributed.barrier()
+    return final
+
+
+def load_checkpoint(load_dir: str, tp_size: int) -> dict | None:
+    """This rank's checkpoint dict from ``load_dir``'s latest iteration, or None if there is none yet.
+
+    Raises :class:`CheckpointError` if the tracker points to a missing directory, or the checkpoint
+    was written with another tensor-parallel size (resharding is not supported).
+    """
+    iteration = read_tracker(load_dir)
+    if iteration is None:
+        return None
+    ckpt_dir = os.path.join(load_dir, iter_dir_name(iteration))
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    path = rank_file(ckpt_dir, tp_rank)
+    if not os.path.isfile(path):
+        saved = (
+            len([d for d in os.listdir(ckpt_dir) if d.startswith("mp_rank_")])
+            if os.path.isdir(ckpt_dir)
+            else 0
+        )
+        if saved and saved != tp_size:
+            raise CheckpointError(
+                f"--load: {ckpt_dir} was saved with --tensor-model-parallel-size {saved}, this run "
+                f"uses {tp_size}; resharding checkpoints is not supported"
+            )
+        raise CheckpointError(
+            f"--load: missing {path} (the tracker {os.path.join(load_dir, TRACKER)} names "
+            f"iteration {iteration})"
+        )
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)  # our own files: python objects inside
+    saved_tp = ckpt.get("args", {}).get("tensor_model_parallel_size", tp_size)
+    if saved_tp != tp_size:
+        raise CheckpointError(
+            f"--load: {ckpt_dir} was saved with --tensor-model-parallel-size {saved_tp}, this "
+            f"run uses {tp_size}; resharding checkpoints is not supported"
+        )
+    ckpt["path"] = ckpt_dir
+    return ckpt
+
+
+def restore_rng_state(ckpt: dict) -> bool:
+    """Set this rank's RNGs from ``ckpt``; False (nothing set) if the data-parallel size changed."""
+    states = ckpt.get("rng_state") or []
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    if len(states) != dp_size:
+        return False
+    set_rng_state(states[dp_rank])
+    return True

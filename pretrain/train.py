@@ -1,0 +1,574 @@
+"""The pretraining loop behind ``launch/pretrain.py``: setup, train, evaluate, log, checkpoint.
+
+    torchrun --nproc-per-node 2 launch/pretrain.py --model-size tiny --precision wgrad_hadamard \\
+        --tensor-model-parallel-size 2 --train-iters 200 --save runs/tiny/ckpt --tensorboard-dir runs/tiny/tb
+
+Order of events (every rank):
+
+1. ``parse_args`` / ``validate_args`` (``pretrain.arguments``): bad input exits 2 with one line,
+   before anything is initialized.
+2. ``torch.distributed`` from torchrun's environment (a world of one without torchrun): gloo on
+   CPU, NCCL on CUDA; megatron ``parallel_state.initialize_model_parallel(TP, PP=1)``; seeds
+   (python, numpy, torch; megatron's CUDA RNG tracker on GPU) -- the same on every rank, so every
+   rank draws the same master weights and keeps its TP shard (``model.gpt``).
+3. Tokenizer and datasets (``pretrain.data``; the built-in stdlib corpus without ``--data-path``),
+   the model, the precision plan (``PrecisionPolicy.from_args(...).resolve(...)``, applied and
+   printed once), AdamW + schedule (``pretrain.optim``), then ``--load`` (``pretrain.checkpointing``),
+   then torch DDP over the data-parallel group (when it has more than one rank).
+4. Each iteration consumes one global batch, ``micro_batch_size * dp * num_micro_batches``
+   samples, in megatron's sample order (``pretrain.data.gpt_data``). Gradients accumulate over
+   the micro-batches (DDP all-reduces once, on the last); the loss is normalized **per token over
+   the whole global batch** (Megatron-LM's ``--calculate-per-token-loss``), so losses and gradients
+   do not depend on how the batch is split over micro-batches and data-parallel ranks. Then TP
+   partial gradients are summed (sequence parallelism), the global norm is clipped, the lr set
+   and AdamW steps.
+5. After the iteration: progress line and TensorBoard scalars (rank 0), evaluation every
+   ``--eval-interval``, checkpoint every ``--save-interval``; SIGTERM (on any rank) or
+   ``--exit-interval``: save and exit 0. At the end: save, final evaluation.
+
+Exact resume: the iteration's data are a function of the samples consumed; the model's
+``state_dict`` holds every linear's quantization state (SR call counters, amax histories); RNG
+states are restored; nothing else is random. So on CPU a resumed run repeats the uninterrupted run
+bit for bit (stochastic rounding included). Evaluation draws Fprop calls from the same quantization
+streams, so it must happen at the same iterations in both runs (it does: it depends only on the
+iteration number).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+import random
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pretrain.arguments import ConfigError, fail, model_config, parse_args, validate_args
+
+if TYPE_CHECKING:
+    from model.gpt import ModelConfig
+    from precision import PrecisionPlan
+    from pretrain.optim import LRSchedule
+
+# Flags that fix parameter shapes: a checkpoint must agree with the run on all of them.
+SHAPE_ARGS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "swiglu",
+    "normalization", "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear",
+    "add_qkv_bias",
+)  # fmt: skip
+
+# ================================================================================================
+# Setup
+# ================================================================================================
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(args) -> torch.device:
+    """Process group from torchrun's environment (a world of one without it), parallel state, seeds."""
+    from megatron.core import parallel_state
+
+    if "RANK" not in os.environ:  # plain `python launch/pretrain.py`: a world of one
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+        )
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+    )
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    if cuda:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(args.seed)
+    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+
+def build_model(args, vocab_size: int, device: torch.device):
+    """This rank's model with the resolved precision plan applied; returns ``(model, plan)``."""
+    from megatron.core import parallel_state
+
+    from model.gpt import apply_precision_plan, build_gpt, policy_linear_names
+    from precision import PrecisionPolicy
+
+    sequence_parallel = args.sequence_parallel and args.tensor_model_parallel_size > 1
+    model = build_gpt(model_config(args, vocab_size), sequence_parallel=sequence_parallel, seed=args.seed)
+    plan = PrecisionPolicy.from_args(args.precision, args.precision_rule).resolve(
+        policy_linear_names(model), args.num_layers
+    )
+    apply_precision_plan(model, plan)
+    for name in policy_linear_names(model):
+        model.get_submodule(name).gemm_backend = args.gemm_backend
+    assert parallel_state.get_pipeline_model_parallel_world_size() == 1
+    return model.to(device), plan
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(whole model over all TP ranks, this rank's shard)."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    local = sum(p.numel() for p in model.parameters())
+    total = sum(
+        p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1) for p in model.parameters()
+    )
+    return total, local
+
+
+# ================================================================================================
+# Training state
+# ================================================================================================
+
+
+@dataclass
+class Trainer:
+    """Everything one rank trains with; ``iteration`` and ``consumed_samples`` are the position."""
+
+    args: object  # argparse.Namespace
+    model: torch.nn.Module  # unwrapped (state dicts, parameter names)
+    ddp: torch.nn.Module  # what runs forward/backward: DDP(model), or model when DP == 1
+    optimizer: torch.optim.Optimizer
+    schedule: LRSchedule
+    plan: PrecisionPlan
+    model_config: ModelConfig  # saved with checkpoints (for evaluation tools)
+    tokenizer_model: str  # the tokenizer file used (also the built-in one, without --tokenizer-model)
+    train_ds: torch.utils.data.Dataset
+    valid_ds: torch.utils.data.Dataset | None
+    device: torch.device
+    iteration: int = 0
+    consumed_samples: int = 0
+    last_saved: int | None = None  # iteration of the last checkpoint written or loaded
+    tb: object = None  # rank 0's SummaryWriter with --tensorboard-dir
+
+    # ---------------------------------------------------------------- distributed helpers
+    @property
+    def dp(self):
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+    def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        from megatron.core import parallel_state
+
+        if self.dp[1] > 1:
+            torch.distributed.all_reduce(t, group=parallel_state.get_data_parallel_group())
+        return t
+
+    @property
+    def num_micro_batches(self) -> int:
+        a = self.args
+        return a.global_batch_size // (a.micro_batch_size * self.dp[1])
+
+    def _forward(self, module, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed masked per-token loss of one micro-batch, and its token count."""
+        tokens, labels = mb["tokens"].to(self.device), mb["labels"].to(self.device)
+        position_ids, mask = mb["position_ids"].to(self.device), mb["loss_mask"].to(self.device).float()
+        per_token = module(tokens, position_ids, None, labels=labels)  # [b, s]
+        return (per_token.float() * mask).sum(), mask.sum()
+
+    # ---------------------------------------------------------------- one iteration
+    def train_step(self, data) -> tuple[float, float, float]:
+        """One global batch: returns (loss, grad norm before clipping, lr)."""
+        from megatron.core import parallel_state
+
+        from model.gpt import allreduce_tp_partial_grads
+        from pretrain.optim import clip_grad_norm
+
+        micro = [next(data) for _ in range(self.num_micro_batches)]
+        tokens = self._dp_sum(
+            torch.stack([mb["loss_mask"].sum() for mb in micro]).sum().float().to(self.device)
+        )
+        dp_size = self.dp[1]
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=self.device)
+        for i, mb in enumerate(micro):
+            last = i == len(micro) - 1
+            sync = contextlib.nullcontext() if last or self.ddp is self.model else self.ddp.no_sync()
+            with sync:
+                s, _ = self._forward(self.ddp, mb)
+                # DDP averages over data-parallel ranks; scale by dp so the result is sum / global tokens
+                (s * (dp_size / tokens)).backward()
+            loss_sum += s.detach()
+        loss = (self._dp_sum(loss_sum) / tokens).item()
+        allreduce_tp_partial_grads(self.model)
+        norm = clip_grad_norm(
+            self.model.parameters(), self.args.clip_grad, parallel_state.get_tensor_model_parallel_group()
+        )
+        if not (np.isfinite(loss) and np.isfinite(norm)):
+            raise FloatingPointError(
+                f"iteration {self.iteration + 1}: loss {loss}, grad norm {norm}; lower --lr, "
+                f"or keep more layers in higher precision (--precision-rule)"
+            )
+        lr = self.schedule.step()
+        self.optimizer.step()
+        return loss, norm, lr
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean per-token loss over the first ``--eval-iters`` global batches of the validation set."""
+        from pretrain.data import batches
+
+        if self.valid_ds is None or self.args.eval_iters == 0:
+            return None
+        self.model.eval()
+        sums = torch.zeros(2, device=self.device)
+        data = batches(self.valid_ds, 0, self.args.micro_batch_size, *self.dp)
+        for _, mb in zip(range(self.args.eval_iters * self.num_micro_batches), data):
+            s, n = self._forward(self.model, mb)
+            sums += torch.stack([s, n])
+        self.model.train()
+        self._dp_sum(sums)
+        return (sums[0] / sums[1]).item() if sums[1] > 0 else None
+
+    # ---------------------------------------------------------------- checkpoints
+    def save(self) -> str:
+        from pretrain.checkpointing import save_checkpoint
+
+        t0 = time.perf_counter()
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "opt_param_scheduler": self.schedule.state_dict(),
+            "consumed_train_samples": self.consumed_samples,
+            "precision_plan": self.plan.to_dict(),
+            "model_config": dataclasses.asdict(self.model_config),
+            "tokenizer_model": self.tokenizer_model,
+            "args": dict(vars(self.args)),
+        }
+        path = save_checkpoint(self.args.save, self.iteration, state)
+        rank0_print(f"saved checkpoint {path} ({time.perf_counter() - t0:.1f}s)")
+        self.last_saved = self.iteration
+        return path
+
+    def load(self) -> None:
+        """``--load``: everything (resume), or model weights only (``--finetune``)."""
+        from pretrain.checkpointing import CheckpointError, load_checkpoint, restore_rng_state
+
+        args = self.args
+        ckpt = load_checkpoint(args.load, args.tensor_model_parallel_size)
+        if ckpt is None:
+            rank0_print(
+                f"--load {args.load}: no checkpoint yet ({os.path.basename(args.load)}/latest_checkpointed_"
+                f"iteration.txt missing): starting from scratch"
+            )
+            return
+        saved = ckpt.get("args", {})
+        for key in SHAPE_ARGS:
+            if key in saved and saved[key] != getattr(args, key):
+                flag = "--" + key.replace("_", "-")
+                raise CheckpointError(
+                    f"--load: {ckpt['path']} has {flag} {saved[key]}, this run {getattr(args, key)}"
+                )
+        try:
+            self.model.load_state_dict(ckpt["model"], strict=True)
+        except RuntimeError as e:
+            raise CheckpointError(
+                f"--load: {ckpt['path']} does not fit this model: {' '.join(str(e).split())[:300]}"
+            ) from None
+        changed = [
+            n
+            for n, v in ckpt.get("precision_plan", {}).items()
+            if n in self.plan and self.plan.to_dict()[n]["precision"] != v["precision"]
+        ]
+        if changed:
+            rank0_print(
+                f"note: the precision of {len(changed)} linear layer(s) differs from the checkpoint's plan "
+                f"(e.g. {changed[0]}); using this run's --precision / --precision-rule"
+            )
+        if args.finetune:
+            rank0_print(f"--finetune: loaded model weights of {ckpt['path']}; starting at iteration 0")
+            return
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.schedule.load_state_dict(ckpt["opt_param_scheduler"])
+        self.iteration = int(ckpt["iteration"]) if ckpt["iteration"] != "release" else 0
+        self.consumed_samples = int(
+            ckpt.get("consumed_train_samples", self.iteration * args.global_batch_size)
+        )
+        if not restore_rng_state(ckpt):
+            rank0_print("note: data-parallel size differs from the checkpoint's: RNG states not restored")
+        self.last_saved = self.iteration
+        rank0_print(
+            f"resumed from {ckpt['path']}: iteration {self.iteration}, "
+            f"{self.consumed_samples} samples consumed"
+        )
+
+
+# ================================================================================================
+# Logging
+# ================================================================================================
+
+
+def is_rank0() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def rank0_print(*a) -> None:
+    if is_rank0():
+        print(*a, flush=True)
+
+
+def _hms(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=int(max(0.0, seconds))))
+
+
+class _Progress:
+    """Progress lines every ``--log-interval`` and TensorBoard scalars every iteration (rank 0).
+
+    A line shows the loss averaged since the previous line, the last iteration's lr and grad norm,
+    and tokens/s and ETA from the time per iteration since the previous line -- not counting the
+    run's first iteration, which includes torch.compile's compilation.
+    """
+
+    def __init__(self, trainer: Trainer):
+        self.t, self.start = trainer, time.perf_counter()
+        self.rate_start, self.rate_iters, self.compiling = self.start, 0, True
+        self.window_iters, self.window_loss = 0, 0.0
+
+    def iteration(self, loss: float, norm: float, lr: float, seconds: float) -> None:
+        t, a = self.t, self.t.args
+        tokens = a.global_batch_size * a.seq_length
+        self.window_iters += 1
+        self.window_loss += loss
+        if t.tb is not None:
+            for tag, value in (
+                ("train/loss", loss),
+                ("train/lr", lr),
+                ("train/grad_norm", norm),
+                ("train/tokens_per_sec", tokens / max(seconds, 1e-9)),
+            ):
+                t.tb.add_scalar(tag, value, t.iteration)
+        now = time.perf_counter()
+        if self.compiling:  # the run's first iteration compiles: leave it out of the rate
+            self.rate_start, self.compiling = now, False
+        else:
+            self.rate_iters += 1
+        if t.iteration % a.log_interval == 0 or t.iteration == a.train_iters:
+            per_iter = (now - self.rate_start) / self.rate_iters if self.rate_iters else seconds
+            width = len(str(a.train_iters))
+            rank0_print(
+                f"iteration {t.iteration:>{width}}/{a.train_iters}"
+                f" | loss {self.window_loss / self.window_iters:.4f}"
+                f" | lr {lr:.3e} | grad norm {norm:.3f} | {tokens / per_iter:,.0f} tokens/s"
+                f" | elapsed {_hms(now - self.start)} | ETA {_hms(per_iter * (a.train_iters - t.iteration))}"
+            )
+            self.rate_start, self.rate_iters = now, 0
+            self.window_iters, self.window_loss = 0, 0.0
+            if t.tb is not None:
+                t.tb.flush()
+
+    def validation(self, loss: float | None) -> None:
+        if loss is None:
+            return
+        ppl = np.exp(min(loss, 50.0))
+        rank0_print(f"validation at iteration {self.t.iteration} | val loss {loss:.4f} | val ppl {ppl:.2f}")
+        if self.t.tb is not None:
+            self.t.tb.add_scalar("val/loss", loss, self.t.iteration)
+            self.t.tb.flush()
+
+
+# ================================================================================================
+# Main
+# ================================================================================================
+
+
+class _SigtermFlag:
+    """Set by SIGTERM (during setup too); ranks agree on it after every iteration (all-reduce MAX)."""
+
+    def __init__(self):
+        self.received = False
+        signal.signal(signal.SIGTERM, self._handler)
+
+    def _handler(self, signum, frame) -> None:
+        self.received = True
+
+    def any_rank(self, device: torch.device) -> bool:
+        flag = torch.tensor([int(self.received)], device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def setup(args) -> Trainer:
+    """Steps 2-3 of the module docstring; returns a ready Trainer (after ``--load``)."""
+    from megatron.core import parallel_state
+    from torch.nn.parallel import DistributedDataParallel
+
+    from model.gpt import padded_vocab_size
+    from pretrain.data import build_train_valid_datasets, load_tokenizer
+    from pretrain.optim import LRSchedule, build_optimizer
+
+    device = init_distributed(args)
+    tp, dp = args.tensor_model_parallel_size, parallel_state.get_data_parallel_world_size()
+    rank0_print(
+        f"world size {torch.distributed.get_world_size()} = TP {tp} x PP 1 x DP {dp} | device {device.type} "
+        f"({torch.distributed.get_backend()}) | gemm backend {args.gemm_backend} | seed {args.seed}"
+    )
+
+    t0 = time.perf_counter()
+    try:
+        tokenizer = load_tokenizer(args.tokenizer_model, args.data_cache_dir)
+        train_ds, valid_ds = build_train_valid_datasets(
+            args.data_path,
+            tokenizer,
+            args.seq_length,
+            args.seed,
+            train_samples=args.train_iters * args.global_batch_size,
+            valid_samples=max(args.eval_iters, 1) * args.global_batch_size,
+            cache_dir=args.data_cache_dir,
+            split=args.split,
+            valid_data_path=args.valid_data_path,
+        )
+    except (ValueError, FileNotFoundError) as e:  # the data module's one-line messages name the flag
+        raise ConfigError(str(e)) from None
+    source = " ".join(args.data_path) if args.data_path else f"built-in stdlib corpus ({args.data_cache_dir})"
+    cfg = model_config(args, tokenizer.vocab_size)
+    rank0_print(
+        f"data: {source} | tokenizer {tokenizer.path} (vocab {tokenizer.vocab_size}, padded to "
+        f"{padded_vocab_size(cfg, tp)}) | {len(train_ds)} train / {len(valid_ds) if valid_ds else 0} "
+        f"valid samples of {args.seq_length} tokens | {time.perf_counter() - t0:.1f}s"
+    )
+
+    model, plan = build_model(args, tokenizer.vocab_size, device)
+    optimizer = build_optimizer(model, args)
+    trainer = Trainer(
+        args, model, model, optimizer, LRSchedule.from_args(optimizer, args), plan, cfg, tokenizer.path,
+        train_ds, valid_ds, device,
+    )  # fmt: skip
+    if args.load:
+        trainer.load()
+    if dp > 1:
+        trainer.ddp = DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            process_group=parallel_state.get_data_parallel_group(),
+        )
+
+    total, local = count_parameters(model)
+    rank0_print(model)
+    rank0_print(f"parameters: {total:,} ({local:,} on each of {tp} TP rank(s))")
+    rank0_print(
+        f"precision plan (--precision {args.precision}"
+        + "".join(f" --precision-rule {r}" for r in args.precision_rule)
+        + f"):\n{plan.table()}"
+    )
+    if args.tensorboard_dir and is_rank0():
+        from torch.utils.tensorboard import SummaryWriter
+
+        trainer.tb = SummaryWriter(
+            args.tensorboard_dir, purge_step=trainer.iteration + 1 if trainer.iteration else None
+        )
+        trainer.tb.add_text("precision_plan", "```\n" + plan.table() + "\n```", trainer.iteration)
+        trainer.tb.add_text(
+            "args",
+            "```\n" + "\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())) + "\n```",
+            trainer.iteration,
+        )
+    return trainer
+
+
+def train(trainer: Trainer, sigterm: _SigtermFlag) -> int:
+    """The loop (step 4-5 of the module docstring); returns the exit status."""
+    from pretrain.data import batches
+
+    args = trainer.args
+    if trainer.iteration >= args.train_iters:
+        rank0_print(
+            f"nothing to do: already at iteration {trainer.iteration} of --train-iters {args.train_iters}"
+        )
+        return 0
+    data = batches(trainer.train_ds, trainer.consumed_samples, args.micro_batch_size, *trainer.dp)
+    progress = _Progress(trainer)
+    last_eval = None
+    rank0_print(
+        f"training iterations {trainer.iteration + 1}..{args.train_iters}: global batch "
+        f"{args.global_batch_size} = micro {args.micro_batch_size} x DP {trainer.dp[1]} x "
+        f"{trainer.num_micro_batches} micro-batches, {args.global_batch_size * args.seq_length:,} tokens"
+    )
+    while trainer.iteration < args.train_iters:
+        t0 = time.perf_counter()
+        try:
+            loss, norm, lr = trainer.train_step(data)
+        except StopIteration:
+            raise RuntimeError(f"the training data ran out at iteration {trainer.iteration + 1}") from None
+        trainer.iteration += 1
+        trainer.consumed_samples += args.global_batch_size
+        progress.iteration(loss, norm, lr, time.perf_counter() - t0)
+
+        it = trainer.iteration
+        if args.eval_interval and it % args.eval_interval == 0:
+            progress.validation(trainer.evaluate())
+            last_eval = it
+        if args.save and args.save_interval and it % args.save_interval == 0:
+            trainer.save()
+        stop = "SIGTERM" if sigterm.any_rank(trainer.device) else None
+        if stop is None and args.exit_interval and it % args.exit_interval == 0 and it < args.train_iters:
+            stop = f"--exit-interval {args.exit_interval}"
+        if stop:
+            if args.save and trainer.last_saved != it:
+                trainer.save()
+            rank0_print(
+                f"{stop}: stopping after iteration {it}"
+                + ("" if args.save else " (no --save: nothing saved)")
+            )
+            return 0
+
+    if args.save and trainer.last_saved != trainer.iteration:
+        trainer.save()
+    if last_eval != trainer.iteration:
+        progress.validation(trainer.evaluate())
+    rank0_print(f"done: {args.train_iters} iterations in {_hms(time.perf_counter() - progress.start)}")
+    if args.tensorboard_dir:
+        rank0_print(
+            f"TensorBoard logs: {os.path.abspath(args.tensorboard_dir)}  "
+            f"(view: tensorboard --logdir {args.tensorboard_dir})"
+        )
+    if args.save:
+        rank0_print(
+            f"checkpoint: {os.path.abspath(args.save)} (latest_checkpointed_iteration.txt -> "
+            f"{trainer.iteration}; resume with --load {args.save})"
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``launch/pretrain.py``: parse, validate (exit 2 on bad input), set up, train."""
+    from pretrain.checkpointing import CheckpointError
+
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        validate_args(args, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available())
+    except ConfigError as e:
+        if rank == 0:
+            fail(str(e))
+        sys.exit(2)
+    sigterm = _SigtermFlag()  # from here on SIGTERM means: finish the iteration, save, exit 0
+    try:
+        trainer = setup(args)
+        status = train(trainer, sigterm)
+    except (ConfigError, CheckpointError) as e:  # found after setup started (e.g. a checkpoint mismatch)
+        if is_rank0():
+            fail(str(e))
+        sys.exit(2)
+    if trainer.tb is not None:
+        trainer.tb.close()
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return status

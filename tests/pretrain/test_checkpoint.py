@@ -1,0 +1,258 @@
+"""Checkpoints: exact resume (bit for bit on CPU, stochastic rounding included), atomic publication,
+``--finetune``, and SIGTERM (finish the iteration, save, exit 0)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import pretrain.checkpointing as ckpt_mod
+from pretrain.checkpointing import TRACKER, load_checkpoint, read_tracker, save_checkpoint
+
+from ._launch import (  # noqa: F401
+    TINY,
+    data_cache,
+    load_rank_checkpoint,
+    run_pretrain,
+    scalars,
+    send_sigterm,
+    start_pretrain,
+    wait_for_line,
+    worker_pids,
+    world_of_one,
+)
+
+
+def assert_same_state(a, b, where=""):
+    """Bit-for-bit equality of nested checkpoint contents (tensors with torch.equal)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), (where, a.keys() ^ b.keys())
+        for k in a:
+            assert_same_state(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+# === exact resume ===
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout",
+    [["--tensor-model-parallel-size", "2"], ["--tensor-model-parallel-size", "1"]],
+    ids=["tp2", "dp2"],
+)
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, data_cache, layout):  # noqa: F811
+    """10 iterations straight vs 5, exit, resume, 5 more: same losses and final state, bit for bit.
+
+    ``mxfp4_sr`` rounds gradients stochastically from each layer's quantization streams, so this
+    only holds if the streams' call counters come back with the model (its ``_extra_state``)."""
+    common = [
+        "--train-iters",
+        "10",
+        *TINY,
+        "--precision",
+        "mxfp4_sr",
+        "--gemm-backend",
+        "reference",
+        *layout,
+        "--eval-interval",
+        "5",
+        "--data-cache-dir",
+        str(data_cache),
+    ]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run_pretrain(common + ["--save", str(straight), "--tensorboard-dir", str(straight / "tb")])
+    first = run_pretrain(
+        common
+        + [
+            "--save",
+            str(split),
+            "--load",
+            str(split),
+            "--exit-interval",
+            "5",
+            "--tensorboard-dir",
+            str(split / "tb1"),
+        ]
+    )
+    assert (
+        "no checkpoint yet" in first.stdout
+        and "--exit-interval 5: stopping after iteration 5" in first.stdout
+    )
+    assert read_tracker(str(split)) == 5
+    second = run_pretrain(
+        common + ["--save", str(split), "--load", str(split), "--tensorboard-dir", str(split / "tb2")]
+    )
+    assert f"resumed from {split / 'iter_0000005'}: iteration 5, 20 samples consumed" in second.stdout
+
+    loss = scalars(straight / "tb", "train/loss")
+    resumed = {**scalars(split / "tb1", "train/loss"), **scalars(split / "tb2", "train/loss")}
+    assert sorted(scalars(split / "tb2", "train/loss")) == [6, 7, 8, 9, 10]
+    assert resumed == loss  # float equality, every iteration
+    assert scalars(split / "tb2", "val/loss") == {10: scalars(straight / "tb", "val/loss")[10]}
+    assert scalars(split / "tb2", "train/grad_norm") == {
+        k: v for k, v in scalars(straight / "tb", "train/grad_norm").items() if k > 5
+    }
+
+    tp = int(layout[1])
+    for rank in range(tp):
+        a = load_rank_checkpoint(straight / "iter_0000010", rank)
+        b = load_rank_checkpoint(split / "iter_0000010", rank)
+        for key in (
+            "model",
+            "optimizer",
+            "opt_param_scheduler",
+            "rng_state",
+            "consumed_train_samples",
+            "precision_plan",
+        ):
+            assert_same_state(a[key], b[key], key)
+        mid = load_rank_checkpoint(split / "iter_0000005", rank)
+        quant = mid["model"]["decoder.layers.1.mlp.linear_fc2._extra_state"]
+        assert quant["calls"]["wgrad"] > 0  # a fresh state would replay the first iterations' SR draws
+        assert len(mid["rng_state"]) == 2 // tp  # one per data-parallel rank
+
+
+# === atomic publication (in-process, one rank) ===
+
+
+def test_checkpoint_is_published_atomically(tmp_path, monkeypatch, world_of_one):  # noqa: F811
+    save_dir = str(tmp_path / "ckpt")
+    state = {"model": {"w": torch.arange(4.0)}, "args": {"tensor_model_parallel_size": 1}}
+    path = save_checkpoint(save_dir, 1, state)
+    assert path == os.path.join(save_dir, "iter_0000001")
+    assert sorted(os.listdir(save_dir)) == ["iter_0000001", TRACKER]
+    assert os.listdir(path) == ["mp_rank_00"] and os.listdir(os.path.join(path, "mp_rank_00")) == [
+        "model_optim_rng.pt"
+    ]
+
+    real_save = torch.save
+
+    def crash_midway(obj, f, *args, **kwargs):  # a crash (or kill) while the checkpoint file is written
+        if not str(getattr(f, "name", "")).endswith("model_optim_rng.pt"):
+            return real_save(obj, f, *args, **kwargs)  # torch.distributed pickles through torch.save too
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt_mod.torch, "save", crash_midway)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(save_dir, 2, state)
+    visible = sorted(n for n in os.listdir(save_dir) if not n.startswith("."))
+    assert visible == ["iter_0000001", TRACKER] and read_tracker(save_dir) == 1
+    assert load_checkpoint(save_dir, tp_size=1)["iteration"] == 1  # the last complete checkpoint
+
+    monkeypatch.setattr(ckpt_mod.torch, "save", real_save)
+    save_checkpoint(save_dir, 2, state)  # the next save removes the partial one
+    assert (
+        sorted(os.listdir(save_dir)) == ["iter_0000001", "iter_0000002", TRACKER]
+        and read_tracker(save_dir) == 2
+    )
+    state["model"]["w"] = torch.ones(4)
+    save_checkpoint(save_dir, 2, state)  # re-saving an iteration replaces it whole
+    assert sorted(os.listdir(save_dir)) == ["iter_0000001", "iter_0000002", TRACKER]
+    assert torch.equal(load_checkpoint(save_dir, tp_size=1)["model"]["w"], torch.ones(4))
+
+
+def test_tracker_pointing_to_missing_or_other_tp_checkpoint(tmp_path, world_of_one):  # noqa: F811
+    save_dir = tmp_path / "ckpt"
+    save_checkpoint(str(save_dir), 3, {"args": {"tensor_model_parallel_size": 2}})
+    with pytest.raises(
+        ckpt_mod.CheckpointError, match="saved with --tensor-model-parallel-size 2, this run uses 1"
+    ):
+        load_checkpoint(str(save_dir), tp_size=1)
+    (save_dir / TRACKER).write_text("7")
+    with pytest.raises(ckpt_mod.CheckpointError, match="missing .*iter_0000007"):
+        load_checkpoint(str(save_dir), tp_size=1)
+
+
+# === SIGTERM and --finetune ===
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_iteration_saves_and_exits_zero(tmp_path, data_cache):  # noqa: F811
+    """SIGTERM reaches one worker only (rank 1); both agree, save one complete checkpoint, exit 0."""
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.txt"
+    proc = start_pretrain(
+        [
+            "--train-iters",
+            "1000",
+            *TINY,
+            "--gemm-backend",
+            "reference",
+            "--tensor-model-parallel-size",
+            "2",
+            "--save",
+            str(ckpt),
+            "--eval-iters",
+            "0",
+            "--data-cache-dir",
+            str(data_cache),
+        ],
+        nproc=2,
+        log_path=log,
+    )
+    try:
+        wait_for_line(log, "iteration    3/1000", proc)
+        workers = worker_pids(proc.pid)
+        assert sorted(workers) == [0, 1], workers
+        send_sigterm(workers[1])
+        assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    stopped = [line for line in text.splitlines() if line.startswith("SIGTERM: stopping after iteration")]
+    assert len(stopped) == 1, text[-3000:]
+    iteration = int(stopped[0].rsplit(" ", 1)[1])
+    assert iteration >= 3 and read_tracker(str(ckpt)) == iteration
+    done = ckpt / f"iter_{iteration:07d}"
+    assert sorted(os.listdir(done)) == ["mp_rank_00", "mp_rank_01"]
+    assert sorted(os.listdir(ckpt)) == [done.name, TRACKER]
+    assert load_rank_checkpoint(done, 1)["consumed_train_samples"] == 4 * iteration
+
+
+@pytest.mark.slow
+def test_finetune_loads_weights_only(tmp_path, data_cache):  # noqa: F811
+    common = [*TINY, "--gemm-backend", "reference", "--eval-iters", "0", "--data-cache-dir", str(data_cache)]
+    run_pretrain(["--train-iters", "3", *common, "--save", str(tmp_path / "base")], nproc=0)
+    proc = run_pretrain(
+        [
+            "--train-iters",
+            "2",
+            *common,
+            "--load",
+            str(tmp_path / "base"),
+            "--finetune",
+            "--save",
+            str(tmp_path / "ft"),
+            "--precision",
+            "mxfp4",
+        ],
+        nproc=0,
+    )
+    assert (
+        f"--finetune: loaded model weights of {tmp_path / 'base' / 'iter_0000003'}; starting at iteration 0"
+        in proc.stdout
+    )
+    assert "the precision of 8 linear layer(s) differs from the checkpoint's plan" in proc.stdout
+    assert "iteration 1/2" in proc.stdout and read_tracker(str(tmp_path / "ft")) == 2
+    ft = load_rank_checkpoint(tmp_path / "ft" / "iter_0000002", 0)
+    assert ft["opt_param_scheduler"]["num_steps"] == 2 and ft["consumed_train_samples"] == 8
+    # a checkpoint of another shape is refused in one line, before training
+    other = ["--train-iters", "2", *common, "--hidden-size", "256", "--load", str(tmp_path / "base")]
+    proc = run_pretrain(other, nproc=0, check=False)
+    base = tmp_path / "base" / "iter_0000003"
+    refusal = f"pretrain.py: error: --load: {base} has --hidden-size 128, this run 256"
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [refusal]
