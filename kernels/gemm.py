@@ -27,6 +27,7 @@ from precision.recipe import Gemm, GemmRecipe, OperandFormat
 from precision.rotation import rotate, rotation_size
 from precision.state import LayerQuantState
 from precision.telemetry import operand_stats
+from precision.tensorwise import tensor_amax
 
 __all__ = ["gemm", "BACKENDS", "CONTRACTION_AXES", "quantize_operand"]
 
@@ -54,6 +55,10 @@ def quantize_operand(
     ``precision.quantize``); otherwise the fused quantizer of ``kernels.fused``, rotation fused
     in (bit-identical, tested).
     """
+    if state.observe_only:  # QAT warm-up: BF16 GEMM; delayed-scaling operands record their amax
+        if fmt.amax_algo != "current":
+            state.amax_history(gemm, operand, fmt).update(float(tensor_amax(t)))
+        return t.to(torch.bfloat16).float()
     if rotation is not None and (impl == "reference" or fmt.fmt == "bf16" or state.collect_stats):
         t = rotate(t, axis, *rotation)  # telemetry compares against the rotated operand
         rotation = None

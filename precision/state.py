@@ -36,6 +36,8 @@ class LayerQuantState:
         self.amax: dict[str, AmaxHistory] = {}
         self.stats: dict[str, dict[str, float]] = {}  # "gemm/operand" -> last numbers (telemetry)
         self.collect_stats = False  # set by the training loop on telemetry steps
+        # QAT warm-up: GEMMs run in BF16 while per-tensor delayed-scaling histories fill.
+        self.observe_only = False
 
     # ---------------------------------------------------------------- randomness
     def next_call(self, gemm: Gemm) -> int:

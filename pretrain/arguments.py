@@ -112,9 +112,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--gemm-backend",
-        choices=["emulated", "reference"],
-        default="emulated",
-        help="emulated: fused torch.compile quantizers; reference: the eager spec (bit-identical, slower)",
+        choices=["auto", "emulated", "reference", "fp8_scaled_mm", "mx_scaled_mm"],
+        default="auto",
+        help="auto: per GEMM, the device's tensor cores where they support the recipe (FP8 on sm_89+, "
+        "MX/NVFP4 on sm_100), else emulated; emulated: fused torch.compile quantizers; reference: the "
+        "eager spec (bit-identical, slower); fp8_scaled_mm / mx_scaled_mm: force that hardware path",
+    )
+    add(
+        "--numerics-interval",
+        type=int,
+        default=0,
+        metavar="N",
+        help="every N iterations log per layer x GEMM x operand: SQNR, clipped, flushed, amax "
+        "(TensorBoard numerics/<layer>/<gemm>/<operand>/<metric>; launch/report.py renders them); 0: off",
+    )
+    add(
+        "--amax-algo",
+        choices=["most_recent", "max", "ema", "current"],
+        help="delayed-scaling amax algorithm for every per-tensor operand (FP8, HiF8) of the plan",
+    )
+    add("--amax-history-len", type=int, metavar="N", help="amax history window (steps) for --amax-algo")
+    add(
+        "--qat-warmup-iters",
+        type=int,
+        default=0,
+        metavar="N",
+        help="train the first N iterations in BF16 while the amax histories fill, then switch to the "
+        "quantized plan (HiF8 QAT recipe: 500)",
     )
 
     g = p.add_argument_group("parallelism")
@@ -278,6 +302,11 @@ def _check_precision(args) -> None:
                 msg if msg.startswith("--precision-rule") else f"--precision-rule {rule!r}: {msg}"
             ) from None
     PrecisionPolicy.from_args(args.precision, args.precision_rule)
+    for flag in ("numerics_interval", "qat_warmup_iters"):
+        if getattr(args, flag) < 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 0")
+    if args.amax_history_len is not None and args.amax_history_len < 1:
+        raise ConfigError(f"--amax-history-len {args.amax_history_len}: must be >= 1")
 
 
 def data_prefixes(paths: list[str]) -> list[str]:

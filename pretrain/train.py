@@ -102,6 +102,42 @@ def init_distributed(args) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
 
+def override_amax(plan, algo: str | None, history_len: int | None):
+    """``--amax-algo`` / ``--amax-history-len``: new delayed-scaling settings for every per-tensor
+    operand (FP8, HiF8) of the plan; block formats and BF16 are left alone."""
+    from precision import FORMATS, PrecisionPlan
+
+    def operand(op):
+        if FORMATS[op.fmt].scaling != "tensor":
+            return op
+        new_algo = algo or op.amax_algo
+        n = history_len or (op.amax_history_len if op.amax_algo != "current" else 64)
+        return dataclasses.replace(op, amax_algo=new_algo, amax_history_len=1 if new_algo == "current" else n)
+
+    def recipe(r):
+        return dataclasses.replace(r, a=operand(r.a), b=operand(r.b))
+
+    entries = {}
+    for name, p in plan.items():
+        q = dataclasses.replace(p, fprop=recipe(p.fprop), dgrad=recipe(p.dgrad), wgrad=recipe(p.wgrad))
+        entries[name] = (q, plan.rule_for(name) + ("" if q == p else " + --amax-algo/--amax-history-len"))
+    return PrecisionPlan(entries)
+
+
+def check_gemm_backends(plan, device: torch.device, requested: str) -> None:
+    """Refuse (one line) a forced hardware backend that cannot run some layer's GEMM here, and print
+    once which GEMM of which layer runs on what."""
+    from kernels.backends import BackendError, describe_backends, select_backend
+
+    if requested in ("fp8_scaled_mm", "mx_scaled_mm"):
+        for name, p in plan.items():
+            try:
+                select_backend(p, device, requested, layer=name)
+            except BackendError as e:
+                raise ConfigError(f"--gemm-backend {requested}: {e}") from None
+    rank0_print(describe_backends(plan, device, requested))
+
+
 def build_model(args, vocab_size: int, device: torch.device):
     """This rank's model with the resolved precision plan applied; returns ``(model, plan)``."""
     from megatron.core import parallel_state
@@ -114,7 +150,10 @@ def build_model(args, vocab_size: int, device: torch.device):
     plan = PrecisionPolicy.from_args(args.precision, args.precision_rule).resolve(
         policy_linear_names(model), args.num_layers
     )
+    if args.amax_algo or args.amax_history_len:
+        plan = override_amax(plan, args.amax_algo, args.amax_history_len)
     apply_precision_plan(model, plan)
+    check_gemm_backends(plan, device, args.gemm_backend)
     for name in policy_linear_names(model):
         model.get_submodule(name).gemm_backend = args.gemm_backend
     assert parallel_state.get_pipeline_model_parallel_world_size() == 1
@@ -183,6 +222,51 @@ class Trainer:
         position_ids, mask = mb["position_ids"].to(self.device), mb["loss_mask"].to(self.device).float()
         per_token = module(tokens, position_ids, None, labels=labels)  # [b, s]
         return (per_token.float() * mask).sum(), mask.sum()
+
+    # ---------------------------------------------------------------- numerics telemetry, QAT
+    def policy_linears(self) -> list[tuple[str, torch.nn.Module]]:
+        from model.gpt import policy_linear_names
+
+        if not hasattr(self, "_linears"):
+            self._linears = [(n, self.model.get_submodule(n)) for n in policy_linear_names(self.model)]
+        return self._linears
+
+    def set_telemetry(self, collect: bool, observe_only: bool) -> None:
+        """This iteration: collect per-operand numerics (``--numerics-interval``); run BF16 while
+        the amax histories fill (``--qat-warmup-iters``)."""
+        for _, m in self.policy_linears():
+            m.quant_state.collect_stats = collect
+            m.quant_state.observe_only = observe_only
+
+    def log_numerics(self) -> None:
+        """TensorBoard ``numerics/<layer>/<gemm>/<operand>/<metric>`` from the last micro-batch of
+        this iteration (rank 0: its TP shard of each operand)."""
+        from precision.telemetry import METRICS
+
+        if self.tb is None:
+            return
+        for name, m in self.policy_linears():
+            for key, numbers in m.quant_state.stats.items():
+                for metric in METRICS:
+                    if metric in numbers:
+                        self.tb.add_scalar(f"numerics/{name}/{key}/{metric}", numbers[metric], self.iteration)
+
+    def log_delayed_scaling(self) -> None:
+        """Every iteration, for each per-tensor delayed-scaling operand (e.g. HiF8 QAT): the fraction
+        of values clipped by the delayed scale and current amax / the scale's amax -- the failures a
+        loss curve hides (``qat/<layer>/<gemm>/<operand>/...``)."""
+        if self.tb is None:
+            return
+        for name, m in self.policy_linears():
+            st = m.quant_state
+            for key in st.amax:
+                numbers = st.stats.get(key)
+                if not numbers or "num_clipped" not in numbers:
+                    continue
+                frac = numbers["num_clipped"] / max(numbers.get("numel", 1), 1)
+                ratio = numbers["amax"] / numbers["scale_amax"] if numbers["scale_amax"] > 0 else 1.0
+                self.tb.add_scalar(f"qat/{name}/{key}/clipped_fraction", frac, self.iteration)
+                self.tb.add_scalar(f"qat/{name}/{key}/amax_ratio", ratio, self.iteration)
 
     # ---------------------------------------------------------------- one iteration
     def train_step(self, data) -> tuple[float, float, float]:
@@ -501,14 +585,31 @@ def train(trainer: Trainer, sigterm: _SigtermFlag) -> int:
         f"{args.global_batch_size} = micro {args.micro_batch_size} x DP {trainer.dp[1]} x "
         f"{trainer.num_micro_batches} micro-batches, {args.global_batch_size * args.seq_length:,} tokens"
     )
+    if args.qat_warmup_iters and trainer.iteration < args.qat_warmup_iters:
+        rank0_print(f"QAT warm-up: iterations {trainer.iteration + 1}..{args.qat_warmup_iters} run in BF16 "
+                    "while the amax histories fill; then the quantized plan")
     while trainer.iteration < args.train_iters:
         t0 = time.perf_counter()
+        nxt = trainer.iteration + 1
+        collect = bool(args.numerics_interval) and nxt % args.numerics_interval == 0
+        warm = nxt <= args.qat_warmup_iters
+        if args.qat_warmup_iters and nxt == args.qat_warmup_iters + 1:
+            rank0_print(f"iteration {nxt}: QAT warm-up done ({args.qat_warmup_iters} BF16 iterations); "
+                        f"switching to the quantized plan (--precision {args.precision})")
+            if trainer.tb is not None:
+                trainer.tb.add_text("qat", f"switched to the quantized plan at iteration {nxt}", nxt)
+        trainer.set_telemetry(collect, warm)
         try:
             loss, norm, lr = trainer.train_step(data)
         except StopIteration:
             raise RuntimeError(f"the training data ran out at iteration {trainer.iteration + 1}") from None
         trainer.iteration += 1
         trainer.consumed_samples += args.global_batch_size
+        if collect:
+            trainer.log_numerics()
+        if not warm:
+            trainer.log_delayed_scaling()
+        trainer.set_telemetry(False, False)
         progress.iteration(loss, norm, lr, time.perf_counter() - t0)
 
         it = trainer.iteration
