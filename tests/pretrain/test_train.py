@@ -132,7 +132,10 @@ def test_tp2_run_logs_tensorboard_and_checkpoints(tmp_path, data_cache):  # noqa
         sum(line.startswith("layer ") and line.rstrip().endswith("rule") for line in out) == 1
     )  # the plan table
     assert sum(line.startswith("parameters: ") for line in out) == 1
-    assert "world size 2 = TP 2 x PP 1 x DP 1 | device cpu (gloo) | gemm backend emulated" in proc.stdout
+    assert "world size 2 = TP 2 x PP 1 x DP 1 | device cpu (gloo) | gemm backend auto" in proc.stdout
+    # the start-up report says which GEMM of which layer runs on what (no hardware GEMMs on a CPU)
+    assert "GEMM backends on cpu (hardware GEMMs here: none; requested: auto)" in proc.stdout
+    assert "mxfp4+had16 -> emulated" in proc.stdout
     assert [line.split(" | ")[0] for line in out if line.startswith("validation")] == [
         "validation at iteration 3",
         "validation at iteration 6",
