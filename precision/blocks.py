@@ -26,6 +26,7 @@ from precision.elements import (
     ElementSpec,
     e2m1_decode,
     e2m1_encode,
+    e2m1_round,
     exponent_floor,
     fp8_decode,
     fp8_encode,
@@ -148,7 +149,10 @@ def mx_fake_quantize_blocks(
     v = xb * pow2(127 - sbyte)
     if prescale != 1.0:
         v = v * prescale
-    q = round_to_grid(v, spec, rounding, u=u) * pow2(sbyte - 127)
+    if spec is E2M1 and (rounding == "nearest" or u is not None):
+        q = e2m1_round(v, rounding, u) * pow2(sbyte - 127)
+    else:
+        q = round_to_grid(v, spec, rounding, u=u) * pow2(sbyte - 127)
     if prescale != 1.0:
         q = q / prescale
     zero = exponent_floor(amax) == -127  # zero / FP32-subnormal blocks
@@ -213,5 +217,8 @@ def nvfp4_fake_quantize_blocks(
     s_enc = torch.clamp(1.0 / (s_dec * g_dec), max=FP32_MAX)
     v = torch.clamp(xb * s_enc, -E2M1.max_normal, E2M1.max_normal)
     v = torch.where(torch.isnan(v), torch.zeros_like(v), v)
-    q = round_to_grid(v, E2M1, rounding, u=u) * (s_dec * g_dec)
+    if rounding == "nearest" or u is not None:
+        q = e2m1_round(v, rounding, u) * (s_dec * g_dec)
+    else:
+        q = round_to_grid(v, E2M1, rounding, u=u) * (s_dec * g_dec)
     return torch.where(finite, q, torch.full_like(q, float("nan")))

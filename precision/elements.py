@@ -110,6 +110,22 @@ def round_to_grid(
     return torch.copysign(q, a)
 
 
+def e2m1_round(v: torch.Tensor, rounding: str = "nearest", u: torch.Tensor | None = None) -> torch.Tensor:
+    """``round_to_grid(v, E2M1, ...)`` written with float operations only (the grid step is 0.5
+    below 2, 1 below 4, 2 above; saturate at 6), so a compiler can vectorize it; same values."""
+    a = v.abs()
+    step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
+    steps = a / step  # exact: division by a power of two
+    if rounding == "nearest":
+        q = torch.round(steps)
+    elif rounding == "stochastic":
+        lo = torch.floor(steps)
+        q = lo + (u < (steps - lo)).float()
+    else:
+        raise ValueError(f"rounding: unknown mode {rounding!r}; valid: nearest, stochastic")
+    return torch.copysign(torch.clamp(q * step, max=E2M1.max_normal), v)
+
+
 # ---------------------------------------------------------------- E2M1 codes
 _E2M1_VALUES = torch.tensor(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
