@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.pretrain._launch import REPO, TINY, data_cache, env, free_port  # noqa: F401 (fixture)
+from tests._dist import free_port
+from tests.pretrain._launch import REPO, TINY, env
 
 sys.path.insert(0, str(REPO / "launch"))
 import sweep  # noqa: E402

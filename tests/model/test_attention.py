@@ -9,7 +9,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from model.attention import SDPAttention
 from model.gpt import ModelConfig, transformer_config
 
-pytestmark = pytest.mark.usefixtures("tp1")
+pytestmark = pytest.mark.usefixtures("world_of_one")
 
 
 def reference(q, k, v, masked):

@@ -48,7 +48,7 @@ LAYER_LINEARS = [
 ]
 NAMES = [f"decoder.layers.{i}.{n}" for i in range(2) for n in LAYER_LINEARS] + ["output_layer"]
 
-pytestmark = pytest.mark.usefixtures("tp1")
+pytestmark = pytest.mark.usefixtures("world_of_one")
 
 
 def batch(cfg, seed=0):

@@ -3,21 +3,22 @@
 ``run_pretrain(argv, nproc=2)`` runs the real entry point under ``python -m torch.distributed.run``
 (free port, one thread per process, so runs on 2 cores are deterministic and comparable);
 ``nproc=0`` runs it as a plain ``python`` process (a world of one, no torchrun). ``TINY`` is a model
-small enough for a few-second run; ``data_cache`` builds the built-in corpus once per session.
+small enough for a few-second run. The ``data_cache`` and ``world_of_one`` fixtures live in
+``tests/conftest.py``.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
+
+from tests._dist import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH = str(REPO / "launch" / "pretrain.py")
@@ -28,12 +29,6 @@ TINY = [
     "--num-query-groups", "2", "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
     "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-iters", "1",
 ]  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env() -> dict:
@@ -117,30 +112,3 @@ def load_rank_checkpoint(ckpt_dir: Path, tp_rank: int) -> dict:
     return torch.load(
         ckpt_dir / f"mp_rank_{tp_rank:02d}" / "model_optim_rng.pt", map_location="cpu", weights_only=False
     )
-
-
-@pytest.fixture(scope="session")
-def data_cache(tmp_path_factory) -> Path:
-    """The built-in corpus (the CLI's default settings), built once for all runs of the session."""
-    from pretrain.data import build_default_data
-
-    path = tmp_path_factory.mktemp("pretrain_data_cache")
-    build_default_data(str(path))
-    return path
-
-
-@pytest.fixture(scope="module")
-def world_of_one():
-    """torch.distributed (gloo, one rank) and megatron parallel_state with TP=1, torn down after."""
-    from megatron.core import parallel_state
-
-    owns = not torch.distributed.is_initialized()
-    if owns:
-        torch.distributed.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-        )
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-    yield
-    parallel_state.destroy_model_parallel()
-    if owns:
-        torch.distributed.destroy_process_group()

@@ -14,7 +14,6 @@ from pretrain.checkpointing import TRACKER, load_checkpoint, read_tracker, save_
 
 from ._launch import (  # noqa: F401
     TINY,
-    data_cache,
     load_rank_checkpoint,
     run_pretrain,
     scalars,
@@ -22,7 +21,6 @@ from ._launch import (  # noqa: F401
     start_pretrain,
     wait_for_line,
     worker_pids,
-    world_of_one,
 )
 
 
@@ -53,7 +51,7 @@ def assert_same_state(a, b, where=""):
     [["--tensor-model-parallel-size", "2"], ["--tensor-model-parallel-size", "1"]],
     ids=["tp2", "dp2"],
 )
-def test_resume_reproduces_the_uninterrupted_run(tmp_path, data_cache, layout):  # noqa: F811
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, data_cache, layout):
     """10 iterations straight vs 5, exit, resume, 5 more: same losses and final state, bit for bit.
 
     ``mxfp4_sr`` rounds gradients stochastically from each layer's quantization streams, so this
@@ -128,7 +126,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, data_cache, layout): 
 # === atomic publication (in-process, one rank) ===
 
 
-def test_checkpoint_is_published_atomically(tmp_path, monkeypatch, world_of_one):  # noqa: F811
+def test_checkpoint_is_published_atomically(tmp_path, monkeypatch, world_of_one):
     save_dir = str(tmp_path / "ckpt")
     state = {"model": {"w": torch.arange(4.0)}, "args": {"tensor_model_parallel_size": 1}}
     path = save_checkpoint(save_dir, 1, state)
@@ -165,7 +163,7 @@ def test_checkpoint_is_published_atomically(tmp_path, monkeypatch, world_of_one)
     assert torch.equal(load_checkpoint(save_dir, tp_size=1)["model"]["w"], torch.ones(4))
 
 
-def test_tracker_pointing_to_missing_or_other_tp_checkpoint(tmp_path, world_of_one):  # noqa: F811
+def test_tracker_pointing_to_missing_or_other_tp_checkpoint(tmp_path, world_of_one):
     save_dir = tmp_path / "ckpt"
     save_checkpoint(str(save_dir), 3, {"args": {"tensor_model_parallel_size": 2}})
     with pytest.raises(
@@ -181,7 +179,7 @@ def test_tracker_pointing_to_missing_or_other_tp_checkpoint(tmp_path, world_of_o
 
 
 @pytest.mark.slow
-def test_sigterm_finishes_the_iteration_saves_and_exits_zero(tmp_path, data_cache):  # noqa: F811
+def test_sigterm_finishes_the_iteration_saves_and_exits_zero(tmp_path, data_cache):
     """SIGTERM reaches one worker only (rank 1); both agree, save one complete checkpoint, exit 0."""
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.txt"
     proc = start_pretrain(
@@ -224,7 +222,7 @@ def test_sigterm_finishes_the_iteration_saves_and_exits_zero(tmp_path, data_cach
 
 
 @pytest.mark.slow
-def test_finetune_loads_weights_only(tmp_path, data_cache):  # noqa: F811
+def test_finetune_loads_weights_only(tmp_path, data_cache):
     common = [*TINY, "--gemm-backend", "reference", "--eval-iters", "0", "--data-cache-dir", str(data_cache)]
     run_pretrain(["--train-iters", "3", *common, "--save", str(tmp_path / "base")], nproc=0)
     proc = run_pretrain(

@@ -32,7 +32,7 @@ from model.gpt import ModelConfig, apply_precision_plan, build_gpt, policy_linea
 from precision import PrecisionPolicy
 from pretrain import hf_convert
 from tests.model._fakes import ReferenceLinear
-from tests.model.conftest import free_port, tp1  # noqa: F401  (tp1 is a fixture)
+from tests._dist import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMMON = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -180,7 +180,7 @@ def test_leftover_tensors_are_refused(hf):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "llama3"])
-@pytest.mark.usefixtures("tp1")
+@pytest.mark.usefixtures("world_of_one")
 def test_logits_match_transformers_exact_gemms(hf, kind, monkeypatch):
     import model.layers
 
@@ -191,7 +191,7 @@ def test_logits_match_transformers_exact_gemms(hf, kind, monkeypatch):
     assert diff <= 1e-5 * ref.abs().max().item(), diff
 
 
-@pytest.mark.usefixtures("tp1")
+@pytest.mark.usefixtures("world_of_one")
 def test_rope_scaling_is_what_makes_llama3_match(hf, monkeypatch):
     """Sanity check of the llama3 case: without the scaling factor the logits differ."""
     import model.layers
@@ -203,7 +203,7 @@ def test_rope_scaling_is_what_makes_llama3_match(hf, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "llama3"])
-@pytest.mark.usefixtures("tp1")
+@pytest.mark.usefixtures("world_of_one")
 def test_logits_match_transformers_bf16_plan(hf, kind):
     path, _, tokens, ref = hf[kind]
     ours, cfg = _ours(hf_convert.convert_hf_checkpoint(path))

@@ -31,7 +31,6 @@ from precision import PrecisionPolicy
 from pretrain.evaluation import mc_task, results
 from pretrain.evaluation.lm_eval_adapter import MegatronLM
 from tests.model._fakes import ReferenceLinear
-from tests.model.conftest import tp1  # noqa: F401  (fixture)
 
 SEQ = 64
 CFG = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4,
@@ -60,7 +59,7 @@ def tok(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gpt(request, tok):
-    request.getfixturevalue("tp1")
+    request.getfixturevalue("world_of_one")
     cfg = ModelConfig(vocab_size=tok.vocab_size, **CFG)
     torch.manual_seed(3)
     model = build_gpt(cfg)
@@ -249,7 +248,7 @@ def test_evaluate_cli_training_checkpoint(gpt, tok, tmp_path):
     assert meta["kind"] == "checkpoint" and meta["precision_plan"] == plan.to_dict()
 
 
-@pytest.mark.usefixtures("tp1")
+@pytest.mark.usefixtures("world_of_one")
 def test_evaluate_cli_converted_hf_with_its_tokenizer(tmp_path):
     """Convert a tiny HF Llama whose directory carries a tokenizer; evaluate.py finds that tokenizer."""
     transformers = pytest.importorskip("transformers")

@@ -6,7 +6,7 @@ import torch
 
 from precision import quantize
 from precision.tensorwise import AmaxHistory
-from tests.pretrain._launch import TINY, data_cache, run_pretrain  # noqa: F401 (fixture)
+from tests.pretrain._launch import TINY, run_pretrain
 from tests.pretrain._launch import scalars as read_scalar
 
 

@@ -13,7 +13,7 @@ import torch
 from pretrain.arguments import parse_args, validate_args
 from pretrain.optim import LRSchedule, build_optimizer, clip_grad_norm
 
-from ._launch import TINY, data_cache, load_rank_checkpoint, run_pretrain, scalars, world_of_one  # noqa: F401
+from ._launch import TINY, load_rank_checkpoint, run_pretrain, scalars
 
 # === schedule and optimizer ===
 
@@ -40,7 +40,7 @@ def test_no_weight_decay_on_biases_and_norms():
     assert len(no_decay["params"]) == 3  # linear bias, norm weight and bias
 
 
-def test_clip_grad_norm(world_of_one):  # noqa: F811
+def test_clip_grad_norm(world_of_one):
     p = torch.nn.Parameter(torch.zeros(4))
     p.grad = torch.tensor([3.0, 4.0, 0.0, 0.0])
     assert clip_grad_norm([p], max_norm=1.0) == pytest.approx(5.0)
@@ -52,7 +52,7 @@ def test_clip_grad_norm(world_of_one):  # noqa: F811
 # === the precision plan on the built model ===
 
 
-def test_plan_on_the_built_model(world_of_one):  # noqa: F811
+def test_plan_on_the_built_model(world_of_one):
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     from model.layers import PolicyColumnParallelLinear, PolicyRowParallelLinear
@@ -102,7 +102,7 @@ PROGRESS = re.compile(
 
 
 @pytest.mark.slow
-def test_tp2_run_logs_tensorboard_and_checkpoints(tmp_path, data_cache):  # noqa: F811
+def test_tp2_run_logs_tensorboard_and_checkpoints(tmp_path, data_cache):
     tb, ckpt = tmp_path / "tb", tmp_path / "ckpt"
     proc = run_pretrain(
         [
@@ -211,7 +211,7 @@ FIRST_ITERATION_RTOL = {"bf16": 1e-5, "wgrad_hadamard": 0.0}  # identical weight
 
 
 @pytest.fixture(scope="module", params=["bf16", "wgrad_hadamard"])
-def tp_runs(request, tmp_path_factory, data_cache):  # noqa: F811
+def tp_runs(request, tmp_path_factory, data_cache):
     prefix = data_cache / "default_train_text_document"
     runs = {}
     for tp in (1, 2):
