@@ -43,9 +43,11 @@ def iter_dir_name(iteration: int | str) -> str:
     return "release" if iteration == "release" else f"iter_{iteration:07d}"
 
 
-def rank_file(ckpt_dir: str, tp_rank: int) -> str:
-    """Megatron's per-rank path (``mp_rank_XX``; pipeline parallelism would add ``_YYY``)."""
-    return os.path.join(ckpt_dir, f"mp_rank_{tp_rank:02d}", FILE)
+def rank_file(ckpt_dir: str, tp_rank: int, pp_rank: int | None = None) -> str:
+    """Megatron's per-rank path: ``mp_rank_XX`` (TP rank), ``mp_rank_XX_YYY`` with pipeline
+    parallelism (``pp_rank`` given only when the pipeline has more than one stage)."""
+    name = f"mp_rank_{tp_rank:02d}" if pp_rank is None else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    return os.path.join(ckpt_dir, name, FILE)
 
 
 def _fsync_dir(path: str) -> None:
