@@ -6,7 +6,7 @@
 The directory needs ``config.json`` and ``*.safetensors``. The output holds the TP=1 weights under
 our module names plus the ``ModelConfig``; any tensor-parallel size loads it
 (``pretrain.hf_convert.load_converted_state_dict``). Train from it with
-``--load-hf-converted ckpt/llama1b/hf_converted.pt``; evaluate with
+``launch/pretrain.py --pretrained-checkpoint ckpt/llama1b``; evaluate with
 ``launch/evaluate.py --load ckpt/llama1b``. File format: ``pretrain/hf_convert.py``.
 """
 

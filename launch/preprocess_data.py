@@ -4,6 +4,11 @@
         --tokenizer-model tok.model --append-eod --workers 4
     # -> data/corpus_text_document.bin/.idx, usable as --data-path data/corpus_text_document
 
+    python launch/preprocess_data.py --input qat.jsonl --output-prefix data/qat \\
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model OUT/hf_tokenizer --append-eod
+    # a local Hugging Face tokenizer folder (launch/convert_hf.py writes OUT/hf_tokenizer); train on
+    # it with the same --tokenizer-type/--tokenizer-model. Vocabularies of 65500+ ids store int32.
+
 Inputs are read with HF ``datasets`` in streaming mode (no Arrow cache, never the network):
 ``*.jsonl``/``*.json`` (optionally ``.gz``/``.bz2``/``.xz``/``.zst``) as json, one document per record
 and one output per ``--json-keys`` key; anything else as text, one document per file (or per
@@ -45,7 +50,16 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx per json key"
     )
     p.add_argument(
-        "--tokenizer-model", required=True, help="sentencepiece .model (written with --train-tokenizer)"
+        "--tokenizer-model",
+        required=True,
+        help="sentencepiece .model (written with --train-tokenizer), or a Hugging Face tokenizer folder "
+        "with --tokenizer-type HuggingFaceTokenizer",
+    )
+    p.add_argument(
+        "--tokenizer-type",
+        choices=["SentencePieceTokenizer", "HuggingFaceTokenizer"],
+        default="SentencePieceTokenizer",
+        help="what --tokenizer-model is (default SentencePieceTokenizer)",
     )
     p.add_argument("--json-keys", nargs="+", default=["text"], help="json fields to tokenize (default: text)")
     p.add_argument(
@@ -118,6 +132,11 @@ def _check_record_keys(record: dict, keys: list[str], path: str) -> None:
 
 def _check_tokenizer_model(path: str) -> None:
     """Fail fast (before the heavy torch/megatron imports) on a missing or unreadable model."""
+    if os.path.isdir(path):
+        _fail(
+            f"--tokenizer-model: {path} is a directory, not a sentencepiece .model; for a Hugging Face "
+            "tokenizer folder add --tokenizer-type HuggingFaceTokenizer"
+        )
     if not os.path.isfile(path):
         _fail(
             f"--tokenizer-model: no such file: {path} "
@@ -131,19 +150,40 @@ def _check_tokenizer_model(path: str) -> None:
         _fail(f"--tokenizer-model: {path} is not a sentencepiece model file")
 
 
-# Per-worker tokenizer, loaded once per process.
-_WORKER_SP = None
+# What pretrain.data.hf_tokenizer checks, repeated here to fail before the heavy torch/megatron imports.
+_HF_FLAG = "--tokenizer-model (--tokenizer-type HuggingFaceTokenizer)"
+_HF_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+_HF_HINT = "give a local Hugging Face tokenizer folder, e.g. OUT/hf_tokenizer from launch/convert_hf.py"
 
 
-def _init_worker(model_path: str) -> None:
-    global _WORKER_SP
-    import sentencepiece as spm
+def _check_hf_tokenizer_dir(path: str) -> None:
+    """Fail fast on a path that is no Hugging Face tokenizer folder (loading it checks the rest)."""
+    if os.path.isfile(path):
+        _fail(f"{_HF_FLAG}: {path} is a file, not a tokenizer folder ({_HF_HINT})")
+    if not os.path.isdir(path):
+        _fail(f"{_HF_FLAG}: no such directory: {path} ({_HF_HINT})")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in _HF_FILES):
+        _fail(f"{_HF_FLAG}: {path} has none of {', '.join(_HF_FILES)} ({_HF_HINT})")
 
-    _WORKER_SP = spm.SentencePieceProcessor(model_file=model_path)
+
+# Per-worker encoder (texts -> token ids per text), loaded once per process.
+_WORKER_ENCODE = None
+
+
+def _init_worker(model_path: str, tokenizer_type: str) -> None:
+    global _WORKER_ENCODE
+    if tokenizer_type == "HuggingFaceTokenizer":
+        from pretrain.data.hf_tokenizer import HFTokenizer
+
+        _WORKER_ENCODE = HFTokenizer(model_path).tokenize_batch
+    else:
+        import sentencepiece as spm
+
+        _WORKER_ENCODE = spm.SentencePieceProcessor(model_file=model_path).encode
 
 
 def _encode_batch(texts: list[str]) -> list[list[int]]:
-    return _WORKER_SP.encode(texts)
+    return _WORKER_ENCODE(texts)
 
 
 def _records(files: list[str], is_json: bool, sample_by: str):
@@ -193,17 +233,17 @@ def _train_tokenizer(records, args, source: str) -> None:
     )
 
 
-def _encoded(batches, keys: list[str], model_path: str, workers: int):
+def _encoded(batches, keys: list[str], model_path: str, tokenizer_type: str, workers: int):
     """Yields (key, token ids per document) in input order, tokenized in a worker pool if workers > 1."""
     if workers == 1:
-        _init_worker(model_path)
+        _init_worker(model_path, tokenizer_type)
         for batch in batches:
             for key in keys:
                 yield key, _encode_batch([r[key] for r in batch])
         return
     import multiprocessing as mp
 
-    with mp.get_context("spawn").Pool(workers, _init_worker, (model_path,)) as pool:
+    with mp.get_context("spawn").Pool(workers, _init_worker, (model_path, tokenizer_type)) as pool:
         jobs = ([r[key] for r in batch] for batch in batches for key in keys)
         for i, ids in enumerate(pool.imap(_encode_batch, jobs, chunksize=4)):
             yield keys[i % len(keys)], ids
@@ -214,7 +254,13 @@ def main(argv: list[str] | None = None) -> None:
     files, is_json = _resolve_inputs(args.input)
     if args.workers < 1:
         _fail(f"--workers: must be >= 1, got {args.workers}")
+    hf = args.tokenizer_type == "HuggingFaceTokenizer"
     if args.train_tokenizer is not None:
+        if hf:
+            _fail(
+                "--train-tokenizer trains a sentencepiece model; with --tokenizer-type HuggingFaceTokenizer "
+                "give an existing tokenizer folder as --tokenizer-model instead"
+            )
         if args.train_tokenizer < 260:
             _fail(
                 "--train-tokenizer: vocabulary size must be >= 260 (256 byte pieces + 4 special ids), "
@@ -224,6 +270,8 @@ def main(argv: list[str] | None = None) -> None:
             _fail(
                 f"--tokenizer-model: {args.tokenizer_model} exists; --train-tokenizer will not overwrite it"
             )
+    elif hf:
+        _check_hf_tokenizer_dir(args.tokenizer_model)
     else:
         _check_tokenizer_model(args.tokenizer_model)
     keys = args.json_keys if is_json else ["text"]
@@ -235,12 +283,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.train_tokenizer is not None:
         _train_tokenizer(_records(files, is_json, args.text_sample_by), args, source)
 
+    from pretrain.data.hf_tokenizer import HFTokenizer
     from pretrain.data.indexed import IndexedWriter, document_prefix
     from pretrain.data.tokenizer import Tokenizer
 
     try:
-        tokenizer = Tokenizer(args.tokenizer_model)
-    except ValueError as err:
+        tokenizer = (HFTokenizer if hf else Tokenizer)(args.tokenizer_model)
+    except (ValueError, FileNotFoundError) as err:
         _fail(str(err))
     eod = tokenizer.eod if args.append_eod else None
     batches = _text_batches(_records(files, is_json, args.text_sample_by), keys, source)
@@ -251,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
             )
             for k in keys
         }
-        for key, ids in _encoded(batches, keys, tokenizer.path, args.workers):
+        for key, ids in _encoded(batches, keys, tokenizer.path, args.tokenizer_type, args.workers):
             for doc in ids:
                 writers[key].add(doc)
     for writer in writers.values():

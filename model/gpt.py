@@ -253,11 +253,22 @@ class PolicyGPTModel(GPTModel):
             )
         for name, module in self.named_modules():
             if isinstance(module, POLICY_LINEARS):
-                module.set_layer_name(name, seed=quant_seed)
+                module.set_layer_name(self.plan_name(name), seed=quant_seed)
             elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 raise TypeError(
                     f"{name} is a plain {type(module).__name__}; the layer spec must use policy linears"
                 )
+
+
+    def plan_name(self, module_name: str) -> str:
+        """The name precision plans, telemetry and quantization seeds use for ``module_name``: the
+        module path with the layer numbered *globally* (megatron numbers a pipeline stage's layers
+        from 0 in module paths; ``TransformerLayer.layer_number`` is global and 1-based). Without
+        pipeline parallelism the two are the same."""
+        parts = module_name.split(".")
+        if parts[:2] == ["decoder", "layers"] and len(parts) > 2:
+            parts[2] = str(self.decoder.layers[int(parts[2])].layer_number - 1)
+        return ".".join(parts)
 
 
 def build_gpt(
@@ -303,14 +314,21 @@ def build_gpt(
 # ============================================================================================
 
 
-def policy_linear_names(model: torch.nn.Module) -> list[str]:
-    """Full module names of every policy linear in ``model``, in module (registration) order.
+def policy_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``(plan name, module)`` of every policy linear in ``model``, in module (registration) order.
 
     Per layer that is ``self_attention.linear_proj``, ``self_attention.linear_qkv`` (megatron's
     ``Attention`` registers the projection first), ``mlp.linear_fc1``, ``mlp.linear_fc2``; then
-    ``output_layer``. Pass the unwrapped model: a DDP wrapper prefixes names with ``module.``.
+    ``output_layer``. The plan name is the module path with layers numbered globally
+    (``PolicyGPTModel.plan_name``; on a pipeline stage other than the first the two differ). Pass the
+    unwrapped model: a DDP wrapper prefixes module paths with ``module.``.
     """
-    return [name for name, m in model.named_modules() if isinstance(m, POLICY_LINEARS)]
+    return [(m.layer_name or name, m) for name, m in model.named_modules() if isinstance(m, POLICY_LINEARS)]
+
+
+def policy_linear_names(model: torch.nn.Module) -> list[str]:
+    """Plan names of every policy linear in ``model`` (see :func:`policy_linears`)."""
+    return [name for name, _ in policy_linears(model)]
 
 
 def apply_precision_plan(model: torch.nn.Module, plan: Mapping[str, LinearPrecision]) -> None:
@@ -319,16 +337,16 @@ def apply_precision_plan(model: torch.nn.Module, plan: Mapping[str, LinearPrecis
     The plan must cover exactly the model's linears: a missing or unknown name is an error, and no
     layer is changed when the plan is rejected.
     """
-    names = policy_linear_names(model)
+    linears = policy_linears(model)
+    names = [n for n, _ in linears]
     missing = [n for n in names if plan.get(n) is None]
     if missing:
         raise ValueError(f"precision plan has no recipe for linear layer(s): {', '.join(missing)}")
     unknown = sorted(set(plan) - set(names))
     if unknown:
         raise ValueError(f"precision plan names layer(s) this model does not have: {', '.join(unknown)}")
-    modules = dict(model.named_modules())
-    for name in names:
-        modules[name].precision = plan[name]
+    for name, module in linears:
+        module.precision = plan[name]
 
 
 def allreduce_tp_partial_grads(model: torch.nn.Module) -> None:

@@ -146,6 +146,19 @@ def build_parser() -> argparse.ArgumentParser:
     add("--tensor-model-parallel-size", type=int, default=1)
     add("--pipeline-model-parallel-size", type=int, default=1)
     add("--sequence-parallel", action="store_true", help="CUDA only; needs TP > 1")
+    add(
+        "--ddp-impl",
+        choices=["auto", "torch", "megatron"],
+        default="auto",
+        help="megatron: megatron-core DDP, optimizer and pipeline schedules (CUDA only); torch: torch DDP "
+        "and our AdamW loop (CPU or GPU; no pipeline parallelism); auto: megatron on CUDA, torch on CPU",
+    )
+    add(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="shard the optimizer state over data-parallel ranks (megatron-core's distributed optimizer; "
+        "needs the megatron engine, so CUDA)",
+    )
 
     g = p.add_argument_group("training")
     add = g.add_argument
@@ -176,7 +189,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--valid-data-path", nargs="+", metavar="PREFIX", help="separate validation prefixes")
     add("--split", default="99,1,0", help="train,valid,test document split of --data-path (default 99,1,0)")
-    add("--tokenizer-model", metavar="FILE", help="sentencepiece model (required with --data-path)")
+    add(
+        "--tokenizer-model",
+        metavar="PATH",
+        help="sentencepiece .model file, or a Hugging Face tokenizer folder with --tokenizer-type "
+        "HuggingFaceTokenizer (required with --data-path)",
+    )
+    add(
+        "--tokenizer-type",
+        choices=("SentencePieceTokenizer", "HuggingFaceTokenizer"),
+        default="SentencePieceTokenizer",
+        help="what --tokenizer-model is (default SentencePieceTokenizer; without --data-path, "
+        "HuggingFaceTokenizer tokenizes the built-in corpus with it)",
+    )
     add(
         "--data-cache-dir",
         default=os.path.join(os.path.expanduser("~"), ".cache", "lowprec-pretrain"),
@@ -198,6 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--finetune", action="store_true", help="with --load: load model weights only, restart at iteration 0"
+    )
+    add(
+        "--pretrained-checkpoint",
+        metavar="PATH",
+        help="initial model weights, used while --load holds no checkpoint yet: a launch/convert_hf.py "
+        "output (directory or hf_converted.pt) or a training checkpoint directory (any TP size); the "
+        "model shape and the default tokenizer come from it",
     )
     add(
         "--eval-interval",
@@ -248,14 +280,59 @@ def _load_model_size(parser: argparse.ArgumentParser, value: str) -> dict:
     return data
 
 
+def _given_flags(argv: list[str] | None) -> set[str]:
+    """Argument names given explicitly on the command line."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
+
+
+def _apply_pretrained(args: argparse.Namespace, given: set[str]) -> None:
+    """``--pretrained-checkpoint``: the model shape (and, unless given, the tokenizer) from the
+    checkpoint; a shape value given by a flag or the ``--model-size`` file must agree with it."""
+    from pretrain.pretrained import PretrainedError, read_pretrained, shape_args
+
+    try:
+        pre = read_pretrained(args.pretrained_checkpoint)
+    except PretrainedError as e:
+        raise ConfigError(str(e)) from None
+    for name, value in shape_args(pre.cfg).items():
+        if name in given and getattr(args, name) != value:
+            raise ConfigError(
+                f"--{name.replace('_', '-')} {getattr(args, name)} disagrees with --pretrained-checkpoint "
+                f"{args.pretrained_checkpoint} ({value}); drop the flag (the shape comes from the checkpoint)"
+            )
+        setattr(args, name, value)
+    if args.seq_length is None:
+        raise ConfigError(
+            f"--pretrained-checkpoint {args.pretrained_checkpoint}: give --seq-length (the training "
+            f"sequence length; the checkpoint allows up to {pre.cfg.seq_length})"
+        )
+    if pre.cfg.position_embedding == "learned_absolute" and args.seq_length > pre.cfg.seq_length:
+        raise ConfigError(
+            f"--seq-length {args.seq_length} exceeds the {pre.cfg.seq_length} learned positions of "
+            f"--pretrained-checkpoint {args.pretrained_checkpoint}"
+        )
+    same_type = "tokenizer_type" not in given or args.tokenizer_type == pre.tokenizer_type
+    if args.tokenizer_model is None and pre.tokenizer_model is not None and same_type:
+        args.tokenizer_model, args.tokenizer_type = pre.tokenizer_model, pre.tokenizer_type
+    args.pretrained_vocab_size = pre.cfg.vocab_size
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse ``argv`` over the model-size file's values; fill derived defaults. Exits 2 on bad input."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.pretrained_vocab_size = None  # set from --pretrained-checkpoint's model config
     try:
+        from_file = {}
         if args.model_size:
-            parser.set_defaults(**_load_model_size(parser, args.model_size))
+            from_file = _load_model_size(parser, args.model_size)
+            parser.set_defaults(**from_file)
             args = parser.parse_args(argv)
+        if args.pretrained_checkpoint:
+            _apply_pretrained(args, _given_flags(argv) | set(from_file))
     except ConfigError as e:
         fail(str(e))
     required = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters")
@@ -339,12 +416,31 @@ def _check_data(args) -> None:
                 raise ConfigError(str(e)) from None
     if args.valid_data_path and not args.data_path:
         raise ConfigError("--valid-data-path needs --data-path (without it the built-in corpus is used)")
-    if args.tokenizer_model is not None and not os.path.isfile(args.tokenizer_model):
-        raise ConfigError(f"--tokenizer-model: no such file: {args.tokenizer_model} (a sentencepiece .model)")
+    _check_tokenizer(args.tokenizer_model, args.tokenizer_type)
     if args.data_path and args.tokenizer_model is None:
         raise ConfigError(
-            "--data-path needs --tokenizer-model (the sentencepiece model the data was tokenized with)"
+            "--data-path needs --tokenizer-model (the tokenizer the data was tokenized with: a sentencepiece "
+            ".model, or a Hugging Face tokenizer folder with --tokenizer-type HuggingFaceTokenizer)"
         )
+
+
+def _check_tokenizer(model: str | None, tokenizer_type: str) -> None:
+    """``--tokenizer-model`` is what ``--tokenizer-type`` reads: a file (sentencepiece) or a folder (HF)."""
+    if tokenizer_type == "HuggingFaceTokenizer":
+        from pretrain.data.hf_tokenizer import FLAG, HINT, hf_tokenizer_dir_problem
+
+        if model is None:
+            raise ConfigError(f"--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model DIR ({HINT})")
+        problem = hf_tokenizer_dir_problem(model)
+        if problem is not None:
+            raise ConfigError(f"{FLAG}: {problem} ({HINT})")
+    elif model is not None and os.path.isdir(model):
+        raise ConfigError(
+            f"--tokenizer-model: {model} is a directory, not a sentencepiece .model; for a Hugging Face "
+            f"tokenizer folder add --tokenizer-type HuggingFaceTokenizer"
+        )
+    elif model is not None and not os.path.isfile(model):
+        raise ConfigError(f"--tokenizer-model: no such file: {model} (a sentencepiece .model)")
 
 
 def _check_checkpoints(args) -> None:
@@ -379,9 +475,24 @@ def _check_parallel(args, world_size: int, cuda: bool) -> None:
                 f"--pipeline-model-parallel-size {pp}: pipeline parallelism needs CUDA (megatron-core's "
                 "schedules are CUDA-only); use 1 on CPU"
             )
+        if args.ddp_impl == "torch":
+            raise ConfigError(
+                f"--pipeline-model-parallel-size {pp} needs --ddp-impl megatron (megatron-core's pipeline "
+                "schedules and gradient finalization); --ddp-impl torch has no pipeline parallelism"
+            )
+        if args.num_layers % pp:
+            raise ConfigError(
+                f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}"
+            )
+    if args.ddp_impl == "megatron" and not cuda:
         raise ConfigError(
-            f"--pipeline-model-parallel-size {pp}: pipeline parallelism is not supported by "
-            "launch/pretrain.py yet; use tensor and data parallelism (1)"
+            "--ddp-impl megatron needs CUDA (megatron-core's DDP buffers and schedules are CUDA-only); "
+            "use torch or auto on CPU"
+        )
+    if args.use_distributed_optimizer and (not cuda or args.ddp_impl == "torch"):
+        raise ConfigError(
+            "--use-distributed-optimizer needs the megatron engine on CUDA (--ddp-impl megatron or auto "
+            + ("on a GPU machine)" if not cuda else "; not torch)")
         )
     if args.sequence_parallel and tp > 1 and not cuda:
         raise ConfigError(

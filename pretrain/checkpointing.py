@@ -133,11 +133,22 @@ def gather_rng_states() -> list[dict]:
 # ================================================================================================
 
 
-def save_checkpoint(save_dir: str, iteration: int, state: dict) -> str:
+def this_rank_file(ckpt_dir: str) -> str:
+    """This rank's file in ``ckpt_dir``: ``mp_rank_XX`` by TP rank, ``mp_rank_XX_YYY`` with pipeline
+    stages."""
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank() if pp_size > 1 else None
+    return rank_file(ckpt_dir, parallel_state.get_tensor_model_parallel_rank(), pp_rank)
+
+
+def save_checkpoint(save_dir: str, iteration: int, state: dict, write_beside=None) -> str:
     """Write this rank's ``state`` (``rng_state`` is added here) for ``iteration``; collective.
 
-    Returns the checkpoint directory. Only data-parallel rank 0 of each TP rank writes (model and
-    optimizer are replicated over data parallelism); global rank 0 publishes the directory.
+    Returns the checkpoint directory. Only data-parallel rank 0 of each model-parallel (TP, PP)
+    rank writes (model and optimizer are replicated over data parallelism); global rank 0
+    publishes the directory. ``write_beside(rank_dir)``, if given, is called on *every* rank with
+    the directory of its rank file, for collective writers of further files (megatron's
+    distributed optimizer gathers its sharded state over data parallelism into ``distrib_optim.pt``).
     """
     rank = torch.distributed.get_rank()
     final = os.path.join(save_dir, iter_dir_name(iteration))
@@ -151,8 +162,10 @@ def save_checkpoint(save_dir: str, iteration: int, state: dict) -> str:
     rng_states = gather_rng_states()
     torch.distributed.barrier()
 
+    path = this_rank_file(tmp)
+    if write_beside is not None:
+        write_beside(os.path.dirname(path))
     if parallel_state.get_data_parallel_rank() == 0:
-        path = rank_file(tmp, parallel_state.get_tensor_model_parallel_rank())
         os.makedirs(os.path.dirname(path), exist_ok=True)
         payload = {
             "checkpoint_version": CHECKPOINT_VERSION,
@@ -180,41 +193,115 @@ def save_checkpoint(save_dir: str, iteration: int, state: dict) -> str:
     return final
 
 
-def load_checkpoint(load_dir: str, tp_size: int) -> dict | None:
+def saved_parallel_sizes(ckpt_dir: str) -> tuple[int, int]:
+    """(tensor, pipeline) parallel sizes of an ``iter_*`` directory, read from its ``mp_rank_XX`` /
+    ``mp_rank_XX_YYY`` names; (0, 0) when it has none."""
+    tp_ranks, pp_ranks = set(), set()
+    for name in os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else ():
+        parts = name.removeprefix("mp_rank_").split("_") if name.startswith("mp_rank_") else []
+        if 1 <= len(parts) <= 2 and all(p.isdigit() for p in parts):
+            tp_ranks.add(int(parts[0]))
+            pp_ranks.add(int(parts[1]) if len(parts) == 2 else 0)
+    return len(tp_ranks), len(pp_ranks)
+
+
+# Entries of a rank file that belong to its TP shard of the *training state*; not resharded.
+NOT_RESHARDED = ("optimizer", "opt_param_scheduler", "rng_state", "consumed_train_samples")
+
+
+def _tp_refusal(ckpt_dir: str, saved: int, tp_size: int) -> CheckpointError:
+    return CheckpointError(
+        f"--load: {ckpt_dir} was saved with --tensor-model-parallel-size {saved}, this run uses {tp_size}; "
+        f"resuming needs the same size (--finetune loads its model weights at any size, and so does "
+        f"launch/evaluate.py)"
+    )
+
+
+def _incomplete(ckpt_dir: str, saved: int, found: int) -> CheckpointError:
+    return CheckpointError(f"--load: {ckpt_dir} was saved with --tensor-model-parallel-size {saved} but "
+                           f"holds {found} tensor-parallel rank director{'y' if found == 1 else 'ies'}")
+
+
+def _load_resharded(ckpt_dir: str, saved_tp: int, tp_size: int) -> dict:
+    """This rank's model, resharded from all ``saved_tp`` rank files (see ``load_checkpoint``)."""
+    from model.gpt import ModelConfig
+    from pretrain.reshard import reshard
+
+    files = [rank_file(ckpt_dir, r) for r in range(saved_tp)]
+    for path in files:
+        if not os.path.isfile(path):
+            raise CheckpointError(f"--load: missing {path} ({ckpt_dir} has {saved_tp} tensor-parallel ranks)")
+    # mmap: only the model's tensors are read, not the optimizer states beside them
+    shards = [torch.load(path, map_location="cpu", weights_only=False, mmap=True) for path in files]
+    first = shards[0]
+    saved_args_tp = first.get("args", {}).get("tensor_model_parallel_size", saved_tp)
+    if saved_args_tp != saved_tp:
+        raise _incomplete(ckpt_dir, saved_args_tp, saved_tp)
+    if not first.get("model_config"):
+        raise CheckpointError(f"--load: {ckpt_dir} has no model_config (saved by an older version), so it "
+                              f"cannot be resharded; load it with --tensor-model-parallel-size {saved_tp}")
+    cfg = ModelConfig(**first["model_config"])
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    try:
+        (model,) = reshard([s["model"] for s in shards], cfg, tp_size, ranks=[tp_rank])
+    except ValueError as e:
+        raise CheckpointError(f"--load: cannot reshard {ckpt_dir} from --tensor-model-parallel-size "
+                              f"{saved_tp} to {tp_size}: {e}") from None
+    kept = {k: v for k, v in first.items() if k not in NOT_RESHARDED and k != "model"}
+    return {**kept, "model": model, "path": ckpt_dir, "resharded": True}
+
+
+def load_checkpoint(load_dir: str, tp_size: int, *, reshard_model: bool = False) -> dict | None:
     """This rank's checkpoint dict from ``load_dir``'s latest iteration, or None if there is none yet.
 
-    Raises :class:`CheckpointError` if the tracker points to a missing directory, or the checkpoint
-    was written with another tensor-parallel size (resharding is not supported).
+    The dict is the rank file's (see the module docstring) plus ``path`` (the ``iter_*`` directory)
+    and ``resharded`` (False). Raises :class:`CheckpointError` if the tracker points to a missing
+    directory, or the checkpoint was written with another pipeline-parallel size, or with another
+    tensor-parallel size and ``reshard_model`` is False.
+
+    ``reshard_model=True`` (``--finetune``, evaluation): a checkpoint saved at another TP size is
+    loaded for its model only. Every rank reads all saved rank files (memory-mapped), and
+    ``pretrain.reshard`` merges their ``model`` entries and cuts out this rank's part for
+    ``tp_size`` (vocabulary re-padded, quantization state merged; rules there). The dict then has
+    ``model`` (this rank's state dict, fit for ``load_state_dict(strict=True)``), ``resharded``
+    True and rank 0's ``iteration``, ``args`` (with the *saved* ``tensor_model_parallel_size``),
+    ``precision_plan``, ``model_config``, ``tokenizer_model``, ``checkpoint_version``; not
+    ``optimizer``, ``opt_param_scheduler``, ``rng_state`` or ``consumed_train_samples`` (training
+    state is not resharded: resuming needs the saved TP size). Needs the checkpoint's
+    ``model_config``. At the saved TP size the option changes nothing.
     """
     iteration = read_tracker(load_dir)
     if iteration is None:
         return None
     ckpt_dir = os.path.join(load_dir, iter_dir_name(iteration))
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    path = rank_file(ckpt_dir, tp_rank)
-    if not os.path.isfile(path):
-        saved = (
-            len([d for d in os.listdir(ckpt_dir) if d.startswith("mp_rank_")])
-            if os.path.isdir(ckpt_dir)
-            else 0
+    saved_tp, saved_pp = saved_parallel_sizes(ckpt_dir)
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    path = this_rank_file(ckpt_dir)
+    if saved_tp and saved_pp != pp_size:
+        raise CheckpointError(
+            f"--load: {ckpt_dir} was saved with --pipeline-model-parallel-size {saved_pp}, this run uses "
+            f"{pp_size}; resharding pipeline stages is not supported"
         )
-        if saved and saved != tp_size:
-            raise CheckpointError(
-                f"--load: {ckpt_dir} was saved with --tensor-model-parallel-size {saved}, this run "
-                f"uses {tp_size}; resharding checkpoints is not supported"
-            )
+    if saved_tp and saved_tp != tp_size:
+        if not reshard_model:
+            raise _tp_refusal(ckpt_dir, saved_tp, tp_size)
+        if pp_size > 1:
+            raise CheckpointError(f"--load: {ckpt_dir}: resharding pipeline-parallel checkpoints is not "
+                                  f"supported")
+        return _load_resharded(ckpt_dir, saved_tp, tp_size)
+    if not os.path.isfile(path):
         raise CheckpointError(
             f"--load: missing {path} (the tracker {os.path.join(load_dir, TRACKER)} names "
             f"iteration {iteration})"
         )
     ckpt = torch.load(path, map_location="cpu", weights_only=False)  # our own files: python objects inside
-    saved_tp = ckpt.get("args", {}).get("tensor_model_parallel_size", tp_size)
-    if saved_tp != tp_size:
-        raise CheckpointError(
-            f"--load: {ckpt_dir} was saved with --tensor-model-parallel-size {saved_tp}, this "
-            f"run uses {tp_size}; resharding checkpoints is not supported"
-        )
+    saved_args_tp = ckpt.get("args", {}).get("tensor_model_parallel_size", tp_size)
+    if saved_args_tp != tp_size:  # the directory holds fewer rank files than the run that wrote it had
+        if reshard_model:
+            raise _incomplete(ckpt_dir, saved_args_tp, saved_tp)
+        raise _tp_refusal(ckpt_dir, saved_args_tp, tp_size)
     ckpt["path"] = ckpt_dir
+    ckpt["resharded"] = False
     return ckpt
 
 

@@ -51,7 +51,7 @@ import shutil
 
 import torch
 
-from model.gpt import ModelConfig, padded_vocab_size
+from model.gpt import ModelConfig
 
 FORMAT = "hf_converted"
 FORMAT_VERSION = 1
@@ -222,36 +222,19 @@ def convert_state_dict(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> d
     return out
 
 
-def shard_for_rank(name: str, full: torch.Tensor, param: torch.nn.Parameter, cfg: ModelConfig,
-                   tp_rank: int, tp_size: int) -> torch.Tensor:
-    """This TP rank's slice of the TP=1 tensor ``full`` for ``param``, from megatron's attributes.
-
-    Vocabulary tables are first zero-padded to ``padded_vocab_size(cfg, tp_size)`` rows (the padded
-    logits are not tokens; evaluation drops them). A tensor-parallel parameter is cut along its
-    ``partition_dim`` into ``tp_size * partition_stride`` chunks of which rank r holds chunks
-    r, r + tp, ... (stride 2: ``linear_fc1``'s [gate_r; up_r]). Replicated parameters are copied whole.
-    """
-    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-        rows = padded_vocab_size(cfg, tp_size)
-        if full.shape[0] > rows:
-            raise HFConvertError(f"{name} has {full.shape[0]} rows, more than the padded vocabulary {rows}")
-        full = torch.cat([full, full.new_zeros(rows - full.shape[0], *full.shape[1:])])
-    if not getattr(param, "tensor_model_parallel", False) or tp_size == 1:
-        return full
-    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
-    chunks = full.chunk(tp_size * stride, dim=dim)
-    return torch.cat(chunks[tp_rank::tp_size], dim=dim)
-
-
 @torch.no_grad()
 def load_converted_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
     """Copy a converted TP=1 ``state`` into ``model`` (built from ``cfg`` at any TP size, unwrapped).
 
     Every parameter must be present with the right shape and no tensor may be left over; the
     policy linears' ``_extra_state`` (quantization state) keeps the model's own. Casts to each
-    parameter's dtype.
+    parameter's dtype. This rank's slices come from ``pretrain.reshard.shard_tensor`` with the
+    model's own megatron attributes (vocabulary zero-padded to ``padded_vocab_size(cfg, tp)`` rows:
+    the padded logits are not tokens; evaluation drops them).
     """
     from megatron.core import parallel_state
+
+    from pretrain.reshard import ReshardError, model_layout, shard_tensor
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -261,8 +244,12 @@ def load_converted_state_dict(model: torch.nn.Module, state: dict[str, torch.Ten
     if missing or unknown:
         raise HFConvertError(f"converted weights do not fit this model: missing {missing[:3]}, "
                              f"unexpected {unknown[:3]}")
+    layout = model_layout(model)
     for name, param in params.items():
-        shard = shard_for_rank(name, state[name], param, cfg, tp_rank, tp_size)
+        try:
+            shard = shard_tensor(name, state[name], layout[name], cfg, tp_rank, tp_size)
+        except ReshardError as e:
+            raise HFConvertError(str(e)) from None
         if shard.shape != param.shape:
             raise HFConvertError(f"{name}: converted shard {tuple(shard.shape)} != model {tuple(param.shape)} "
                                  f"at TP rank {tp_rank}/{tp_size}")

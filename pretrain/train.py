@@ -8,20 +8,22 @@ Order of events (every rank):
 1. ``parse_args`` / ``validate_args`` (``pretrain.arguments``): bad input exits 2 with one line,
    before anything is initialized.
 2. ``torch.distributed`` from torchrun's environment (a world of one without torchrun): gloo on
-   CPU, NCCL on CUDA; megatron ``parallel_state.initialize_model_parallel(TP, PP=1)``; seeds
+   CPU, NCCL on CUDA; megatron ``parallel_state.initialize_model_parallel(TP, PP)``; seeds
    (python, numpy, torch; megatron's CUDA RNG tracker on GPU) -- the same on every rank, so every
-   rank draws the same master weights and keeps its TP shard (``model.gpt``).
+   rank draws the same master weights and keeps its TP shard of its pipeline stage (``model.gpt``).
 3. Tokenizer and datasets (``pretrain.data``; the built-in stdlib corpus without ``--data-path``),
-   the model, the precision plan (``PrecisionPolicy.from_args(...).resolve(...)``, applied and
-   printed once), AdamW + schedule (``pretrain.optim``), then ``--load`` (``pretrain.checkpointing``),
-   then torch DDP over the data-parallel group (when it has more than one rank).
+   the model, the precision plan (``PrecisionPolicy.from_args(...).resolve(...)``, by global layer
+   names, applied and printed once), the engine (``pretrain.engine``: torch DDP + our AdamW, or
+   megatron-core's DDP, optimizer and pipeline schedules on CUDA) and the lr schedule, then
+   ``--load`` (``pretrain.checkpointing``) or, while ``--load`` holds nothing yet,
+   ``--pretrained-checkpoint`` (``pretrain.pretrained``).
 4. Each iteration consumes one global batch, ``micro_batch_size * dp * num_micro_batches``
-   samples, in megatron's sample order (``pretrain.data.gpt_data``). Gradients accumulate over
-   the micro-batches (DDP all-reduces once, on the last); the loss is normalized **per token over
-   the whole global batch** (Megatron-LM's ``--calculate-per-token-loss``), so losses and gradients
-   do not depend on how the batch is split over micro-batches and data-parallel ranks. Then TP
-   partial gradients are summed (sequence parallelism), the global norm is clipped, the lr set
-   and AdamW steps.
+   samples, in megatron's sample order (``pretrain.data.gpt_data``), and hands its micro-batches
+   to the engine: forward/backward of each (pipelined over stages with PP > 1), gradients reduced
+   over data parallelism once, the loss normalized **per token over the whole global batch**
+   (Megatron-LM's ``--calculate-per-token-loss``), so losses and gradients do not depend on how
+   the batch is split over micro-batches and data-parallel ranks; TP-partial gradients summed
+   (sequence parallelism), the global norm clipped, the lr set and Adam steps.
 5. After the iteration: progress line and TensorBoard scalars (rank 0), evaluation every
    ``--eval-interval``, checkpoint every ``--save-interval``; SIGTERM (on any rank) or
    ``--exit-interval``: save and exit 0. At the end: save, final evaluation.
@@ -36,7 +38,6 @@ iteration number).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import os
@@ -55,6 +56,7 @@ from pretrain.arguments import ConfigError, fail, model_config, parse_args, vali
 
 if TYPE_CHECKING:
     from model.gpt import ModelConfig
+    from pretrain.engine import MegatronEngine, TorchEngine
     from precision import PrecisionPlan
     from pretrain.optim import LRSchedule
 
@@ -140,13 +142,12 @@ def check_gemm_backends(plan, device: torch.device, requested: str) -> None:
 
 def build_model(args, vocab_size: int, device: torch.device):
     """This rank's model with the resolved precision plan applied; returns ``(model, plan)``."""
-    from megatron.core import parallel_state
-
-    from model.gpt import apply_precision_plan, build_gpt, policy_linear_names
+    from model.gpt import apply_precision_plan, build_gpt, policy_linear_names, policy_linears
     from precision import PrecisionPolicy
 
     sequence_parallel = args.sequence_parallel and args.tensor_model_parallel_size > 1
     model = build_gpt(model_config(args, vocab_size), sequence_parallel=sequence_parallel, seed=args.seed)
+    # this pipeline stage's linears, by global layer number (first:/last: rules mean the whole model's)
     plan = PrecisionPolicy.from_args(args.precision, args.precision_rule).resolve(
         policy_linear_names(model), args.num_layers
     )
@@ -154,22 +155,25 @@ def build_model(args, vocab_size: int, device: torch.device):
         plan = override_amax(plan, args.amax_algo, args.amax_history_len)
     apply_precision_plan(model, plan)
     check_gemm_backends(plan, device, args.gemm_backend)
-    for name in policy_linear_names(model):
-        model.get_submodule(name).gemm_backend = args.gemm_backend
-    assert parallel_state.get_pipeline_model_parallel_world_size() == 1
+    for _, module in policy_linears(model):
+        module.gemm_backend = args.gemm_backend
     return model.to(device), plan
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
-    """(whole model over all TP ranks, this rank's shard)."""
+    """(whole model over all TP ranks and pipeline stages, this rank's part)."""
     from megatron.core import parallel_state
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     local = sum(p.numel() for p in model.parameters())
-    total = sum(
-        p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1) for p in model.parameters()
+    total = torch.tensor(
+        sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1) for p in model.parameters()),
+        dtype=torch.float64,
     )
-    return total, local
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # each stage holds other layers
+        total = total.to(next(model.parameters()).device)
+        torch.distributed.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+    return int(total.item()), local
 
 
 # ================================================================================================
@@ -182,9 +186,8 @@ class Trainer:
     """Everything one rank trains with; ``iteration`` and ``consumed_samples`` are the position."""
 
     args: object  # argparse.Namespace
-    model: torch.nn.Module  # unwrapped (state dicts, parameter names)
-    ddp: torch.nn.Module  # what runs forward/backward: DDP(model), or model when DP == 1
-    optimizer: torch.optim.Optimizer
+    model: torch.nn.Module  # unwrapped (state dicts, parameter names); this pipeline stage's part
+    engine: TorchEngine | MegatronEngine  # forward/backward, gradient reduction, optimizer (pretrain.engine)
     schedule: LRSchedule
     plan: PrecisionPlan
     model_config: ModelConfig  # saved with checkpoints (for evaluation tools)
@@ -204,31 +207,18 @@ class Trainer:
 
         return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
 
-    def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
-        from megatron.core import parallel_state
-
-        if self.dp[1] > 1:
-            torch.distributed.all_reduce(t, group=parallel_state.get_data_parallel_group())
-        return t
-
     @property
     def num_micro_batches(self) -> int:
         a = self.args
         return a.global_batch_size // (a.micro_batch_size * self.dp[1])
 
-    def _forward(self, module, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Summed masked per-token loss of one micro-batch, and its token count."""
-        tokens, labels = mb["tokens"].to(self.device), mb["labels"].to(self.device)
-        position_ids, mask = mb["position_ids"].to(self.device), mb["loss_mask"].to(self.device).float()
-        per_token = module(tokens, position_ids, None, labels=labels)  # [b, s]
-        return (per_token.float() * mask).sum(), mask.sum()
-
     # ---------------------------------------------------------------- numerics telemetry, QAT
     def policy_linears(self) -> list[tuple[str, torch.nn.Module]]:
-        from model.gpt import policy_linear_names
+        """(plan name, module) of this stage's policy linears (plan names number layers globally)."""
+        from model.gpt import policy_linears
 
         if not hasattr(self, "_linears"):
-            self._linears = [(n, self.model.get_submodule(n)) for n in policy_linear_names(self.model)]
+            self._linears = policy_linears(self.model)
         return self._linears
 
     def set_telemetry(self, collect: bool, observe_only: bool) -> None:
@@ -271,41 +261,15 @@ class Trainer:
     # ---------------------------------------------------------------- one iteration
     def train_step(self, data) -> tuple[float, float, float]:
         """One global batch: returns (loss, grad norm before clipping, lr)."""
-        from megatron.core import parallel_state
-
-        from model.gpt import allreduce_tp_partial_grads
-        from pretrain.optim import clip_grad_norm
-
         micro = [next(data) for _ in range(self.num_micro_batches)]
-        tokens = self._dp_sum(
-            torch.stack([mb["loss_mask"].sum() for mb in micro]).sum().float().to(self.device)
-        )
-        dp_size = self.dp[1]
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), device=self.device)
-        for i, mb in enumerate(micro):
-            last = i == len(micro) - 1
-            sync = contextlib.nullcontext() if last or self.ddp is self.model else self.ddp.no_sync()
-            with sync:
-                s, _ = self._forward(self.ddp, mb)
-                # DDP averages over data-parallel ranks; scale by dp so the result is sum / global tokens
-                (s * (dp_size / tokens)).backward()
-            loss_sum += s.detach()
-        loss = (self._dp_sum(loss_sum) / tokens).item()
-        allreduce_tp_partial_grads(self.model)
-        norm = clip_grad_norm(
-            self.model.parameters(), self.args.clip_grad, parallel_state.get_tensor_model_parallel_group()
-        )
+        loss, norm, lr = self.engine.train_step(micro, self.schedule)
         if not (np.isfinite(loss) and np.isfinite(norm)):
             raise FloatingPointError(
                 f"iteration {self.iteration + 1}: loss {loss}, grad norm {norm}; lower --lr, "
                 f"or keep more layers in higher precision (--precision-rule)"
             )
-        lr = self.schedule.step()
-        self.optimizer.step()
         return loss, norm, lr
 
-    @torch.no_grad()
     def evaluate(self) -> float | None:
         """Mean per-token loss over the first ``--eval-iters`` global batches of the validation set."""
         from pretrain.data import batches
@@ -313,14 +277,10 @@ class Trainer:
         if self.valid_ds is None or self.args.eval_iters == 0:
             return None
         self.model.eval()
-        sums = torch.zeros(2, device=self.device)
         data = batches(self.valid_ds, 0, self.args.micro_batch_size, *self.dp)
-        for _, mb in zip(range(self.args.eval_iters * self.num_micro_batches), data):
-            s, n = self._forward(self.model, mb)
-            sums += torch.stack([s, n])
+        loss = self.engine.eval_loss([mb for _, mb in zip(range(self.args.eval_iters * self.num_micro_batches), data)])
         self.model.train()
-        self._dp_sum(sums)
-        return (sums[0] / sums[1]).item() if sums[1] > 0 else None
+        return loss
 
     # ---------------------------------------------------------------- checkpoints
     def save(self) -> str:
@@ -329,7 +289,7 @@ class Trainer:
         t0 = time.perf_counter()
         state = {
             "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self.engine.optimizer_state_dict(),
             "opt_param_scheduler": self.schedule.state_dict(),
             "consumed_train_samples": self.consumed_samples,
             "precision_plan": self.plan.to_dict(),
@@ -337,23 +297,43 @@ class Trainer:
             "tokenizer_model": self.tokenizer_model,
             "args": dict(vars(self.args)),
         }
-        path = save_checkpoint(self.args.save, self.iteration, state)
+        path = save_checkpoint(self.args.save, self.iteration, state, write_beside=self.engine.save_extra)
         rank0_print(f"saved checkpoint {path} ({time.perf_counter() - t0:.1f}s)")
         self.last_saved = self.iteration
         return path
 
-    def load(self) -> None:
-        """``--load``: everything (resume), or model weights only (``--finetune``)."""
-        from pretrain.checkpointing import CheckpointError, load_checkpoint, restore_rng_state
+    def load_pretrained(self) -> None:
+        """``--pretrained-checkpoint`` (``--load`` holds no checkpoint yet): initial model weights."""
+        from pretrain.pretrained import PretrainedError, load_pretrained_weights, read_pretrained
+
+        t0 = time.perf_counter()
+        try:
+            pre = read_pretrained(self.args.pretrained_checkpoint)
+            load_pretrained_weights(self.model, pre, self.args.tensor_model_parallel_size)
+            self.engine.weights_loaded()
+        except PretrainedError as e:
+            raise ConfigError(str(e)) from None
+        rank0_print(
+            f"--pretrained-checkpoint: initial weights from {pre.path} ({pre.kind}"
+            + (f", iteration {pre.iteration}" if pre.iteration is not None else "")
+            + f"); starting at iteration 0 ({time.perf_counter() - t0:.1f}s)"
+        )
+
+    def load(self) -> bool:
+        """``--load``: everything (resume), or model weights only (``--finetune``); False if
+        ``--load`` holds no checkpoint yet."""
+        from pretrain.checkpointing import CheckpointError, load_checkpoint, restore_rng_state, this_rank_file
 
         args = self.args
-        ckpt = load_checkpoint(args.load, args.tensor_model_parallel_size)
+        # --finetune takes model weights only, so a checkpoint of another TP size is resharded
+        ckpt = load_checkpoint(args.load, args.tensor_model_parallel_size, reshard_model=args.finetune)
         if ckpt is None:
             rank0_print(
                 f"--load {args.load}: no checkpoint yet ({os.path.basename(args.load)}/latest_checkpointed_"
-                f"iteration.txt missing): starting from scratch"
+                f"iteration.txt missing): starting "
+                + ("from --pretrained-checkpoint" if args.pretrained_checkpoint else "from scratch")
             )
-            return
+            return False
         saved = ckpt.get("args", {})
         for key in SHAPE_ARGS:
             if key in saved and saved[key] != getattr(args, key):
@@ -367,6 +347,7 @@ class Trainer:
             raise CheckpointError(
                 f"--load: {ckpt['path']} does not fit this model: {' '.join(str(e).split())[:300]}"
             ) from None
+        self.engine.weights_loaded()
         changed = [
             n
             for n, v in ckpt.get("precision_plan", {}).items()
@@ -379,8 +360,8 @@ class Trainer:
             )
         if args.finetune:
             rank0_print(f"--finetune: loaded model weights of {ckpt['path']}; starting at iteration 0")
-            return
-        self.optimizer.load_state_dict(ckpt["optimizer"])
+            return True
+        self.engine.load_optimizer(ckpt["optimizer"], os.path.dirname(this_rank_file(ckpt["path"])))
         self.schedule.load_state_dict(ckpt["opt_param_scheduler"])
         self.iteration = int(ckpt["iteration"]) if ckpt["iteration"] != "release" else 0
         self.consumed_samples = int(
@@ -393,6 +374,7 @@ class Trainer:
             f"resumed from {ckpt['path']}: iteration {self.iteration}, "
             f"{self.consumed_samples} samples consumed"
         )
+        return True
 
 
 # ================================================================================================
@@ -492,22 +474,25 @@ class _SigtermFlag:
 def setup(args) -> Trainer:
     """Steps 2-3 of the module docstring; returns a ready Trainer (after ``--load``)."""
     from megatron.core import parallel_state
-    from torch.nn.parallel import DistributedDataParallel
 
     from model.gpt import padded_vocab_size
     from pretrain.data import build_train_valid_datasets, load_tokenizer
-    from pretrain.optim import LRSchedule, build_optimizer
+    from pretrain.engine import build_engine
+    from pretrain.optim import LRSchedule
 
     device = init_distributed(args)
-    tp, dp = args.tensor_model_parallel_size, parallel_state.get_data_parallel_world_size()
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    dp = parallel_state.get_data_parallel_world_size()
     rank0_print(
-        f"world size {torch.distributed.get_world_size()} = TP {tp} x PP 1 x DP {dp} | device {device.type} "
+        f"world size {torch.distributed.get_world_size()} = TP {tp} x PP {pp} x DP {dp} | device {device.type} "
         f"({torch.distributed.get_backend()}) | gemm backend {args.gemm_backend} | seed {args.seed}"
     )
 
     t0 = time.perf_counter()
     try:
-        tokenizer = load_tokenizer(args.tokenizer_model, args.data_cache_dir)
+        tokenizer = load_tokenizer(
+            args.tokenizer_model, args.data_cache_dir, tokenizer_type=args.tokenizer_type
+        )
         train_ds, valid_ds = build_train_valid_datasets(
             args.data_path,
             tokenizer,
@@ -522,31 +507,40 @@ def setup(args) -> Trainer:
     except (ValueError, FileNotFoundError) as e:  # the data module's one-line messages name the flag
         raise ConfigError(str(e)) from None
     source = " ".join(args.data_path) if args.data_path else f"built-in stdlib corpus ({args.data_cache_dir})"
-    cfg = model_config(args, tokenizer.vocab_size)
+    vocab_size = tokenizer.vocab_size
+    if args.pretrained_vocab_size is not None:  # the pretrained embedding table fixes the vocabulary
+        if tokenizer.vocab_size > args.pretrained_vocab_size:
+            raise ConfigError(
+                f"--tokenizer-model {tokenizer.path} has {tokenizer.vocab_size} tokens, more than the "
+                f"{args.pretrained_vocab_size} of --pretrained-checkpoint {args.pretrained_checkpoint}"
+            )
+        vocab_size = args.pretrained_vocab_size
+    cfg = model_config(args, vocab_size)
     rank0_print(
         f"data: {source} | tokenizer {tokenizer.path} (vocab {tokenizer.vocab_size}, padded to "
         f"{padded_vocab_size(cfg, tp)}) | {len(train_ds)} train / {len(valid_ds) if valid_ds else 0} "
         f"valid samples of {args.seq_length} tokens | {time.perf_counter() - t0:.1f}s"
     )
 
-    model, plan = build_model(args, tokenizer.vocab_size, device)
-    optimizer = build_optimizer(model, args)
+    model, plan = build_model(args, vocab_size, device)
+    engine = build_engine(model, args, device)
     trainer = Trainer(
-        args, model, model, optimizer, LRSchedule.from_args(optimizer, args), plan, cfg, tokenizer.path,
+        args, model, engine, LRSchedule.from_args(engine.optimizer, args), plan, cfg, tokenizer.path,
         train_ds, valid_ds, device,
     )  # fmt: skip
-    if args.load:
-        trainer.load()
-    if dp > 1:
-        trainer.ddp = DistributedDataParallel(
-            model,
-            device_ids=[device.index] if device.type == "cuda" else None,
-            process_group=parallel_state.get_data_parallel_group(),
-        )
+    if not (args.load and trainer.load()) and args.pretrained_checkpoint:
+        trainer.load_pretrained()
+    engine.wrap()
+    rank0_print(
+        f"engine: {engine.name} (--ddp-impl {args.ddp_impl}): "
+        + ("megatron-core DDP, " + ("distributed optimizer, " if args.use_distributed_optimizer else "")
+           + ("1F1B pipeline schedule" if pp > 1 else "no-pipelining schedule")
+           if engine.name == "megatron" else "torch DDP, AdamW, micro-batch loop")
+    )
 
     total, local = count_parameters(model)
     rank0_print(model)
-    rank0_print(f"parameters: {total:,} ({local:,} on each of {tp} TP rank(s))")
+    rank0_print(f"parameters: {total:,} ({local:,} on each of {tp * pp} model-parallel rank(s))")
     rank0_print(
         f"precision plan (--precision {args.precision}"
         + "".join(f" --precision-rule {r}" for r in args.precision_rule)

@@ -8,7 +8,8 @@ Two ways in, one path through::
 
 Typical use from a training loop (all ranks call the same functions)::
 
-    tokenizer = load_tokenizer(args.tokenizer_model, cache_dir)        # None -> built-in corpus's
+    tokenizer = load_tokenizer(args.tokenizer_model, cache_dir,        # None -> built-in corpus's
+                               tokenizer_type=args.tokenizer_type)     # or "HuggingFaceTokenizer"
     train_ds, valid_ds = build_train_valid_datasets(
         args.data_path, tokenizer, args.seq_length, args.seed,
         train_samples=args.train_iters * args.global_batch_size,
@@ -17,15 +18,17 @@ Typical use from a training loop (all ranks call the same functions)::
         batch["tokens"], batch["labels"], batch["loss_mask"], batch["position_ids"]  # [mbs, seq]
 
 Modules: ``corpus`` (the stdlib corpus and its split), ``tokenizer`` (sentencepiece wrapper and
-training), ``indexed`` (writing ``.bin/.idx``), ``default_cache`` (build-once, atomic, rank-safe
-cache of the built-in data), ``helpers`` (megatron's compiled dataset helpers), ``gpt_data``
-(GPTDataset construction and the batch iterator, with the sample-order contract).
+training), ``hf_tokenizer`` (a local Hugging Face tokenizer behind the same interface), ``indexed``
+(writing ``.bin/.idx``), ``default_cache`` (build-once, atomic, rank-safe cache of the built-in
+data), ``helpers`` (megatron's compiled dataset helpers), ``gpt_data`` (GPTDataset construction
+and the batch iterator, with the sample-order contract).
 """
 
 from pretrain.data.corpus import Document, stdlib_corpus
 from pretrain.data.default_cache import DefaultCorpusConfig, DefaultData, build_default_data
 from pretrain.data.gpt_data import batches, build_train_valid_datasets, load_tokenizer
 from pretrain.data.helpers import ensure_dataset_helpers
+from pretrain.data.hf_tokenizer import HFTokenizer
 from pretrain.data.indexed import IndexedWriter, check_indexed_prefix, document_prefix, write_indexed_dataset
 from pretrain.data.tokenizer import Tokenizer, train_tokenizer
 
@@ -33,6 +36,7 @@ __all__ = [
     "DefaultCorpusConfig",
     "DefaultData",
     "Document",
+    "HFTokenizer",
     "IndexedWriter",
     "Tokenizer",
     "batches",

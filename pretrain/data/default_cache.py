@@ -6,6 +6,9 @@ Layout of ``cache_dir`` after a build::
     default_train_text_document.{bin,idx}    one document per stdlib file, EOD appended
     default_valid_text_document.{bin,idx}
     default_corpus.json                      what was built, and from what; written last
+    tokenized-<hash>/                        the same corpus tokenized with a given tokenizer (e.g. a
+                                             Hugging Face one): default_*_text_document.{bin,idx} and
+                                             its own default_corpus.json, one folder per tokenizer
 
 Safety:
 
@@ -18,11 +21,14 @@ Safety:
   (node-local ``cache_dir``) builds its own, and the build is deterministic, so every node ends up
   with identical bytes.
 - A manifest for different settings (another size cap, vocabulary or interpreter) is rebuilt over.
+  With a given tokenizer the folder name and the manifest key hold its ``unique_identifiers``, so
+  data tokenized by one tokenizer is never read with another.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -43,6 +49,7 @@ logger = logging.getLogger(__name__)
 _FORMAT = 1
 MANIFEST = "default_corpus.json"
 TOKENIZER_FILE = "tokenizer.model"
+GIVEN_TOKENIZER_DIR = "tokenized-"  # + a hash of the tokenizer's unique_identifiers
 
 
 @dataclass(frozen=True)
@@ -62,7 +69,7 @@ DEFAULT_CORPUS = DefaultCorpusConfig()
 class DefaultData:
     """Where the built cache lives; prefixes are megatron data paths (no ``.bin``/``.idx``)."""
 
-    tokenizer_model: str
+    tokenizer_model: str  # the trained sentencepiece model, or the given tokenizer's path
     train_prefix: str
     valid_prefix: str
     manifest: dict
@@ -84,24 +91,46 @@ def build_default_data(
     cache_dir: str,
     config: DefaultCorpusConfig = DEFAULT_CORPUS,
     *,
+    tokenizer=None,
     is_rank0: bool | None = None,
     barrier: Callable[[], None] | None = None,
 ) -> DefaultData:
-    """Make sure the built-in data is in ``cache_dir`` (building it on rank 0 if needed); all ranks call this."""
+    """Make sure the built-in data is in ``cache_dir`` (building it on rank 0 if needed); all ranks call this.
+
+    ``tokenizer`` (anything with ``tokenize_batch``, ``vocab_size``, ``eod``, ``sha1``, ``path`` and
+    ``unique_identifiers``, e.g. an ``HFTokenizer``): tokenize the corpus with it instead of training
+    a sentencepiece model (``config.vocab_size``/``tokenizer_sample_mb`` are then unused); the data
+    lives in ``cache_dir/tokenized-<hash of its unique_identifiers>/``.
+    """
     is_rank0, barrier = dist_rank0_and_barrier(is_rank0, barrier)
     if is_rank0:
-        _ensure_built(cache_dir, config)
+        _ensure_built(cache_dir, config, tokenizer)
     barrier()
-    return _ensure_built(cache_dir, config)
+    return _ensure_built(cache_dir, config, tokenizer)
 
 
-def _expected_key(config: DefaultCorpusConfig) -> dict:
-    return {"format": _FORMAT, "python": sys.version.split()[0], "stdlib": stdlib_root(), **asdict(config)}
+def _identifiers(tokenizer) -> dict:
+    return {k: str(v) for k, v in tokenizer.unique_identifiers.items()}
 
 
-def _paths(cache_dir: str) -> DefaultData:
+def _data_dir(cache_dir: str, tokenizer) -> str:
+    if tokenizer is None:
+        return cache_dir
+    digest = hashlib.sha1(json.dumps(_identifiers(tokenizer), sort_keys=True).encode()).hexdigest()
+    return os.path.join(cache_dir, GIVEN_TOKENIZER_DIR + digest[:16])
+
+
+def _expected_key(config: DefaultCorpusConfig, tokenizer=None) -> dict:
+    key = {"format": _FORMAT, "python": sys.version.split()[0], "stdlib": stdlib_root()}
+    if tokenizer is None:
+        return {**key, **asdict(config)}
+    corpus = {"max_mb": config.max_mb, "valid_fraction": config.valid_fraction}
+    return {**key, **corpus, "tokenizer": _identifiers(tokenizer)}
+
+
+def _paths(cache_dir: str, tokenizer=None) -> DefaultData:
     return DefaultData(
-        tokenizer_model=os.path.join(cache_dir, TOKENIZER_FILE),
+        tokenizer_model=os.path.join(cache_dir, TOKENIZER_FILE) if tokenizer is None else tokenizer.path,
         train_prefix=document_prefix(os.path.join(cache_dir, "default_train")),
         valid_prefix=document_prefix(os.path.join(cache_dir, "default_valid")),
         manifest={},
@@ -126,20 +155,21 @@ def _file_lock(path: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _ensure_built(cache_dir: str, config: DefaultCorpusConfig) -> DefaultData:
-    paths = _paths(cache_dir)
-    key = _expected_key(config)
+def _ensure_built(cache_dir: str, config: DefaultCorpusConfig, tokenizer=None) -> DefaultData:
+    cache_dir = _data_dir(cache_dir, tokenizer)
+    paths = _paths(cache_dir, tokenizer)
+    key = _expected_key(config, tokenizer)
     manifest = _read_manifest(cache_dir)
     if manifest is None or manifest.get("key") != key:
         os.makedirs(cache_dir, exist_ok=True)
         with _file_lock(os.path.join(cache_dir, ".default_corpus.lock")):
             manifest = _read_manifest(cache_dir)  # another process may have built it meanwhile
             if manifest is None or manifest.get("key") != key:
-                manifest = _build(cache_dir, config, key)
+                manifest = _build(cache_dir, config, key, tokenizer)
     return DefaultData(paths.tokenizer_model, paths.train_prefix, paths.valid_prefix, manifest)
 
 
-def _build(cache_dir: str, config: DefaultCorpusConfig, key: dict) -> dict:
+def _build(cache_dir: str, config: DefaultCorpusConfig, key: dict, tokenizer=None) -> dict:
     """Build everything in a scratch directory, then rename it into ``cache_dir``, manifest last."""
     t0 = time.perf_counter()
     for stale in os.listdir(cache_dir):  # left by a crashed build; we hold the lock
@@ -148,17 +178,21 @@ def _build(cache_dir: str, config: DefaultCorpusConfig, key: dict) -> dict:
     old_manifest = os.path.join(cache_dir, MANIFEST)
     if os.path.exists(old_manifest):
         os.remove(old_manifest)
-    logger.info("building the built-in stdlib corpus in %s (%s)", cache_dir, config)
+    tokenized_by = tokenizer or "a sentencepiece model trained on it"
+    logger.info(
+        "building the built-in stdlib corpus in %s (%s), tokenized by %s", cache_dir, config, tokenized_by
+    )
 
     scratch = tempfile.mkdtemp(prefix=".build-", dir=cache_dir)
     try:
         train_docs, valid_docs = stdlib_corpus(config.max_mb, config.valid_fraction)
-        tokenizer = train_tokenizer(
-            [d.text for d in train_docs],
-            os.path.join(scratch, TOKENIZER_FILE),
-            vocab_size=config.vocab_size,
-            sample_mb=config.tokenizer_sample_mb,
-        )
+        if tokenizer is None:
+            tokenizer = train_tokenizer(
+                [d.text for d in train_docs],
+                os.path.join(scratch, TOKENIZER_FILE),
+                vocab_size=config.vocab_size,
+                sample_mb=config.tokenizer_sample_mb,
+            )
         out = _paths(scratch)
         threads = min(8, os.cpu_count() or 1)
         stats = {}

@@ -34,10 +34,14 @@ from megatron.core.datasets.utils import get_blend_from_list
 
 from pretrain.data.default_cache import DEFAULT_CORPUS, DefaultCorpusConfig, build_default_data
 from pretrain.data.helpers import ensure_dataset_helpers
+from pretrain.data.hf_tokenizer import HINT as HF_HINT
+from pretrain.data.hf_tokenizer import HFTokenizer
 from pretrain.data.indexed import check_indexed_prefix
 from pretrain.data.tokenizer import Tokenizer
 
 DEFAULT_SPLIT = "99,1,0"
+# Megatron-LM's --tokenizer-type names for what --tokenizer-model holds.
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer")
 
 
 def load_tokenizer(
@@ -45,10 +49,21 @@ def load_tokenizer(
     cache_dir: str,
     default_corpus: DefaultCorpusConfig = DEFAULT_CORPUS,
     *,
+    tokenizer_type: str = "SentencePieceTokenizer",
     is_rank0: bool | None = None,
     barrier: Callable[[], None] | None = None,
-) -> Tokenizer:
-    """``--tokenizer-model`` if given, else the built-in corpus's tokenizer (building the cache once)."""
+) -> Tokenizer | HFTokenizer:
+    """The ``--tokenizer-type`` tokenizer of ``--tokenizer-model``.
+
+    ``SentencePieceTokenizer``: the model file if given, else the built-in corpus's trained one
+    (building the cache once). ``HuggingFaceTokenizer``: a local Hugging Face tokenizer folder (required).
+    """
+    if tokenizer_type == "HuggingFaceTokenizer":
+        if tokenizer_model is None:
+            raise ValueError(f"--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model DIR ({HF_HINT})")
+        return HFTokenizer(tokenizer_model)
+    if tokenizer_type != "SentencePieceTokenizer":
+        raise ValueError(f"--tokenizer-type: unknown {tokenizer_type!r}; valid: {', '.join(TOKENIZER_TYPES)}")
     if tokenizer_model is not None:
         return Tokenizer(tokenizer_model)
     data = build_default_data(cache_dir, default_corpus, is_rank0=is_rank0, barrier=barrier)
@@ -111,7 +126,7 @@ def _check_split_nonempty(prefixes: list[str], split: str) -> None:
 
 def build_train_valid_datasets(
     data_path: list[str] | None,
-    tokenizer: Tokenizer,
+    tokenizer: Tokenizer | HFTokenizer,
     seq_length: int,
     seed: int,
     train_samples: int,
@@ -132,7 +147,8 @@ def build_train_valid_datasets(
     Args:
         data_path: megatron ``--data-path``: prefixes, optionally weighted (``["0.3", "a", "0.7", "b"]``);
             ``None`` is the built-in stdlib corpus (its own train/valid files; ``split`` unused) and
-            then ``tokenizer`` must be the one ``load_tokenizer(None, cache_dir)`` returns.
+            then ``tokenizer`` must be the one ``load_tokenizer(None, cache_dir)`` returns, or an
+            ``HFTokenizer``, which the corpus is then tokenized with (cached per tokenizer).
         train_samples: samples the train set must provide (train_iters * global_batch_size); more
             than one epoch of data is fine.
         valid_samples: samples of the validation set; ``None`` = one epoch of it.
@@ -151,7 +167,10 @@ def build_train_valid_datasets(
     if data_path is None:
         if valid_data_path is not None:
             raise ValueError("--valid-data-path needs --data-path (without it the built-in corpus is used)")
-        default = build_default_data(cache_dir, default_corpus, is_rank0=is_rank0, barrier=barrier)
+        given = tokenizer if isinstance(tokenizer, HFTokenizer) else None
+        default = build_default_data(
+            cache_dir, default_corpus, tokenizer=given, is_rank0=is_rank0, barrier=barrier
+        )
         if tokenizer.sha1 != default.manifest["tokenizer_sha1"]:
             raise ValueError(
                 f"--tokenizer-model: the built-in corpus (no --data-path) is tokenized with "

@@ -8,7 +8,8 @@
   - a converted Hugging Face checkpoint: ``DIR/hf_converted.pt`` or the file itself
     (``pretrain.hf_convert``; tokenizer in ``DIR/hf_tokenizer`` when the HF dir had one);
   - a training checkpoint directory (``DIR/latest_checkpointed_iteration.txt``, Megatron layout,
-    ``pretrain.checkpointing``), saved at TP=1;
+    ``pretrain.checkpointing``), saved at any tensor-parallel size (TP>1 shards are merged,
+    ``pretrain.reshard``);
   - a plain ``torch.save`` file ``{"model": TP=1 state dict, "model_config": asdict(ModelConfig)}``.
 
 Precision: ``precision=None`` uses the checkpoint's own plan when it has one (a training
@@ -126,30 +127,33 @@ def load_training_checkpoint(
     device: torch.device | str = "cpu",
     seed: int = 1234,
 ) -> LoadedModel:
-    """A TP=1 training checkpoint from ``load_dir`` (latest iteration), for evaluation.
+    """A training checkpoint from ``load_dir`` (latest iteration), as a TP=1 model for evaluation.
 
     The model config is the checkpoint's ``model_config`` (``dataclasses.asdict(ModelConfig)``) when
     it has one, else rebuilt from its ``args`` (``pretrain.arguments.model_config``) with the
     vocabulary size from ``vocab_size`` or the saved ``--tokenizer-model``. Strict load, including
-    the linears' quantization state. Checkpoints saved at TP>1 are refused (no resharding yet).
+    the linears' quantization state. A checkpoint saved at TP>1 has its shards merged
+    (``load_checkpoint(..., reshard_model=True)``: vocabulary re-padded for TP=1, amax histories the
+    maximum over shards); resharding needs its ``model_config``, which every training run saves.
     """
     from pretrain.arguments import model_config
     from pretrain.checkpointing import load_checkpoint
 
-    ckpt = load_checkpoint(load_dir, tp_size=1)
+    ckpt = load_checkpoint(load_dir, tp_size=1, reshard_model=True)
     if ckpt is None:
         raise ValueError(f"--load {load_dir}: the tracker names no checkpoint")
     args = Namespace(**ckpt.get("args", {}))
     tokenizer_model = getattr(args, "tokenizer_model", None)
+    hf = getattr(args, "tokenizer_type", "SentencePieceTokenizer") == "HuggingFaceTokenizer"
     if ckpt.get("model_config"):  # saved by runs whose config is not all flags (e.g. from --load-hf-converted)
         cfg = ModelConfig(**ckpt["model_config"])
     elif vocab_size is None:
-        if not tokenizer_model or not os.path.isfile(tokenizer_model):
+        if not tokenizer_model or not (os.path.isdir if hf else os.path.isfile)(tokenizer_model):
             raise ValueError(f"--load {load_dir}: its --tokenizer-model {tokenizer_model!r} is not readable; "
                              f"pass --tokenizer-model")
-        from pretrain.data.tokenizer import Tokenizer
+        from pretrain.data import HFTokenizer, Tokenizer
 
-        cfg = model_config(args, Tokenizer(tokenizer_model).vocab_size)
+        cfg = model_config(args, (HFTokenizer if hf else Tokenizer)(tokenizer_model).vocab_size)
     else:
         cfg = model_config(args, vocab_size)
     model = _build(cfg, seed)
@@ -159,5 +163,6 @@ def load_training_checkpoint(
         raise ValueError(f"--load {ckpt['path']} does not fit its own args: {' '.join(str(e).split())[:300]}") from None
     plan = _plan(model, cfg, precision, precision_rules, ckpt.get("precision_plan"))
     apply_precision_plan(model, plan)
+    hf_dir = tokenizer_model if hf and tokenizer_model and os.path.isdir(tokenizer_model) else None
     return LoadedModel(model.to(device).eval(), cfg, plan, "checkpoint", ckpt["path"],
-                       tokenizer_model=tokenizer_model)
+                       tokenizer_dir=hf_dir, tokenizer_model=None if hf else tokenizer_model)

@@ -162,9 +162,22 @@ def test_missing_files_are_refused(tmp_path, capsys, monkeypatch):
 
 
 def test_cuda_only_checks():
-    args = parse_args(BASE + [TP, "2", "--pipeline-model-parallel-size", "2"])
-    with pytest.raises(ConfigError, match="pipeline parallelism is not supported by launch/pretrain.py yet"):
-        validate_args(args, world_size=4, cuda=True)
+    PP = "--pipeline-model-parallel-size"
+    validate_args(parse_args(BASE + [TP, "2", PP, "2"]), world_size=4, cuda=True)  # megatron engine (auto)
+    validate_args(parse_args(BASE + [PP, "2", "--use-distributed-optimizer"]), world_size=4, cuda=True)
+    args = parse_args(BASE + [PP, "2", "--ddp-impl", "torch"])
+    with pytest.raises(ConfigError, match="--pipeline-model-parallel-size 2 needs --ddp-impl megatron"):
+        validate_args(args, world_size=2, cuda=True)
+    args = parse_args(BASE + [PP, "2", "--num-layers", "3"])
+    with pytest.raises(ConfigError, match="--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"):
+        validate_args(args, world_size=2, cuda=True)
+    with pytest.raises(ConfigError, match="--ddp-impl megatron needs CUDA"):
+        validate_args(parse_args(BASE + ["--ddp-impl", "megatron"]), world_size=1, cuda=False)
+    with pytest.raises(ConfigError, match="--use-distributed-optimizer needs the megatron engine on CUDA"):
+        validate_args(parse_args(BASE + ["--use-distributed-optimizer"]), world_size=1, cuda=False)
+    with pytest.raises(ConfigError, match="--use-distributed-optimizer needs the megatron engine on CUDA"):
+        validate_args(parse_args(BASE + ["--use-distributed-optimizer", "--ddp-impl", "torch"]), world_size=1,
+                      cuda=True)
     args = parse_args(BASE + [TP, "2", "--sequence-parallel", "--seq-length", "63"])
     with pytest.raises(ConfigError, match="--sequence-parallel: --seq-length 63 is not divisible by"):
         validate_args(args, world_size=2, cuda=True)

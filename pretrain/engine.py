@@ -1,0 +1,279 @@
+"""How one iteration runs: forward/backward over the micro-batches, gradient reduction, the step.
+
+Two engines behind one interface (``--ddp-impl``):
+
+``TorchEngine`` (``torch``; the only one on CPU)
+    torch ``DistributedDataParallel`` over the data-parallel group, AdamW and clipping from
+    ``pretrain.optim``, a plain loop over the micro-batches (DDP all-reduces on the last one), then
+    the TP-partial gradients (sequence parallelism) summed. Pipeline parallelism: no.
+
+``MegatronEngine`` (``megatron``; the default on CUDA)
+    megatron-core's ``DistributedDataParallel`` (contiguous FP32 gradient buckets),
+    ``get_megatron_optimizer`` (Adam with decoupled weight decay, no decay on biases and 1-D
+    parameters, clipping by the global norm over the model-parallel group; with
+    ``--use-distributed-optimizer`` the optimizer state is sharded over data-parallel ranks, ZeRO-1)
+    and megatron's schedules from ``get_forward_backward_func``: 1F1B pipelining when
+    ``--pipeline-model-parallel-size`` > 1, the no-pipelining schedule otherwise. These need CUDA
+    in megatron-core 0.16.1 (their buffers, streams and token counters live on the GPU).
+
+Both compute the same thing: the loss is the masked per-token cross entropy summed over the global
+batch and divided by its token count (Megatron-LM's ``--calculate-per-token-loss``: torch DDP
+averages over DP ranks and the loop rescales by DP / tokens; megatron's ``finalize_model_grads``
+sums over DP and divides by the all-reduced token count), so losses and gradients do not depend on
+how the batch is split into micro-batches, data-parallel ranks or pipeline stages. The learning
+rate of the step is set (``LRSchedule.step``) before the optimizer steps.
+
+Each engine returns the global loss on every rank: with pipelining only the last stage computes it,
+and it is broadcast over the pipeline group so that rank 0 can log it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import torch
+from megatron.core import parallel_state
+
+DISTRIBUTED_OPTIMIZER_FILE = "distrib_optim.pt"  # Megatron-LM's name, beside model_optim_rng.pt
+
+
+def _to(mb: dict, device: torch.device) -> tuple[torch.Tensor, ...]:
+    return (
+        mb["tokens"].to(device, non_blocking=True),
+        mb["labels"].to(device, non_blocking=True),
+        mb["position_ids"].to(device, non_blocking=True),
+        mb["loss_mask"].to(device, non_blocking=True).float(),
+    )
+
+
+def _dp_sum(t: torch.Tensor) -> torch.Tensor:
+    group = parallel_state.get_data_parallel_group()
+    if group.size() > 1:
+        torch.distributed.all_reduce(t, group=group)
+    return t
+
+
+# ================================================================================================
+# torch DDP (CPU and GPU)
+# ================================================================================================
+
+
+class TorchEngine:
+    """torch DDP + ``pretrain.optim`` AdamW; no pipeline parallelism (see module docstring)."""
+
+    name = "torch"
+
+    def __init__(self, model: torch.nn.Module, args, device: torch.device):
+        from pretrain.optim import build_optimizer
+
+        self.model, self.args, self.device = model, args, device
+        self.optimizer = build_optimizer(model, args)
+        self.ddp: torch.nn.Module = model  # wrap() replaces it when DP > 1
+
+    def wrap(self) -> None:
+        """torch DDP over the data-parallel group (after a checkpoint is loaded into the model)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        if parallel_state.get_data_parallel_world_size() > 1:
+            self.ddp = DistributedDataParallel(
+                self.model,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                process_group=parallel_state.get_data_parallel_group(),
+            )
+
+    def _loss_sum(self, module, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, labels, position_ids, mask = _to(mb, self.device)
+        per_token = module(tokens, position_ids, None, labels=labels)  # [b, s]
+        return (per_token.float() * mask).sum(), mask.sum()
+
+    def train_step(self, micro: list[dict], schedule) -> tuple[float, float, float]:
+        from model.gpt import allreduce_tp_partial_grads
+        from pretrain.optim import clip_grad_norm
+
+        tokens = _dp_sum(torch.stack([mb["loss_mask"].sum() for mb in micro]).sum().float().to(self.device))
+        dp_size = parallel_state.get_data_parallel_world_size()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=self.device)
+        for i, mb in enumerate(micro):
+            last = i == len(micro) - 1
+            sync = contextlib.nullcontext() if last or self.ddp is self.model else self.ddp.no_sync()
+            with sync:
+                s, _ = self._loss_sum(self.ddp, mb)
+                # DDP averages over data-parallel ranks; scale by dp so the result is sum / global tokens
+                (s * (dp_size / tokens)).backward()
+            loss_sum += s.detach()
+        loss = (_dp_sum(loss_sum) / tokens).item()
+        allreduce_tp_partial_grads(self.model)
+        norm = clip_grad_norm(
+            self.model.parameters(), self.args.clip_grad, parallel_state.get_tensor_model_parallel_group()
+        )
+        lr = schedule.step()
+        if torch.isfinite(torch.tensor([loss, norm])).all():
+            self.optimizer.step()
+        return loss, norm, lr
+
+    @torch.no_grad()
+    def eval_loss(self, micro) -> float | None:
+        sums = torch.zeros(2, device=self.device)
+        for mb in micro:
+            s, n = self._loss_sum(self.model, mb)
+            sums += torch.stack([s, n])
+        _dp_sum(sums)
+        return (sums[0] / sums[1]).item() if sums[1] > 0 else None
+
+    # checkpoints: a plain torch optimizer state dict, nothing beside it
+    def optimizer_state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def save_extra(self, rank_dir: str) -> None:
+        pass
+
+    def load_optimizer(self, state: dict, rank_dir: str) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def weights_loaded(self) -> None:
+        pass
+
+
+# ================================================================================================
+# megatron-core DDP, optimizer and schedules (CUDA)
+# ================================================================================================
+
+
+class MegatronEngine:
+    """megatron-core DDP + ``get_megatron_optimizer`` + ``get_forward_backward_func`` (CUDA)."""
+
+    name = "megatron"
+
+    def __init__(self, model: torch.nn.Module, args, device: torch.device):
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        self.model, self.args, self.device = model, args, device
+        config = model.config
+        # the hooks megatron's schedules call (Megatron-LM's training.setup_model_and_optimizer)
+        config.calculate_per_token_loss = True
+        config.pipeline_dtype = config.params_dtype
+        config.grad_scale_func = None  # FP32 master weights: no loss scaling
+        self.distributed_optimizer = bool(args.use_distributed_optimizer)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=self.distributed_optimizer,
+        )
+        self.ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+        config.no_sync_func = self.ddp.no_sync
+        config.finalize_model_grads_func = finalize_model_grads
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=args.lr,
+            min_lr=args.min_lr,
+            weight_decay=args.weight_decay,
+            adam_beta1=args.adam_beta1,
+            adam_beta2=args.adam_beta2,
+            adam_eps=args.adam_eps,
+            clip_grad=args.clip_grad,
+            params_dtype=config.params_dtype,
+            bf16=False,
+            fp16=False,
+            use_distributed_optimizer=self.distributed_optimizer,
+        )
+        self.optimizer = get_megatron_optimizer(opt_config, [self.ddp])
+        self.forward_backward = get_forward_backward_func()
+
+    def wrap(self) -> None:
+        pass  # wrapped at construction (megatron's optimizer needs the DDP buffers)
+
+    # ---------------------------------------------------------------- megatron's callbacks
+    def _forward_step(self, data_iterator, model):
+        """Megatron-LM's ``forward_step_func``: every stage reads the micro-batch; the first
+        embeds the tokens, the last turns hidden states into per-token losses."""
+        tokens, labels, position_ids, mask = _to(next(data_iterator), self.device)
+        output = model(tokens, position_ids, None, labels=labels)
+        return output, functools.partial(self._loss_func, mask)
+
+    @staticmethod
+    def _loss_func(mask: torch.Tensor, per_token: torch.Tensor):
+        """(loss sum, token count, report): megatron divides by the global token count itself."""
+        loss_sum = (per_token.float() * mask).sum()
+        num_tokens = mask.sum().to(torch.int)
+        return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), mask.sum()])}
+
+    def _run(self, micro: list[dict], forward_only: bool) -> float | None:
+        reports = self.forward_backward(
+            forward_step_func=self._forward_step,
+            data_iterator=iter(micro),
+            model=[self.ddp],
+            num_microbatches=len(micro),
+            seq_length=self.args.seq_length,
+            micro_batch_size=self.args.micro_batch_size,
+            forward_only=forward_only,
+        )
+        sums = torch.zeros(2, device=self.device)
+        if parallel_state.is_pipeline_last_stage():
+            for report in reports:
+                sums += report["lm loss"]
+            _dp_sum(sums)
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            torch.distributed.broadcast(
+                sums,
+                src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                group=parallel_state.get_pipeline_model_parallel_group(),
+            )
+        return (sums[0] / sums[1]).item() if sums[1] > 0 else None
+
+    def train_step(self, micro: list[dict], schedule) -> tuple[float, float, float]:
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        loss = self._run(micro, forward_only=False)
+        lr = schedule.step()
+        ok, norm, _ = self.optimizer.step()
+        return (float("nan") if loss is None else loss), float(norm if ok and norm is not None else "nan"), lr
+
+    @torch.no_grad()
+    def eval_loss(self, micro) -> float | None:
+        return self._run(list(micro), forward_only=True)
+
+    # ---------------------------------------------------------------- checkpoints
+    def optimizer_state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def save_extra(self, rank_dir: str) -> None:
+        """Distributed optimizer: the sharded Adam state, gathered on DP rank 0 into
+        ``distrib_optim.pt`` beside ``model_optim_rng.pt`` (Megatron-LM's legacy layout); every
+        data-parallel rank must call this."""
+        if self.distributed_optimizer:
+            os.makedirs(rank_dir, exist_ok=True)
+            self.optimizer.save_parameter_state(os.path.join(rank_dir, DISTRIBUTED_OPTIMIZER_FILE))
+
+    def load_optimizer(self, state: dict, rank_dir: str) -> None:
+        self.optimizer.load_state_dict(state)
+        if self.distributed_optimizer:
+            path = os.path.join(rank_dir, DISTRIBUTED_OPTIMIZER_FILE)
+            if not os.path.isfile(path):
+                from pretrain.checkpointing import CheckpointError
+
+                raise CheckpointError(
+                    f"--load: {path} missing: the checkpoint was saved without --use-distributed-optimizer "
+                    "(load it with --finetune, or drop the flag)"
+                )
+            self.optimizer.load_parameter_state(path)
+
+    def weights_loaded(self) -> None:
+        """After model weights were copied in: refresh the optimizer's main parameters."""
+        self.optimizer.reload_model_params()
+
+
+def build_engine(model: torch.nn.Module, args, device: torch.device):
+    """The engine ``--ddp-impl`` names (``auto``: megatron on CUDA, torch on CPU)."""
+    impl = args.ddp_impl
+    if impl == "auto":
+        impl = "megatron" if device.type == "cuda" else "torch"
+    return (MegatronEngine if impl == "megatron" else TorchEngine)(model, args, device)

@@ -1,0 +1,179 @@
+"""``--pretrained-checkpoint``: start training (e.g. QAT) from an existing model's weights.
+
+    pre = read_pretrained("ckpt/llama1b")        # cheap: config and metadata, tensors not read
+    pre.cfg, pre.kind, pre.tokenizer_model, pre.tokenizer_type
+    ...build the model from pre.cfg at this run's TP size...
+    load_pretrained_weights(model, pre)           # this rank's shard of every parameter
+
+Megatron-LM's semantics: ``--pretrained-checkpoint`` gives the *initial* weights and is used only
+when ``--load`` holds no checkpoint yet, so one command line both starts a fine-tuning run and
+resumes it after an interruption (``--load`` = ``--save``). Only model weights are taken; the
+iteration count, optimizer, schedule and data position start fresh, and every policy linear keeps
+its own fresh quantization state (amax histories fill during ``--qat-warmup-iters``).
+
+``PATH`` may be:
+  - a converted Hugging Face checkpoint (``launch/convert_hf.py``): its output directory or the
+    ``hf_converted.pt`` file. The TP=1 weights are sharded for any tensor-parallel size. When the
+    conversion copied the HF tokenizer (``OUT/hf_tokenizer``), that is the run's default tokenizer.
+  - a training checkpoint directory of this project (``DIR/latest_checkpointed_iteration.txt``),
+    saved at any tensor-parallel size (resharded when it differs). Its tokenizer is the default.
+
+The model shape (layers, widths, heads, norms, activation, positions, vocabulary, ...) comes from
+the checkpoint; a shape flag given on the command line that disagrees is refused in one line.
+``--seq-length`` stays the run's own (RoPE models train at any length; a learned position table
+must be at least that long).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from model.gpt import ModelConfig
+
+HF_TOKENIZER_TYPE = "HuggingFaceTokenizer"
+SP_TOKENIZER_TYPE = "SentencePieceTokenizer"
+
+
+class PretrainedError(ValueError):
+    """A ``--pretrained-checkpoint`` that cannot be used; one line naming the flag and the path."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Pretrained:
+    kind: str  # "hf_converted" | "checkpoint"
+    path: str  # the hf_converted.pt file, or the training checkpoint's directory
+    cfg: ModelConfig
+    tokenizer_model: str | None  # the tokenizer that came with the weights, if it is readable
+    tokenizer_type: str | None
+    iteration: int | str | None = None  # of a training checkpoint
+
+
+def _converted_file(path: str) -> str | None:
+    from pretrain import hf_convert
+
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, hf_convert.FILE_NAME)):
+        return os.path.join(path, hf_convert.FILE_NAME)
+    if os.path.isfile(path):
+        return path
+    return None
+
+
+def _checkpoint_rank0_file(ckpt_dir: str) -> str | None:
+    """The first rank file of a training checkpoint directory (any TP/PP layout)."""
+    from pretrain.checkpointing import FILE
+
+    if not os.path.isdir(ckpt_dir):
+        return None
+    ranks = sorted(d for d in os.listdir(ckpt_dir) if d.startswith("mp_rank_"))
+    return os.path.join(ckpt_dir, ranks[0], FILE) if ranks else None
+
+
+def read_pretrained(path: str) -> Pretrained:
+    """Config and metadata of ``path`` (see module docstring) without reading its tensors."""
+    from pretrain import hf_convert
+    from pretrain.checkpointing import TRACKER, CheckpointError, iter_dir_name, read_tracker
+
+    flag = f"--pretrained-checkpoint {path}"
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, TRACKER)):
+        try:
+            iteration = read_tracker(path)
+        except CheckpointError as e:
+            raise PretrainedError(f"{flag}: {e}") from None
+        first = _checkpoint_rank0_file(os.path.join(path, iter_dir_name(iteration)))
+        if first is None:
+            raise PretrainedError(f"{flag}: its tracker names iteration {iteration}, which has no rank files")
+        ckpt = torch.load(first, map_location="cpu", weights_only=False, mmap=True)
+        if not ckpt.get("model_config"):
+            raise PretrainedError(f"{flag}: {first} has no model_config (saved by an older version)")
+        saved = ckpt.get("args", {})
+        tok = saved.get("tokenizer_model") or ckpt.get("tokenizer_model")
+        tok_type = saved.get("tokenizer_type", SP_TOKENIZER_TYPE)
+        return Pretrained(
+            "checkpoint", path, ModelConfig(**ckpt["model_config"]),
+            tok if tok and os.path.exists(tok) else None, tok_type if tok and os.path.exists(tok) else None,
+            iteration,
+        )  # fmt: skip
+    file = _converted_file(path)
+    if file is None:
+        raise PretrainedError(
+            f"{flag}: neither a launch/convert_hf.py output ({hf_convert.FILE_NAME}) nor a training "
+            f"checkpoint directory ({TRACKER})"
+        )
+    try:
+        payload = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file gets the same one-line answer
+        raise PretrainedError(f"{flag}: cannot read {file} ({type(e).__name__})") from None
+    if not isinstance(payload, dict) or payload.get("format") != hf_convert.FORMAT:
+        raise PretrainedError(f"{flag}: {file} is not a launch/convert_hf.py output")
+    if payload.get("format_version") != hf_convert.FORMAT_VERSION:
+        raise PretrainedError(f"{flag}: {file} has format_version {payload.get('format_version')}, expected "
+                              f"{hf_convert.FORMAT_VERSION}; re-run launch/convert_hf.py")
+    tok_dir = (payload.get("source") or {}).get("tokenizer_dir")
+    if not tok_dir or not os.path.isdir(tok_dir):  # moved with its file: look beside it
+        beside = os.path.join(os.path.dirname(os.path.abspath(file)), "hf_tokenizer")
+        tok_dir = beside if os.path.isdir(beside) else None
+    return Pretrained(
+        "hf_converted", file, ModelConfig(**payload["model_config"]), tok_dir,
+        HF_TOKENIZER_TYPE if tok_dir else None,
+    )  # fmt: skip
+
+
+# Argument name -> how to read it off a ModelConfig (the inverse of pretrain.arguments.model_config).
+SHAPE_FROM_CONFIG = {
+    "num_layers": lambda c: c.num_layers,
+    "hidden_size": lambda c: c.hidden_size,
+    "ffn_hidden_size": lambda c: c.ffn_hidden_size,
+    "num_attention_heads": lambda c: c.num_attention_heads,
+    "num_query_groups": lambda c: c.num_query_groups,
+    "normalization": lambda c: c.normalization,
+    "swiglu": lambda c: c.activation == "swiglu",
+    "position_embedding_type": lambda c: c.position_embedding,
+    "rotary_base": lambda c: c.rotary_base,
+    "use_rope_scaling": lambda c: c.rope_scaling_factor is not None,
+    "untie_embeddings_and_output_weights": lambda c: c.untie_embeddings,
+    "add_bias_linear": lambda c: c.add_bias_linear,
+    "add_qkv_bias": lambda c: c.add_qkv_bias,
+    "norm_epsilon": lambda c: c.layernorm_epsilon,
+    "make_vocab_size_divisible_by": lambda c: c.make_vocab_size_divisible_by,
+}
+
+
+def shape_args(cfg: ModelConfig) -> dict:
+    """The ``pretrain.arguments`` values that reproduce ``cfg``'s shape."""
+    values = {name: get(cfg) for name, get in SHAPE_FROM_CONFIG.items()}
+    if cfg.rope_scaling_factor is not None:
+        values["rope_scaling_factor"] = cfg.rope_scaling_factor
+    return values
+
+
+@torch.no_grad()
+def load_pretrained_weights(model: torch.nn.Module, pre: Pretrained, tp_size: int) -> None:
+    """Copy this rank's shard of ``pre``'s weights into ``model`` (built from ``pre.cfg`` at TP
+    ``tp_size``, unwrapped). The policy linears' quantization state stays the model's own."""
+    from pretrain import hf_convert
+
+    flag = f"--pretrained-checkpoint {pre.path}"
+    if pre.kind == "hf_converted":
+        state, cfg, _ = hf_convert.load_converted(pre.path)
+        try:
+            hf_convert.load_converted_state_dict(model, state, cfg)
+        except hf_convert.HFConvertError as e:
+            raise PretrainedError(f"{flag}: {e}") from None
+        return
+    from pretrain.checkpointing import load_checkpoint
+
+    ckpt = load_checkpoint(pre.path, tp_size, reshard_model=True)
+    weights = {k: v for k, v in ckpt["model"].items() if not k.endswith("._extra_state")}
+    own = model.state_dict()
+    missing = sorted(k for k in own if not k.endswith("._extra_state") and k not in weights)
+    unknown = sorted(k for k in weights if k not in own)
+    if missing or unknown:
+        raise PretrainedError(f"{flag}: weights do not fit this model: missing {missing[:3]}, unexpected {unknown[:3]}")
+    for name, value in weights.items():
+        if own[name].shape != value.shape:
+            raise PretrainedError(f"{flag}: {name} is {tuple(value.shape)} in the checkpoint, "
+                                  f"{tuple(own[name].shape)} in this model")
+    model.load_state_dict(weights, strict=False)
