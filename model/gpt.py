@@ -146,6 +146,24 @@ def padded_vocab_size(cfg: ModelConfig, tp_size: int) -> int:
     return -(-cfg.vocab_size // multiple) * multiple
 
 
+def training_flops_per_token(cfg: ModelConfig, seq_length: int, vocab_size: int | None = None) -> float:
+    """Model FLOPs of one training token (forward + backward = 3 x forward), Megatron-LM's way:
+    every GEMM of every layer (QKV with grouped K/V, projection, MLP with SwiGLU's two input
+    projections), attention scores and context over the full ``seq_length`` (no causal discount),
+    and the logits layer over the (padded) vocabulary; norms, softmax and activations not counted.
+    Independent of the precision recipe, so MFU compares recipes fairly."""
+    h, ffn = cfg.hidden_size, cfg.ffn_hidden_size
+    kv = cfg.num_query_groups * (h // cfg.num_attention_heads)
+    per_layer = (
+        2 * h * (h + 2 * kv)  # linear_qkv
+        + 2 * h * h  # linear_proj
+        + 2 * h * ffn * (2 if cfg.activation == "swiglu" else 1)  # linear_fc1
+        + 2 * ffn * h  # linear_fc2
+        + 2 * 2 * seq_length * h  # q.k^T and attention.v
+    )
+    return 3.0 * (cfg.num_layers * per_layer + 2 * h * (vocab_size or cfg.vocab_size))
+
+
 def transformer_config(
     cfg: ModelConfig, *, params_dtype: torch.dtype = torch.float32, sequence_parallel: bool = False
 ) -> TransformerConfig:

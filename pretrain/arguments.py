@@ -324,13 +324,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse ``argv`` over the model-size file's values; fill derived defaults. Exits 2 on bad input."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.pretrained_vocab_size = None  # set from --pretrained-checkpoint's model config
     try:
         from_file = {}
         if args.model_size:
             from_file = _load_model_size(parser, args.model_size)
             parser.set_defaults(**from_file)
             args = parser.parse_args(argv)
+        args.pretrained_vocab_size = None  # set from --pretrained-checkpoint's model config
         if args.pretrained_checkpoint:
             _apply_pretrained(args, _given_flags(argv) | set(from_file))
     except ConfigError as e:

@@ -399,12 +399,19 @@ class _Progress:
     """Progress lines every ``--log-interval`` and TensorBoard scalars every iteration (rank 0).
 
     A line shows the loss averaged since the previous line, the last iteration's lr and grad norm,
-    and tokens/s and ETA from the time per iteration since the previous line -- not counting the
-    run's first iteration, which includes torch.compile's compilation.
+    and tokens/s, model TFLOP/s per device (``model.gpt.training_flops_per_token``; Megatron-LM's
+    "throughput per GPU") and ETA from the time per iteration since the previous line -- not
+    counting the run's first iteration, which includes torch.compile's compilation.
     """
 
     def __init__(self, trainer: Trainer):
+        from model.gpt import padded_vocab_size, training_flops_per_token
+
         self.t, self.start = trainer, time.perf_counter()
+        cfg, a = trainer.model_config, trainer.args
+        vocab = padded_vocab_size(cfg, a.tensor_model_parallel_size)
+        self.flops_per_token = training_flops_per_token(cfg, a.seq_length, vocab)
+        self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self.rate_start, self.rate_iters, self.compiling = self.start, 0, True
         self.window_iters, self.window_loss = 0, 0.0
 
@@ -419,6 +426,7 @@ class _Progress:
                 ("train/lr", lr),
                 ("train/grad_norm", norm),
                 ("train/tokens_per_sec", tokens / max(seconds, 1e-9)),
+                ("train/tflops_per_device", self.tflops(tokens / max(seconds, 1e-9))),
             ):
                 t.tb.add_scalar(tag, value, t.iteration)
         now = time.perf_counter()
@@ -433,12 +441,17 @@ class _Progress:
                 f"iteration {t.iteration:>{width}}/{a.train_iters}"
                 f" | loss {self.window_loss / self.window_iters:.4f}"
                 f" | lr {lr:.3e} | grad norm {norm:.3f} | {tokens / per_iter:,.0f} tokens/s"
+                f" | {self.tflops(tokens / per_iter):.3g} TFLOP/s/device"
                 f" | elapsed {_hms(now - self.start)} | ETA {_hms(per_iter * (a.train_iters - t.iteration))}"
             )
             self.rate_start, self.rate_iters = now, 0
             self.window_iters, self.window_loss = 0, 0.0
             if t.tb is not None:
                 t.tb.flush()
+
+    def tflops(self, tokens_per_sec: float) -> float:
+        """Model TFLOP/s per device at ``tokens_per_sec`` (whole run)."""
+        return self.flops_per_token * tokens_per_sec / self.world / 1e12
 
     def validation(self, loss: float | None) -> None:
         if loss is None:

@@ -214,3 +214,19 @@ def test_quant_state_is_saved_in_state_dict(reference_linear):
     fresh.load_state_dict(sd)
     assert fresh.decoder.layers[1].mlp.linear_fc2.quant_state.calls["wgrad"] == 7
     assert fresh.decoder.layers[0].mlp.linear_fc2.quant_state.calls["wgrad"] == 0
+
+
+def test_training_flops_match_megatron_papers_formula():
+    """Narayanan et al. (2021), without activation recomputation: 72 L h^2 (1 + s / 6h) + 6 h V per
+    token for a GPT with a 4h GeLU MLP and plain multi-head attention."""
+    from model.gpt import ModelConfig, training_flops_per_token
+
+    L, h, s, V = 24, 1024, 2048, 51200
+    cfg = ModelConfig(num_layers=L, hidden_size=h, ffn_hidden_size=4 * h, num_attention_heads=16,
+                      num_query_groups=16, seq_length=s, vocab_size=V, activation="gelu")
+    assert training_flops_per_token(cfg, s) == 72 * L * h * h * (1 + s / (6 * h)) + 6 * h * V
+    # SwiGLU adds one h x ffn GEMM per layer; 8 query groups of 16 halve K and V
+    glu = ModelConfig(num_layers=L, hidden_size=h, ffn_hidden_size=4 * h, num_attention_heads=16,
+                      num_query_groups=8, seq_length=s, vocab_size=V)
+    extra = 3 * L * (2 * h * 4 * h - 2 * h * h)  # + fc1 gate, - half of K and V
+    assert training_flops_per_token(glu, s) == training_flops_per_token(cfg, s) + extra

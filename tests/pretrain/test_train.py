@@ -96,7 +96,7 @@ def test_plan_on_the_built_model(world_of_one):
 # === a TP=2 run end to end (default, compiled backend) ===
 
 PROGRESS = re.compile(
-    r"^iteration +(\d+)/6 \| loss (\d+\.\d{4}) \| lr (\S+) \| grad norm (\S+) \| ([\d,]+) tokens/s \| "
+    r"^iteration +(\d+)/6 \| loss (\d+\.\d{4}) \| lr (\S+) \| grad norm (\S+) \| ([\d,]+) tokens/s \| \S+ TFLOP/s/device \| "
     r"elapsed \d+:\d\d:\d\d \| ETA \d+:\d\d:\d\d$"
 )
 
