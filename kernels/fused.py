@@ -100,7 +100,24 @@ def _kernel(kind: str, compiled: bool, **static):
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, 256)
     cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4096)
-    return torch.compile(bound, fullgraph=True, dynamic=False)
+    compiled_fn = torch.compile(bound, fullgraph=True, dynamic=False)
+
+    def run(*args):
+        # Past the recompile limit (workloads with ever new shapes, e.g. lm-eval's variable batch
+        # widths and decode steps) fullgraph raises; the eager expression gives the same bits.
+        try:
+            return compiled_fn(*args)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            _warn_recompile_limit(kind)
+            return bound(*args)
+
+    return run
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_recompile_limit(kind: str) -> None:
+    log.warning("fused %s quantizer: torch.compile's recompile limit reached (too many tensor shapes); "
+                "new shapes run the same expression eagerly", kind)
 
 
 def _sr_uniforms(x: torch.Tensor, axis: int, block: int, generator) -> torch.Tensor:

@@ -5,8 +5,9 @@
     python launch/evaluate.py --compare eval/bf16 eval/qat --labels BF16 QAT --out eval/compare
 
 ``--load`` takes a converted HF checkpoint (``launch/convert_hf.py --save DIR``: DIR or its
-``hf_converted.pt``), a TP=1 training checkpoint directory, or a plain ``{"model", "model_config"}``
-file (``pretrain/evaluation/loading.py``). The tokenizer is ``--tokenizer-model`` (sentencepiece),
+``hf_converted.pt``), a training checkpoint directory saved at any tensor-parallel size (TP>1
+shards are merged, ``pretrain/reshard.py``), or a plain ``{"model", "model_config"}`` file
+(``pretrain/evaluation/loading.py``). The tokenizer is ``--tokenizer-model`` (sentencepiece),
 ``--hf-tokenizer DIR``, or else the one that came with the weights. Tasks are local ones from
 ``configs/eval/`` (offline) or any lm-eval task name (their data needs the network or a filled
 HF datasets cache). Runs in one process at TP=1, on CUDA when available.
@@ -41,7 +42,7 @@ def _read(path: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=_PROG, description=__doc__.split("\n\n")[0])
     add = p.add_argument
-    add("--load", help="converted HF dir/file, TP=1 training checkpoint dir, or plain weights file")
+    add("--load", help="converted HF dir/file, training checkpoint dir (any TP size), or plain weights file")
     add("--tasks", help="comma-separated task names (local: configs/eval/*.yaml; or lm-eval's)")
     add("--out", required=True, help="output directory for the result tables")
     add("--compare", nargs=2, metavar=("A_DIR", "B_DIR"), help="write the B - A delta table of two --out dirs")
@@ -54,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seq-length", type=int, default=None, help="context length (default: the model config's)")
     add("--batch-size", type=int, default=8)
     add("--max-gen-toks", type=int, default=256, help="default generation budget for generate_until tasks")
+    add("--use-cache", action=argparse.BooleanOptionalAction, default=True,
+        help="KV cache for generate_until (HF's use_cache); --no-use-cache recomputes the prefix each step")
     add("--num-fewshot", type=int, default=None)
     add("--limit", type=float, default=None, help="documents per task (<1: a fraction); for quick checks")
     add("--bootstrap-iters", type=int, default=1000, help="bootstrap samples for stderrs (0: none)")
@@ -112,7 +115,7 @@ def evaluate(args) -> list[dict]:
     seq_length = args.seq_length or loaded.cfg.seq_length
     lm = MegatronLM(loaded.model, tokenizer, seq_length=seq_length, batch_size=args.batch_size,
                     vocab_size=loaded.cfg.vocab_size, add_bos_token=args.add_bos_token,
-                    max_gen_toks=args.max_gen_toks, device=device)
+                    max_gen_toks=args.max_gen_toks, use_cache=args.use_cache, device=device)
     precision = args.precision or ("checkpoint plan" if loaded.kind == "checkpoint" else "bf16")
     print(f"loaded {loaded.kind} {loaded.path} ({time.perf_counter() - t0:.1f}s), precision {precision}, "
           f"{tokenizer!r}, seq_length {seq_length}, device {device}")

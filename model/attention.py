@@ -19,6 +19,15 @@ Masks follow megatron: ``attention_mask`` is boolean with True = *masked out*, b
 [b, np, sq, sk]. For causal mask types the causal mask is always applied, combined with
 ``attention_mask`` when one is given (e.g. end-of-document masks).
 
+KV-cache inference (megatron's ``StaticInferenceContext``, used by
+``pretrain.evaluation.lm_eval_adapter``): megatron's ``Attention`` stores new keys/values in the
+context's buffers and hands this module the whole cache, so ``sk`` = cached + new positions. The
+prefill step is an ordinary causal call (``sq == sk``). Decode steps feed one token and megatron
+passes ``attn_mask_type=no_mask``: the single query is the newest position and may see every
+cached key. Whenever ``sq != sk`` under a causal mask type, the queries are taken to be the *last*
+``sq`` positions (bottom-right aligned ``tril(diagonal=sk - sq)``), never SDPA's top-left
+``is_causal``. ``PortableSelfAttention`` lets megatron allocate those buffers on CPU.
+
 Dropout on the attention probabilities is drawn from megatron's model-parallel RNG tracker when it
 has been seeded (``model_parallel_cuda_manual_seed``, GPU only), so each TP rank's heads get
 independent masks; on CPU it falls back to torch's default generator, which is seeded identically
@@ -36,6 +45,7 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -128,3 +138,23 @@ class SDPAttention(MegatronModule):
             )
         # [b, np, sq, hn] -> [sq, b, np * hn]
         return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+
+class PortableSelfAttention(SelfAttention):
+    """megatron's ``SelfAttention`` whose KV-cache buffers live on the layer's own device.
+
+    megatron-core 0.16.1's ``Attention._allocate_memory`` (called only under a static inference
+    context, to make each layer's ``[max_seq, max_batch, ng, hn]`` key and value buffers) allocates
+    on ``torch.cuda.current_device()``, so KV-cache inference cannot run on CPU. This is the only
+    change: training never calls it, and on GPU the weights' device is that CUDA device.
+    """
+
+    def _allocate_memory(self, inference_max_sequence_length, batch_size, dim, dtype):
+        return torch.empty(
+            inference_max_sequence_length,
+            batch_size,
+            self.num_query_groups_per_partition,
+            dim,
+            dtype=dtype,
+            device=self.linear_qkv.weight.device,
+        )

@@ -6,6 +6,8 @@ Megatron-core assembles a transformer layer from a ``ModuleSpec`` whose leaves c
   column-parallel linear  ``PolicyColumnParallelLinear``   (linear_qkv, linear_fc1)
   row-parallel linear     ``PolicyRowParallelLinear``      (linear_proj, linear_fc2)
   core attention          ``SDPAttention``                 (CPU and GPU; megatron's local one is CUDA-only)
+  self attention          ``PortableSelfAttention``        (megatron's, KV-cache buffers on the
+                          weights' device instead of CUDA; see ``model.attention``)
   norm                    ``TorchNorm`` -> ``LayerNorm`` / ``RMSNorm`` (torch's, chosen by
                           ``config.normalization``)
 
@@ -31,7 +33,7 @@ import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import BackendSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLPSubmodules
@@ -40,7 +42,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from model.attention import SDPAttention
+from model.attention import PortableSelfAttention, SDPAttention
 from model.layers import PolicyColumnParallelLinear, PolicyRowParallelLinear
 
 
@@ -126,7 +128,7 @@ def gpt_layer_spec(
         submodules=TransformerLayerSubmodules(
             input_layernorm=norm,
             self_attention=ModuleSpec(
-                module=SelfAttention,
+                module=PortableSelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=backend.column_parallel_linear(),

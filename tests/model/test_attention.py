@@ -48,3 +48,23 @@ def test_causal_gqa_matches_reference(with_mask):
     expected = reference(q, k, v, causal | (mask if mask is not None else False))
     assert out.shape == (s, b, 4 * hn)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("sq", [1, 3])
+def test_queries_shorter_than_keys_are_the_last_positions(sq):
+    """KV-cache decoding: sq new queries against sk cached keys are positions sk-sq..sk-1, so the
+    causal mask aligns bottom-right (SDPA's is_causal would align top-left); a one-token decode
+    step under megatron's no_mask sees every key. Both equal the last rows of full attention."""
+    cfg = ModelConfig(num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                      num_query_groups=2, seq_length=8, vocab_size=256)
+    attn = SDPAttention(
+        transformer_config(cfg), layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self"
+    )
+    sk, b, hn = 8, 2, 16
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(sk, b, h, hn, generator=gen) for h in (4, 2, 2))
+    full = reference(q, k, v, torch.ones(sk, sk, dtype=torch.bool).triu(1)[None, None])
+    torch.testing.assert_close(attn(q[-sq:], k, v, None), full[-sq:], rtol=1e-5, atol=1e-6)
+    if sq == 1:
+        decode = attn(q[-1:], k, v, None, attn_mask_type=AttnMaskType.no_mask)
+        torch.testing.assert_close(decode, full[-1:], rtol=1e-5, atol=1e-6)
