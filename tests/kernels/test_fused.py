@@ -82,16 +82,16 @@ def test_gemm_checks_contraction_lengths():
 
 
 @pytest.mark.skipif(not compile_available(), reason="torch.compile unavailable here")
-def test_past_the_recompile_limit_new_shapes_run_eagerly(monkeypatch, caplog):
+def test_past_the_recompile_limit_new_shapes_run_eagerly(caplog):
     """lm-eval feeds ever new shapes; past dynamo's recompile limit fullgraph would raise. The kernel
     falls back to the same expression eagerly: same bits as the reference, no error."""
     from kernels import fused
 
     fake_quantize(torch.randn(3, 64), "mxfp4", impl="compiled")  # the kernel exists (limits raised)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     fused._warn_recompile_limit.cache_clear()
-    for rows in (5, 6, 7):
-        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
-        out, _ = fake_quantize(x, "mxfp4", impl="compiled")
-        assert torch.equal(out, quantize(x, "mxfp4").dequantize(torch.float32))
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for rows in (5, 6, 7):
+            x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+            out, _ = fake_quantize(x, "mxfp4", impl="compiled")
+            assert torch.equal(out, quantize(x, "mxfp4").dequantize(torch.float32))
     assert "recompile limit reached" in caplog.text
