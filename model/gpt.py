@@ -187,6 +187,7 @@ def transformer_config(
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         sequence_parallel=sequence_parallel,
         params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,  # activations sent between pipeline stages
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=True,

@@ -224,13 +224,19 @@ def convert_state_dict(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> d
 
 @torch.no_grad()
 def load_converted_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
-    """Copy a converted TP=1 ``state`` into ``model`` (built from ``cfg`` at any TP size, unwrapped).
+    """Copy a converted TP=1 ``state`` into ``model`` (built from ``cfg`` at any TP size and any
+    pipeline stage, unwrapped).
 
-    Every parameter must be present with the right shape and no tensor may be left over; the
-    policy linears' ``_extra_state`` (quantization state) keeps the model's own. Casts to each
-    parameter's dtype. This rank's slices come from ``pretrain.reshard.shard_tensor`` with the
-    model's own megatron attributes (vocabulary zero-padded to ``padded_vocab_size(cfg, tp)`` rows:
-    the padded logits are not tokens; evaluation drops them).
+    Every parameter must be present with the right shape and no tensor may be left over (with
+    pipeline parallelism: none of this stage's); the policy linears' ``_extra_state``
+    (quantization state) keeps the model's own. Casts to each parameter's dtype. This rank's slices
+    come from ``pretrain.reshard.shard_tensor`` with the model's own megatron attributes
+    (vocabulary zero-padded to ``padded_vocab_size(cfg, tp)`` rows: the padded logits are not
+    tokens; evaluation drops them). A pipeline stage's layers are numbered from 0 in its module
+    names; their weights are the converted ones of the same *global* layer
+    (``PolicyGPTModel.plan_name``). With tied embeddings, a last stage that does not also hold the
+    embedding gets the embedding table as its ``output_layer.weight`` (megatron keeps the two
+    copies equal from then on).
     """
     from megatron.core import parallel_state
 
@@ -238,16 +244,25 @@ def load_converted_state_dict(model: torch.nn.Module, state: dict[str, torch.Ten
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    pipelined = parallel_state.get_pipeline_model_parallel_world_size() > 1
     params = dict(model.named_parameters())
-    missing = sorted(set(params) - set(state))
-    unknown = sorted(set(state) - set(params))
+    global_name = getattr(model, "plan_name", lambda n: n)
+
+    def source(name: str) -> str:
+        if name == "output_layer.weight" and not cfg.untie_embeddings:
+            return "embedding.word_embeddings.weight"  # tied: the last stage's copy of the table
+        return global_name(name)
+
+    missing = sorted(source(n) for n in params if source(n) not in state)
+    used = {source(n) for n in params}
+    unknown = [] if pipelined else sorted(set(state) - used)  # other stages' weights are not ours
     if missing or unknown:
         raise HFConvertError(f"converted weights do not fit this model: missing {missing[:3]}, "
                              f"unexpected {unknown[:3]}")
     layout = model_layout(model)
     for name, param in params.items():
         try:
-            shard = shard_tensor(name, state[name], layout[name], cfg, tp_rank, tp_size)
+            shard = shard_tensor(name, state[source(name)], layout[name], cfg, tp_rank, tp_size)
         except ReshardError as e:
             raise HFConvertError(str(e)) from None
         if shard.shape != param.shape:

@@ -141,23 +141,26 @@ def check_gemm_backends(plan, device: torch.device, requested: str) -> None:
 
 
 def build_model(args, vocab_size: int, device: torch.device):
-    """This rank's model with the resolved precision plan applied; returns ``(model, plan)``."""
+    """This rank's model with the resolved precision plan applied; returns ``(model, stage plan,
+    whole-model plan)`` (the two plans are the same without pipeline parallelism)."""
     from model.gpt import apply_precision_plan, build_gpt, policy_linear_names, policy_linears
-    from precision import PrecisionPolicy
+    from precision import PrecisionPlan, PrecisionPolicy
 
     sequence_parallel = args.sequence_parallel and args.tensor_model_parallel_size > 1
     model = build_gpt(model_config(args, vocab_size), sequence_parallel=sequence_parallel, seed=args.seed)
-    # this pipeline stage's linears, by global layer number (first:/last: rules mean the whole model's)
-    plan = PrecisionPolicy.from_args(args.precision, args.precision_rule).resolve(
-        policy_linear_names(model), args.num_layers
-    )
+    names = policy_linear_names(model)  # this pipeline stage's, layers numbered globally
+    layer_linears = list(dict.fromkeys(n.split(".", 3)[3] for n in names if n.startswith("decoder.layers.")))
+    every = [f"decoder.layers.{i}.{s}" for i in range(args.num_layers) for s in layer_linears] + ["output_layer"]
+    # resolved once over the whole model's names, so first:/last: rules mean the whole model's layers
+    plan = PrecisionPolicy.from_args(args.precision, args.precision_rule).resolve(every, args.num_layers)
     if args.amax_algo or args.amax_history_len:
         plan = override_amax(plan, args.amax_algo, args.amax_history_len)
-    apply_precision_plan(model, plan)
-    check_gemm_backends(plan, device, args.gemm_backend)
+    stage_plan = PrecisionPlan({n: (plan[n], plan.rule_for(n)) for n in names})
+    apply_precision_plan(model, stage_plan)
+    check_gemm_backends(stage_plan, device, args.gemm_backend)
     for _, module in policy_linears(model):
         module.gemm_backend = args.gemm_backend
-    return model.to(device), plan
+    return model.to(device), stage_plan, plan
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
@@ -535,7 +538,7 @@ def setup(args) -> Trainer:
         f"valid samples of {args.seq_length} tokens | {time.perf_counter() - t0:.1f}s"
     )
 
-    model, plan = build_model(args, vocab_size, device)
+    model, plan, whole_plan = build_model(args, vocab_size, device)
     engine = build_engine(model, args, device)
     trainer = Trainer(
         args, model, engine, LRSchedule.from_args(engine.optimizer, args), plan, cfg, tokenizer.path,
@@ -557,7 +560,7 @@ def setup(args) -> Trainer:
     rank0_print(
         f"precision plan (--precision {args.precision}"
         + "".join(f" --precision-rule {r}" for r in args.precision_rule)
-        + f"):\n{plan.table()}"
+        + f"):\n{whole_plan.table()}"
     )
     if args.tensorboard_dir and is_rank0():
         from torch.utils.tensorboard import SummaryWriter
@@ -565,7 +568,7 @@ def setup(args) -> Trainer:
         trainer.tb = SummaryWriter(
             args.tensorboard_dir, purge_step=trainer.iteration + 1 if trainer.iteration else None
         )
-        trainer.tb.add_text("precision_plan", "```\n" + plan.table() + "\n```", trainer.iteration)
+        trainer.tb.add_text("precision_plan", "```\n" + whole_plan.table() + "\n```", trainer.iteration)
         trainer.tb.add_text(
             "args",
             "```\n" + "\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())) + "\n```",

@@ -36,15 +36,15 @@ def env() -> dict:
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
-def command(argv: list[str], nproc: int = 2) -> list[str]:
+def command(argv: list[str], nproc: int = 2, script: str = LAUNCH) -> list[str]:
     if nproc == 0:
-        return [sys.executable, LAUNCH, *argv]
+        return [sys.executable, script, *argv]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), LAUNCH, *argv]  # fmt: skip
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script, *argv]  # fmt: skip
 
 
-def run_pretrain(argv: list[str], nproc: int = 2, timeout: float = 300, check: bool = True):
-    cmd = command(argv, nproc)
+def run_pretrain(argv: list[str], nproc: int = 2, timeout: float = 300, check: bool = True, script: str = LAUNCH):
+    cmd = command(argv, nproc, script)
     proc = subprocess.run(
         cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout, check=False
     )

@@ -18,27 +18,10 @@ import torch.nn.functional as F
 from tests.pretrain._launch import run_pretrain
 from tests.pretrain._launch import scalars as read_scalar
 
-VOCAB = 4096  # pretrain.data.tokenizer.DEFAULT_VOCAB_SIZE: the built-in corpus's tokenizer
-HF_SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "max_position_embeddings": 128, "initializer_range": 0.05}
+VOCAB = 4096  # pretrain.data.tokenizer.DEFAULT_VOCAB_SIZE: the built-in corpus's tokenizer (conftest)
 RUN = ["--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-5",
        "--min-lr", "1e-6", "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "100",
        "--precision", "hif8_w8a8", "--qat-warmup-iters", "1", "--tensor-model-parallel-size", "2"]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """(converted output directory, the transformers model)."""
-    tf = pytest.importorskip("transformers")
-    from pretrain.hf_convert import convert_hf_checkpoint, save_converted
-
-    torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=VOCAB, **HF_SHAPE)).eval()
-    hf_dir = tmp_path_factory.mktemp("hf_llama")
-    model.save_pretrained(str(hf_dir), safe_serialization=True)
-    out = tmp_path_factory.mktemp("converted")
-    save_converted(convert_hf_checkpoint(str(hf_dir)), str(out))
-    return out, model
 
 
 def _first_global_batch(data_cache, train_iters: int):
