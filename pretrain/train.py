@@ -56,8 +56,8 @@ from pretrain.arguments import ConfigError, fail, model_config, parse_args, vali
 
 if TYPE_CHECKING:
     from model.gpt import ModelConfig
-    from pretrain.engine import MegatronEngine, TorchEngine
     from precision import PrecisionPlan
+    from pretrain.engine import MegatronEngine, TorchEngine
     from pretrain.optim import LRSchedule
 
 # Flags that fix parameter shapes: a checkpoint must agree with the run on all of them.

@@ -31,8 +31,8 @@ import torch
 from model.gpt import ModelConfig, apply_precision_plan, build_gpt, policy_linear_names
 from precision import PrecisionPolicy
 from pretrain import hf_convert
-from tests.model._fakes import ReferenceLinear
 from tests._dist import free_port
+from tests.model._fakes import ReferenceLinear
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMMON = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
