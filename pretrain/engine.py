@@ -25,6 +25,17 @@ rate of the step is set (``LRSchedule.step``) before the optimizer steps.
 
 Each engine returns the global loss on every rank: with pipelining only the last stage computes it,
 and it is broadcast over the pipeline group so that rank 0 can log it.
+
+megatron-core 0.16.1 facts this relies on (found by running it):
+  - ``config.calculate_per_token_loss`` must be set before megatron's DDP is built (DDP fixes its
+    gradient scaling then); ``finalize_model_grads`` then divides by the all-reduced token count.
+  - ``TransformerConfig`` refuses pipeline parallelism without ``pipeline_dtype``
+    (``model.gpt.transformer_config`` sets it). Each stage draws only its own layers' initial
+    weights, so PP=2 and PP=1 start alike only from the same loaded weights.
+  - What ties DDP, the optimizer and the schedules to CUDA is mostly ``device="cuda"``
+    allocations: ``tests/pretrain/_megatron_on_cpu.py`` points them at the CPU and runs this
+    engine on gloo in the CPU tests. Gradient clipping and the distributed optimizer assert
+    ``torch.cuda.FloatTensor`` and are tested on GPUs only (``tests/pretrain/test_megatron_engine.py``).
 """
 
 from __future__ import annotations

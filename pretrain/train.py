@@ -202,6 +202,7 @@ class Trainer:
     consumed_samples: int = 0
     last_saved: int | None = None  # iteration of the last checkpoint written or loaded
     tb: object = None  # rank 0's SummaryWriter with --tensorboard-dir
+    delayed_scaling: bool = False  # some operand of the whole model's plan uses delayed scaling
 
     # ---------------------------------------------------------------- distributed helpers
     @property
@@ -231,25 +232,40 @@ class Trainer:
             m.quant_state.collect_stats = collect
             m.quant_state.observe_only = observe_only
 
+    def _write_layer_scalars(self, scalars: list[tuple[str, float]]) -> None:
+        """Write per-layer scalars to rank 0's TensorBoard. With pipeline parallelism every stage
+        contributes its own layers (gathered over the pipeline group; all ranks call this)."""
+        from megatron.core import parallel_state
+
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            parts = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+            torch.distributed.all_gather_object(
+                parts, scalars, group=parallel_state.get_pipeline_model_parallel_group()
+            )
+            scalars = [item for part in parts for item in part]
+        if self.tb is not None:
+            for tag, value in scalars:
+                self.tb.add_scalar(tag, value, self.iteration)
+
     def log_numerics(self) -> None:
         """TensorBoard ``numerics/<layer>/<gemm>/<operand>/<metric>`` from the last micro-batch of
-        this iteration (rank 0: its TP shard of each operand)."""
+        this iteration (each layer's TP rank 0 shard of each operand)."""
         from precision.telemetry import METRICS
 
-        if self.tb is None:
-            return
-        for name, m in self.policy_linears():
-            for key, numbers in m.quant_state.stats.items():
-                for metric in METRICS:
-                    if metric in numbers:
-                        self.tb.add_scalar(f"numerics/{name}/{key}/{metric}", numbers[metric], self.iteration)
+        scalars = [
+            (f"numerics/{name}/{key}/{metric}", float(numbers[metric]))
+            for name, m in self.policy_linears()
+            for key, numbers in m.quant_state.stats.items()
+            for metric in METRICS
+            if metric in numbers
+        ]
+        self._write_layer_scalars(scalars)
 
     def log_delayed_scaling(self) -> None:
         """Every iteration, for each per-tensor delayed-scaling operand (e.g. HiF8 QAT): the fraction
         of values clipped by the delayed scale and current amax / the scale's amax -- the failures a
         loss curve hides (``qat/<layer>/<gemm>/<operand>/...``)."""
-        if self.tb is None:
-            return
+        scalars = []
         for name, m in self.policy_linears():
             st = m.quant_state
             for key in st.amax:
@@ -258,8 +274,9 @@ class Trainer:
                     continue
                 frac = numbers["num_clipped"] / max(numbers.get("numel", 1), 1)
                 ratio = numbers["amax"] / numbers["scale_amax"] if numbers["scale_amax"] > 0 else 1.0
-                self.tb.add_scalar(f"qat/{name}/{key}/clipped_fraction", frac, self.iteration)
-                self.tb.add_scalar(f"qat/{name}/{key}/amax_ratio", ratio, self.iteration)
+                scalars.append((f"qat/{name}/{key}/clipped_fraction", float(frac)))
+                scalars.append((f"qat/{name}/{key}/amax_ratio", float(ratio)))
+        self._write_layer_scalars(scalars)
 
     # ---------------------------------------------------------------- one iteration
     def train_step(self, data) -> tuple[float, float, float]:
@@ -544,6 +561,12 @@ def setup(args) -> Trainer:
         args, model, engine, LRSchedule.from_args(engine.optimizer, args), plan, cfg, tokenizer.path,
         train_ds, valid_ds, device,
     )  # fmt: skip
+    trainer.delayed_scaling = any(
+        op.amax_algo != "current"
+        for name in whole_plan
+        for recipe in (whole_plan[name].fprop, whole_plan[name].dgrad, whole_plan[name].wgrad)
+        for op in (recipe.a, recipe.b)
+    )
     if not (args.load and trainer.load()) and args.pretrained_checkpoint:
         trainer.load_pretrained()
     engine.wrap()
@@ -615,9 +638,9 @@ def train(trainer: Trainer, sigterm: _SigtermFlag) -> int:
             raise RuntimeError(f"the training data ran out at iteration {trainer.iteration + 1}") from None
         trainer.iteration += 1
         trainer.consumed_samples += args.global_batch_size
-        if collect:
+        if collect and args.tensorboard_dir:
             trainer.log_numerics()
-        if not warm:
+        if not warm and trainer.delayed_scaling and args.tensorboard_dir:
             trainer.log_delayed_scaling()
         trainer.set_telemetry(False, False)
         progress.iteration(loss, norm, lr, time.perf_counter() - t0)

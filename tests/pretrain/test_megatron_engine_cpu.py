@@ -56,8 +56,8 @@ def test_megatron_engine_matches_torch_engine_and_resumes_exactly(tmp_path, data
 
 def test_pipeline_parallel_matches_pp1_and_resumes_exactly(tmp_path, data_cache, converted):
     """PP=2 (megatron's 1F1B schedule over 2 processes) trains like PP=1 from the same weights (a
-    converted HF model loaded by global layer number), under a per-layer quantized plan, and writes
-    and resumes Megatron's per-stage checkpoint files."""
+    converted HF model loaded by global layer number), under a per-layer quantized plan, gathers
+    both stages' numerics telemetry, and writes and resumes Megatron's per-stage checkpoint files."""
     out_dir, _ = converted
     common = ["--pretrained-checkpoint", str(out_dir), "--seq-length", "64", "--micro-batch-size", "2",
               "--global-batch-size", "4", "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2",
@@ -69,12 +69,15 @@ def test_pipeline_parallel_matches_pp1_and_resumes_exactly(tmp_path, data_cache,
     save, tb2 = tmp_path / "pp2", tmp_path / "tb_pp2"
     pp2 = [*common, "--pipeline-model-parallel-size", "2", "--tensorboard-dir", str(tb2), "--save", str(save),
            "--load", str(save)]
-    out = run_pretrain([*pp2, "--exit-interval", "2"], nproc=2, script=HARNESS).stdout
+    out = run_pretrain([*pp2, "--exit-interval", "2", "--numerics-interval", "2"], nproc=2, script=HARNESS).stdout
     assert "world size 2 = TP 1 x PP 2 x DP 1" in out and "1F1B pipeline schedule" in out
     # the whole model's plan is printed (rank 0 holds layer 0 only); the rule counts global layers
     assert "decoder.layers.0.mlp.linear_fc2" in out and "decoder.layers.1.mlp.linear_fc2" in out
     assert sorted(p.name for p in (save / "iter_0000002").iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
     assert "resumed from" in run_pretrain(pp2, nproc=2, script=HARNESS).stdout
 
+    # per-layer telemetry of both stages reaches rank 0's TensorBoard
+    for layer in (0, 1):
+        assert read_scalar(tb2, f"numerics/decoder.layers.{layer}.mlp.linear_fc1/wgrad/dy/sqnr_db")
     assert _losses(tb2) == pytest.approx(_losses(tb1), abs=1e-5)
     assert _losses(tb2, "val/loss") == pytest.approx(_losses(tb1, "val/loss"), abs=1e-5)
