@@ -73,7 +73,8 @@ def test_plan_on_the_built_model(world_of_one):
         ]
     )
     validate_args(args, world_size=1, cuda=False)
-    model, plan = build_model(args, vocab_size=512, device=torch.device("cpu"))
+    model, plan, whole = build_model(args, vocab_size=512, device=torch.device("cpu"))
+    assert whole == plan  # one pipeline stage: the whole model
     linears = {
         n: m for n, m in model.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
     }
@@ -89,7 +90,8 @@ def test_plan_on_the_built_model(world_of_one):
     assert plan.rule_for("decoder.layers.1.mlp.linear_fc2") == "--precision mxfp4"
     # a user rule comes before the preset's: the output layer can be lowered too
     args.precision_rule = ["kind:output=mxfp4"]
-    model, plan = build_model(args, vocab_size=512, device=torch.device("cpu"))
+    model, plan, whole = build_model(args, vocab_size=512, device=torch.device("cpu"))
+    assert whole == plan  # one pipeline stage: the whole model
     assert model.output_layer.precision == mxfp4
 
 
