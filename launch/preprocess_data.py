@@ -175,7 +175,7 @@ def _init_worker(model_path: str, tokenizer_type: str) -> None:
     if tokenizer_type == "HuggingFaceTokenizer":
         from pretrain.data.hf_tokenizer import HFTokenizer
 
-        _WORKER_ENCODE = HFTokenizer(model_path).tokenize_batch
+        _WORKER_ENCODE = HFTokenizer(model_path).tokenize_documents  # Megatron-LM's: special tokens kept
     else:
         import sentencepiece as spm
 

@@ -97,7 +97,7 @@ def build_default_data(
 ) -> DefaultData:
     """Make sure the built-in data is in ``cache_dir`` (building it on rank 0 if needed); all ranks call this.
 
-    ``tokenizer`` (anything with ``tokenize_batch``, ``vocab_size``, ``eod``, ``sha1``, ``path`` and
+    ``tokenizer`` (anything with ``tokenize_documents``, ``vocab_size``, ``eod``, ``sha1``, ``path`` and
     ``unique_identifiers``, e.g. an ``HFTokenizer``): tokenize the corpus with it instead of training
     a sentencepiece model (``config.vocab_size``/``tokenizer_sample_mb`` are then unused); the data
     lives in ``cache_dir/tokenized-<hash of its unique_identifiers>/``.
@@ -200,7 +200,7 @@ def _build(cache_dir: str, config: DefaultCorpusConfig, key: dict, tokenizer=Non
             ("train", train_docs, out.train_prefix),
             ("valid", valid_docs, out.valid_prefix),
         ):
-            ids = tokenizer.tokenize_batch([d.text for d in docs], num_threads=threads)
+            ids = tokenizer.tokenize_documents([d.text for d in docs], num_threads=threads)
             writer = write_indexed_dataset(ids, prefix, tokenizer.vocab_size, eod=tokenizer.eod)
             stats[split] = {
                 "documents": writer.num_documents,

@@ -8,8 +8,11 @@ training loop take either::
     vocab_size          len(tokenizer), added tokens included (Llama-3: 128256 -> int32 .bin)
     eod                 the EOS id, appended after every document
     bos                 the BOS id or None (lm-eval's add_bos_token)
-    tokenize(text)      ids without special tokens (no BOS), as lm-eval's HFLM and Megatron-LM encode
+    tokenize(text)      ids without special tokens (no BOS), as lm-eval's HFLM encodes a context
     tokenize_batch      the same for many texts at once (the fast tokenizer's own threads)
+    tokenize_documents  documents for training data, *with* the tokenizer's own special tokens
+                        (``tokenizer(text).input_ids``: Megatron-LM's HuggingFaceTokenizer, so a
+                        Llama document starts with BOS, as in its pretraining; Qwen2 adds none)
     detokenize(ids)
     sha1                hash of every file in the folder; ``unique_identifiers`` holds it, so
                         GPTDataset's index cache and the built-in corpus cache never mix tokenizers
@@ -88,10 +91,16 @@ class HFTokenizer:
         """Encode many texts at once (``num_threads`` is unused: the Rust tokenizer picks its own)."""
         return self._tok(list(texts), add_special_tokens=False, verbose=False)["input_ids"]
 
+    def tokenize_documents(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
+        """Training documents: the tokenizer's own special tokens included (see module docstring)."""
+        return self._tok(list(texts), verbose=False)["input_ids"]
+
     @property
     def unique_identifiers(self) -> OrderedDict:
         """Part of GPTDataset's index-cache key: the tokenizer files' hash."""
-        return OrderedDict([("class", "pretrain.data.HFTokenizer"), ("sha1", self.sha1)])
+        return OrderedDict([
+            ("class", "pretrain.data.HFTokenizer"), ("sha1", self.sha1), ("documents", "special tokens"),
+        ])
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids))

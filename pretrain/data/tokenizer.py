@@ -67,6 +67,11 @@ class Tokenizer:
         """Encode many texts at once (sentencepiece's own threads; the result does not depend on them)."""
         return self._sp.encode(list(texts), num_threads=num_threads)
 
+    def tokenize_documents(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
+        """Training documents: as ``tokenize_batch`` (no BOS, as Megatron-LM's GPT sentencepiece
+        tokenizer encodes them; the end-of-document id is appended by the writer)."""
+        return self.tokenize_batch(texts, num_threads)
+
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._sp.decode(list(ids))
 

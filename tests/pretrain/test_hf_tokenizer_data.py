@@ -115,7 +115,8 @@ def test_hf_tokenizer_round_trips_and_identifies_its_files(hf_dir, hf_tok, tmp_p
         assert hf_tok.bos not in ids and hf_tok.eod not in ids  # no special tokens, as Megatron/lm-eval
         assert hf_tok.detokenize(ids) == text
     assert hf_tok.tokenize_batch(TEXTS) == [hf_tok.tokenize(t) for t in TEXTS]
-    assert hf_tok.unique_identifiers == {"class": "pretrain.data.HFTokenizer", "sha1": hf_tok.sha1}
+    assert hf_tok.unique_identifiers == {"class": "pretrain.data.HFTokenizer", "sha1": hf_tok.sha1,
+                                         "documents": "special tokens"}
     other = HFTokenizer(_byte_level_bpe(tmp_path / "other", vocab_size=300))
     assert other.sha1 != hf_tok.sha1
 
@@ -167,6 +168,30 @@ def test_preprocess_with_hf_tokenizer_decodes_back_to_the_input(hf_dir, hf_tok, 
     docs = _documents(tmp_path / "out" / "qat_text_document")
     assert docs == [hf_tok.tokenize(r["text"]) + [hf_tok.eod] for r in records]
     assert [hf_tok.detokenize(d[:-1]) for d in docs] == [r["text"] for r in records]
+
+
+def test_documents_keep_the_tokenizers_own_bos_as_megatron_does(tmp_path):
+    """A Llama-style tokenizer (post-processor ``<s> $A``): training documents start with BOS, as
+    Megatron-LM's HuggingFaceTokenizer writes them; lm-eval contexts (``tokenize``) do not."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import processors
+
+    plain = _byte_level_bpe(tmp_path / "plain")
+    raw = RawTokenizer.from_file(os.path.join(plain, "tokenizer.json"))
+    bos = raw.token_to_id("<s>")
+    raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    llama_like = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>")
+    llama_like.save_pretrained(str(tmp_path / "llama_like"))
+    tok = HFTokenizer(str(tmp_path / "llama_like"))
+    assert tok.tokenize_documents(TEXTS) == [[bos, *tok.tokenize(t)] for t in TEXTS]
+
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    proc = _preprocess("--input", "in.jsonl", "--output-prefix", "out/bos", *HF, "--tokenizer-model",
+                       str(tmp_path / "llama_like"), "--append-eod", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert _documents(tmp_path / "out" / "bos_text_document") == [
+        [bos, *tok.tokenize(t), tok.eod] for t in TEXTS
+    ]
 
 
 def test_preprocess_stores_ids_above_65535_as_int32(tmp_path):
