@@ -44,6 +44,17 @@ def _pad_axis(t: torch.Tensor, axis: int, multiple: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, widths)
 
 
+def whole_tensor_amax(t: torch.Tensor, state: LayerQuantState) -> float | None:
+    """With tensor parallelism (``state.amax_group``): the amax of the whole operand, the maximum of
+    every TP rank's shard amax (a collective: every rank of the group calls it for the same
+    operands in the same order, as SPMD training does). None without a group."""
+    if state.amax_group is None:
+        return None
+    amax = tensor_amax(t).reshape(1).to(t.device)
+    torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=state.amax_group)
+    return float(amax)
+
+
 def quantize_operand(
     t: torch.Tensor, axis: int, fmt: OperandFormat, gemm: Gemm, operand: str,
     state: LayerQuantState, call: int, impl: str = "auto",
@@ -55,10 +66,17 @@ def quantize_operand(
     ``precision.quantize``); otherwise the fused quantizer of ``kernels.fused``, rotation fused
     in (bit-identical, tested).
     """
+    per_tensor = FORMATS[fmt.fmt].scaling == "tensor"
     if state.observe_only:  # QAT warm-up: BF16 GEMM; delayed-scaling operands record their amax
         if fmt.amax_algo != "current":
-            state.amax_history(gemm, operand, fmt).update(float(tensor_amax(t)))
+            whole = whole_tensor_amax(t, state)
+            state.amax_history(gemm, operand, fmt).update(float(tensor_amax(t)) if whole is None else whole)
         return t.to(torch.bfloat16).float()
+    whole = None
+    if per_tensor and state.amax_group is not None:
+        if rotation is not None:  # the whole tensor's amax is taken after the rotation
+            t, rotation = rotate(t, axis, *rotation), None
+        whole = whole_tensor_amax(t, state)
     if rotation is not None and (impl == "reference" or fmt.fmt == "bf16" or state.collect_stats):
         t = rotate(t, axis, *rotation)  # telemetry compares against the rotated operand
         rotation = None
@@ -69,7 +87,7 @@ def quantize_operand(
         return out
     gen = state.generator(gemm, operand, call, t.device) if fmt.rounding == "stochastic" else None
     history = state.amax_history(gemm, operand, fmt) if fmt.amax_algo != "current" else None
-    amax = history.amax() if history is not None else None
+    amax = history.amax() if history is not None else whole  # current scaling: the whole tensor's
     kw = dict(axis=axis, rounding=fmt.rounding, scale_rule=fmt.scale_rule, generator=gen,
               prescale=fmt.prescale_factor, amax=amax)
     if impl == "reference":
@@ -79,7 +97,7 @@ def quantize_operand(
         out, stats = fake_quantize(t, fmt.fmt, impl=impl, rotation=rotation, **kw)
     scale_amax = None
     if stats.get("amax") is not None:
-        cur = float(stats["amax"])
+        cur = float(stats["amax"]) if whole is None else whole
         scale_amax = cur if amax is None else float(amax)
         if history is not None:
             history.update(cur)

@@ -29,7 +29,7 @@ import torch
 
 from kernels.backends import BackendError, capability_name, device_backends, device_capability, recipe_backend
 from kernels.fused import _sr_uniforms
-from kernels.gemm import BACKENDS, CONTRACTION_AXES, _pad_axis
+from kernels.gemm import BACKENDS, CONTRACTION_AXES, _pad_axis, whole_tensor_amax
 from kernels.layouts import pack_fp4, to_blocked, unpack_fp4
 from precision import blocks
 from precision.elements import fp8_decode
@@ -108,7 +108,9 @@ def prepare_operand(t: torch.Tensor, axis: int, fmt: OperandFormat, gemm: Gemm, 
     block = spec.scaling == "block"
     gen = state.generator(gemm, operand, call, t.device) if fmt.rounding == "stochastic" else None
     history = state.amax_history(gemm, operand, fmt) if fmt.amax_algo != "current" else None
-    amax = history.amax() if history is not None else None
+    # tensor parallelism: per-tensor scales from the whole tensor's amax (kernels.gemm)
+    whole = whole_tensor_amax(t, state) if not block and spec.scaling == "tensor" else None
+    amax = history.amax() if history is not None else whole
     if quantizer == "auto":
         from kernels.quantizer import triton_missing_reason
 
@@ -146,7 +148,7 @@ def prepare_operand(t: torch.Tensor, axis: int, fmt: OperandFormat, gemm: Gemm, 
         codes = pack_fp4(codes) if spec.bits == 4 else codes.contiguous()
     if block:
         scales = _pad2(scales, rows_p, k_p // spec.block).contiguous()
-    _record(state, gemm, operand, fmt, t, axis, history, amax, cur, nclip, deq)
+    _record(state, gemm, operand, fmt, t, axis, history, amax, cur if whole is None else whole, nclip, deq)
     return HwOperand(fmt.fmt, codes, scales, scale_layout if block else "tensor", rows_p, k_p,
                      tensor_scale=g_enc, prescale=fmt.prescale_factor if fmt.fmt != "nvfp4" else 1.0)
 

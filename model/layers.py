@@ -84,9 +84,12 @@ class _PolicyLinearMixin:
         return policy_linear(x, w, self.precision, bias, state=self.quant_state, backend=self.gemm_backend)
 
     def set_layer_name(self, name: str, seed: int = 0) -> None:
-        """Name the layer (for errors and logs) and start its quantization state from ``(seed, name)``."""
+        """Name the layer (for errors and logs) and start its quantization state from ``(seed, name)``.
+        Under tensor parallelism per-tensor scales are taken over the whole tensor (the TP group)."""
         self.layer_name = name
         self.quant_state = LayerQuantState(seed=seed, name=name)
+        if self.tp_group is not None and self.tp_group.size() > 1:
+            self.quant_state.amax_group = self.tp_group
 
     # megatron's linears store None as ``_extra_state``; ours store the quantization state.
     def get_extra_state(self) -> dict:

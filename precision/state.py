@@ -38,6 +38,10 @@ class LayerQuantState:
         self.collect_stats = False  # set by the training loop on telemetry steps
         # QAT warm-up: GEMMs run in BF16 while per-tensor delayed-scaling histories fill.
         self.observe_only = False
+        # Tensor parallelism: the process group whose ranks hold shards of this layer's operands.
+        # Per-tensor scales then come from the amax of the whole tensor (the maximum over the
+        # group, as TransformerEngine reduces amaxes), so TP=n quantizes as TP=1 does. Not saved.
+        self.amax_group = None
 
     # ---------------------------------------------------------------- randomness
     def next_call(self, gemm: Gemm) -> int:
