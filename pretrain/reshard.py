@@ -42,13 +42,13 @@ Quantization state (each policy linear's ``_extra_state``: ``LayerQuantState.sta
     operand's shape, so a resharded model does not replay the saved run's draws anyway). Amax
     histories (delayed scaling) become the elementwise maximum over shards (aligned at the newest
     entry; ``ema`` the maximum too), so that a per-tensor scale of the merged tensor covers every
-    shard's part of it (under TP each rank scales its own shard: amaxes are not reduced). Per
-    layer: column-parallel linears (``linear_qkv``, ``linear_fc1``, ``output_layer``) see the full
-    x on every rank, so their ``fprop/x`` and ``wgrad/x`` histories agree across shards while ``w``
-    and ``dy`` are per shard; row-parallel linears (``linear_proj``, ``linear_fc2``) see shards of
-    x and w and the full dy (``dgrad/dy`` and ``wgrad/dy`` agree).
-  - split: every rank gets a copy of the full state (a shard's amax is at most the full tensor's,
-    so its first delayed scales are conservative until the history rolls over).
+    shard's part of it. Under TP every rank records the whole tensor's amax (the maximum over the
+    TP group, ``LayerQuantState.amax_group``), so the histories agree across shards and the
+    maximum changes nothing; checkpoints written before that recorded per-shard amaxes (then
+    column-parallel linears agree on ``x``, row-parallel ones on ``dy``), and the maximum is what
+    the merged tensor needs.
+  - split: every rank gets a copy of the full state: the whole tensor's history, which is what
+    every TP rank records.
 Replicated parameters and any other entry are rank 0's on merge and the same on every rank on split.
 """
 
