@@ -19,6 +19,9 @@ same seed, data and flags, so the runs see the same batches. From each run's Ten
   loss@N        ``train/loss`` at the last iteration (same batches for every recipe)
 
 and the ratio of tokens/s to the baseline recipe (the first of ``--precisions``) measured here.
+Read the ratios with the GEMM backends in mind (``--gemm-backend auto`` prints them per layer):
+on a Hopper GPU FP8 GEMMs run on tensor cores, while BF16 and the MX formats are emulated with
+FP32 GEMMs of exactly rounded operands, so ``bf16`` is an FP32-GEMM baseline, not cuBLAS BF16.
 Writes ``OUT/bench_pretrain.json`` and ``OUT/bench_pretrain.md``; each run's log is ``OUT/<recipe>/log``.
 Everything after ``--`` goes to ``pretrain.py`` unchanged.
 """
