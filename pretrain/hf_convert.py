@@ -320,16 +320,34 @@ def save_converted(payload: dict, out_dir: str) -> str:
     return path
 
 
-def load_converted(path: str) -> tuple[dict[str, torch.Tensor], ModelConfig, dict]:
-    """(TP=1 state dict, ModelConfig, source metadata) of a converted file (or its directory)."""
+def read_converted(path: str, *, mmap: bool = False) -> dict:
+    """The checked payload of a converted file (or its directory); ``mmap=True`` reads no tensor
+    data until it is used (for the config alone)."""
     if os.path.isdir(path):
         path = os.path.join(path, FILE_NAME)
     if not os.path.isfile(path):
         raise HFConvertError(f"no converted checkpoint at {path}")
-    payload = torch.load(path, map_location="cpu", weights_only=True)
-    if payload.get("format") != FORMAT:
-        raise HFConvertError(f"{path} is not a {FORMAT} file (format {payload.get('format')!r})")
+    payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
+        raise HFConvertError(f"{path} is not a {FORMAT} file (format {found!r})")
     if payload.get("format_version") != FORMAT_VERSION:
         raise HFConvertError(f"{path}: format_version {payload.get('format_version')} is not "
                              f"{FORMAT_VERSION}; re-run launch/convert_hf.py")
+    return payload
+
+
+def converted_tokenizer_dir(payload: dict, path: str) -> str | None:
+    """The HF tokenizer folder that came with the converted file at ``path``: the one the
+    conversion recorded, or, if the output was moved, the ``hf_tokenizer`` folder beside the file."""
+    tok_dir = (payload.get("source") or {}).get("tokenizer_dir")
+    if tok_dir and not os.path.isdir(tok_dir):  # moved with its file: look beside it
+        tok_dir = os.path.join(os.path.dirname(os.path.abspath(path)), "hf_tokenizer")
+        tok_dir = tok_dir if os.path.isdir(tok_dir) else None
+    return tok_dir
+
+
+def load_converted(path: str) -> tuple[dict[str, torch.Tensor], ModelConfig, dict]:
+    """(TP=1 state dict, ModelConfig, source metadata) of a converted file (or its directory)."""
+    payload = read_converted(path)
     return payload["model"], ModelConfig(**payload["model_config"]), payload["source"]

@@ -103,18 +103,13 @@ def read_pretrained(path: str) -> Pretrained:
             f"checkpoint directory ({TRACKER})"
         )
     try:
-        payload = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # noqa: BLE001 - any unreadable file gets the same one-line answer
-        raise PretrainedError(f"{flag}: cannot read {file} ({type(e).__name__})") from None
-    if not isinstance(payload, dict) or payload.get("format") != hf_convert.FORMAT:
-        raise PretrainedError(f"{flag}: {file} is not a launch/convert_hf.py output")
-    if payload.get("format_version") != hf_convert.FORMAT_VERSION:
-        raise PretrainedError(f"{flag}: {file} has format_version {payload.get('format_version')}, expected "
-                              f"{hf_convert.FORMAT_VERSION}; re-run launch/convert_hf.py")
-    tok_dir = (payload.get("source") or {}).get("tokenizer_dir")
-    if not tok_dir or not os.path.isdir(tok_dir):  # moved with its file: look beside it
-        beside = os.path.join(os.path.dirname(os.path.abspath(file)), "hf_tokenizer")
-        tok_dir = beside if os.path.isdir(beside) else None
+        payload = hf_convert.read_converted(file, mmap=True)
+    except hf_convert.HFConvertError as e:
+        raise PretrainedError(f"{flag}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - torch.load's many errors for a file that is no checkpoint
+        raise PretrainedError(f"{flag}: cannot read {file} ({type(e).__name__}); expected a "
+                              f"launch/convert_hf.py output") from None
+    tok_dir = hf_convert.converted_tokenizer_dir(payload, file)
     return Pretrained(
         "hf_converted", file, ModelConfig(**payload["model_config"]), tok_dir,
         HF_TOKENIZER_TYPE if tok_dir else None,

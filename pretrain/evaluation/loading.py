@@ -104,10 +104,7 @@ def load_for_eval(
     hf_convert.load_converted_state_dict(model, payload["model"], cfg)
     plan = _plan(model, cfg, precision, precision_rules, payload.get("precision_plan"))
     apply_precision_plan(model, plan)
-    tok_dir = (payload.get("source") or {}).get("tokenizer_dir")
-    if tok_dir and not os.path.isdir(tok_dir):  # moved with its file: look beside it
-        tok_dir = os.path.join(os.path.dirname(os.path.abspath(path)), "hf_tokenizer")
-        tok_dir = tok_dir if os.path.isdir(tok_dir) else None
+    tok_dir = hf_convert.converted_tokenizer_dir(payload, path)
     return LoadedModel(model.to(device).eval(), cfg, plan, kind, path, tokenizer_dir=tok_dir)
 
 

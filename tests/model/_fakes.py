@@ -3,12 +3,25 @@ of the numerics (``precision``/``kernels`` have their own tests).
 
 ``FakeRecipe`` stands in for ``precision.LinearPrecision`` (frozen, readable ``str``);
 ``ReferenceLinear`` replaces ``model.layers.policy_linear`` with ``F.linear`` and records which
-recipe each call received.
+recipe each call received. ``TINY_LLAMA`` is the small Llama-style shape these tests build.
 """
 
 import dataclasses
 
 import torch.nn.functional as F
+
+from model.gpt import ModelConfig
+
+# 2 layers, hidden 64, GQA 4 heads / 2 groups, SwiGLU 128, 32 tokens, vocabulary 256
+TINY_LLAMA = ModelConfig(
+    num_layers=2,
+    hidden_size=64,
+    ffn_hidden_size=128,
+    num_attention_heads=4,
+    num_query_groups=2,
+    seq_length=32,
+    vocab_size=256,
+)
 
 
 @dataclasses.dataclass(frozen=True)

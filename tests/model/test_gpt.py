@@ -19,17 +19,9 @@ from model.gpt import (
 )
 from model.layers import PolicyColumnParallelLinear, PolicyRowParallelLinear
 
-from ._fakes import plan_for
+from ._fakes import TINY_LLAMA, plan_for
 
-LLAMA = ModelConfig(
-    num_layers=2,
-    hidden_size=64,
-    ffn_hidden_size=128,
-    num_attention_heads=4,
-    num_query_groups=2,
-    seq_length=32,
-    vocab_size=256,
-)
+LLAMA = TINY_LLAMA
 GPT2 = dataclasses.replace(
     LLAMA,
     normalization="LayerNorm",
@@ -219,7 +211,7 @@ def test_quant_state_is_saved_in_state_dict(reference_linear):
 def test_training_flops_match_megatron_papers_formula():
     """Narayanan et al. (2021), without activation recomputation: 72 L h^2 (1 + s / 6h) + 6 h V per
     token for a GPT with a 4h GeLU MLP and plain multi-head attention."""
-    from model.gpt import ModelConfig, training_flops_per_token
+    from model.gpt import training_flops_per_token
 
     L, h, s, V = 24, 1024, 2048, 51200
     cfg = ModelConfig(num_layers=L, hidden_size=h, ffn_hidden_size=4 * h, num_attention_heads=16,

@@ -4,17 +4,11 @@ import dataclasses
 
 import pytest
 
-from model.gpt import ModelConfig, padded_vocab_size, validate_config
+from model.gpt import padded_vocab_size, validate_config
 
-CFG = ModelConfig(
-    num_layers=2,
-    hidden_size=64,
-    ffn_hidden_size=128,
-    num_attention_heads=4,
-    num_query_groups=2,
-    seq_length=32,
-    vocab_size=256,
-)
+from ._fakes import TINY_LLAMA
+
+CFG = TINY_LLAMA
 
 
 def test_valid_configs_pass():
