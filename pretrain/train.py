@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
+import math
 import os
 import random
 import signal
@@ -184,6 +186,25 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
 # ================================================================================================
 
 
+VAL_BATCHES_FILE = "val_batches.jsonl"  # in --tensorboard-dir: one line per evaluation
+
+
+@dataclass(frozen=True)
+class ValidationResult:
+    """One evaluation: the mean loss over ``--eval-iters`` global batches and its sampling noise."""
+
+    loss: float
+    sem: float  # standard error of the mean over batches (0 with one batch)
+    batch_losses: list[float]
+
+    @classmethod
+    def of(cls, batch_losses: list[float]) -> "ValidationResult":
+        n = len(batch_losses)
+        mean = sum(batch_losses) / n
+        var = sum((v - mean) ** 2 for v in batch_losses) / (n - 1) if n > 1 else 0.0
+        return cls(mean, math.sqrt(var / n), list(batch_losses))
+
+
 @dataclass
 class Trainer:
     """Everything one rank trains with; ``iteration`` and ``consumed_samples`` are the position."""
@@ -290,17 +311,25 @@ class Trainer:
             )
         return loss, norm, lr
 
-    def evaluate(self) -> float | None:
-        """Mean per-token loss over the first ``--eval-iters`` global batches of the validation set."""
+    def evaluate(self) -> ValidationResult | None:
+        """Per-token loss over the first ``--eval-iters`` global batches of the validation set.
+
+        Every global batch is evaluated on its own, so the result carries its sampling noise: the
+        standard error of the mean over batches (``sem``) and the per-batch losses, which the sweep
+        pairs across runs (same batches, so the paired difference has a much smaller noise)."""
         from pretrain.data import batches
 
         if self.valid_ds is None or self.args.eval_iters == 0:
             return None
         self.model.eval()
         data = batches(self.valid_ds, 0, self.args.micro_batch_size, *self.dp)
-        loss = self.engine.eval_loss([mb for _, mb in zip(range(self.args.eval_iters * self.num_micro_batches), data)])
+        per_batch = []
+        for _ in range(self.args.eval_iters):
+            loss = self.engine.eval_loss([mb for _, mb in zip(range(self.num_micro_batches), data)])
+            if loss is not None:
+                per_batch.append(loss)
         self.model.train()
-        return loss
+        return ValidationResult.of(per_batch) if per_batch else None
 
     # ---------------------------------------------------------------- checkpoints
     def save(self) -> str:
@@ -473,14 +502,20 @@ class _Progress:
         """Model TFLOP/s per device at ``tokens_per_sec`` (whole run)."""
         return self.flops_per_token * tokens_per_sec / self.world / 1e12
 
-    def validation(self, loss: float | None) -> None:
-        if loss is None:
+    def validation(self, result: ValidationResult | None) -> None:
+        if result is None:
             return
+        loss = result.loss
         ppl = np.exp(min(loss, 50.0))
-        rank0_print(f"validation at iteration {self.t.iteration} | val loss {loss:.4f} | val ppl {ppl:.2f}")
+        rank0_print(f"validation at iteration {self.t.iteration} | val loss {loss:.4f} "
+                    f"(± {result.sem:.4f} s.e. over {len(result.batch_losses)} batches) | val ppl {ppl:.2f}")
         if self.t.tb is not None:
             self.t.tb.add_scalar("val/loss", loss, self.t.iteration)
+            self.t.tb.add_scalar("val/loss_sem", result.sem, self.t.iteration)
             self.t.tb.flush()
+            # Per-batch losses beside the event files: launch/sweep.py pairs them across runs.
+            with open(os.path.join(self.t.args.tensorboard_dir, VAL_BATCHES_FILE), "a") as f:
+                f.write(json.dumps({"iteration": self.t.iteration, "batch_losses": result.batch_losses}) + "\n")
 
 
 # ================================================================================================
