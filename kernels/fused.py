@@ -155,8 +155,10 @@ def fake_quantize(
         raise ValueError(f"impl: unknown {impl!r}; valid: auto, compiled, eager")
     compiled = impl == "compiled" or (impl == "auto" and compile_available())
     rot_n, signs = rotation if rotation is not None else (1, None)
-    if rot_n > 1 and fmt in ("bf16", "hif8"):
+    if rot_n > 1 and fmt in ("fp32", "bf16", "hif8"):
         x = rotate(x, axis, rot_n, signs)
+    if fmt == "fp32":
+        return x.float(), {}
     if fmt == "bf16":
         return x.to(torch.bfloat16).float(), {}
     if fmt == "hif8":

@@ -77,11 +77,11 @@ def quantize_operand(
         if rotation is not None:  # the whole tensor's amax is taken after the rotation
             t, rotation = rotate(t, axis, *rotation), None
         whole = whole_tensor_amax(t, state)
-    if rotation is not None and (impl == "reference" or fmt.fmt == "bf16" or state.collect_stats):
+    if rotation is not None and (impl == "reference" or FORMATS[fmt.fmt].scaling == "none" or state.collect_stats):
         t = rotate(t, axis, *rotation)  # telemetry compares against the rotated operand
         rotation = None
-    if fmt.fmt == "bf16":
-        out = t.to(torch.bfloat16).float()
+    if FORMATS[fmt.fmt].scaling == "none":  # fp32 (identity) or bf16 (RNE cast)
+        out = quantize(t, fmt.fmt).dequantize(torch.float32)
         if state.collect_stats:
             state.record(gemm, operand, **operand_stats(t, out, fmt.fmt, axis))
         return out

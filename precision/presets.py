@@ -46,6 +46,21 @@ def bf16() -> LinearPrecision:
 
 
 @_preset
+def fp32() -> LinearPrecision:
+    """All three GEMMs in FP32: operands not rounded at all, exact FP32 GEMMs -- the reference
+    the other presets are measured against. Unlike every other preset it keeps the output layer
+    in FP32 too (its default rules), so no GEMM of the model is rounded.
+
+    | GEMM  | consumes        | rotation |
+    |-------|-----------------|----------|
+    | fprop | x fp32, w fp32  | none     |
+    | dgrad | dy fp32, w fp32 | none     |
+    | wgrad | dy fp32, x fp32 | none     |
+    """
+    return _lp("fp32", "fp32", "fp32")
+
+
+@_preset
 def fp8() -> LinearPrecision:
     """FP8 hybrid, per-tensor current scaling -- the study's baseline.
 
@@ -200,9 +215,10 @@ def default_rules(name: str) -> list[tuple[str, str]]:
     """Per-layer rules a preset brings, as ``(selector, preset-or-spec)`` pairs, first match wins.
 
     Selectors use :class:`precision.policy.PrecisionPolicy`'s syntax. Every preset keeps the output
-    layer in BF16 (a rule the user overrides with their own, which come first).
+    layer in BF16 (a rule the user overrides with their own, which come first), except ``fp32``,
+    which keeps it in FP32.
     """
-    rules = [("kind:output", "bf16")]
+    rules = [("kind:output", "fp32" if name == "fp32" else "bf16")]
     if name == "hif8_w8a8":
         rules = [("first:3", "bf16"), ("last:2", "bf16"), ("kind:qkv", "bf16"), ("kind:proj", "bf16")] + rules
     return rules

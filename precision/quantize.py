@@ -9,6 +9,7 @@ Formats (``FORMATS``):
 ============  ===========  ======================================================
 name          scaling      elements
 ============  ===========  ======================================================
+fp32          none         float32, not rounded at all; ``codes`` are the 32-bit patterns
 bf16          none         bfloat16 (RNE cast); ``codes`` are the 16-bit patterns
 fp8_e4m3      per tensor   E4M3, saturating
 fp8_e5m2      per tensor   E5M2, saturating
@@ -44,7 +45,7 @@ SCALE_RULES = ("floor", "rceil")
 class FormatSpec:
     name: str
     scaling: str  # "none" | "tensor" | "block"
-    element: ElementSpec | None  # None for bf16 and hif8
+    element: ElementSpec | None  # None for fp32, bf16 and hif8
     block: int = 0
     max_normal: float = 0.0
     bits: int = 16
@@ -57,6 +58,7 @@ class FormatSpec:
 FORMATS: dict[str, FormatSpec] = {
     f.name: f
     for f in (
+        FormatSpec("fp32", "none", None, bits=32),
         FormatSpec("bf16", "none", None),
         FormatSpec("fp8_e4m3", "tensor", E4M3, max_normal=E4M3.max_normal, bits=8),
         FormatSpec("fp8_e5m2", "tensor", E5M2, max_normal=E5M2.max_normal, bits=8),
@@ -102,6 +104,8 @@ class QuantizedTensor:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         spec = FORMATS[self.fmt]
+        if spec.name == "fp32":
+            return self.codes.view(torch.float32).to(dtype)
         if spec.name == "bf16":
             return self.codes.view(torch.bfloat16).to(dtype)
         if spec.scaling == "tensor":
@@ -153,6 +157,11 @@ def quantize(
         raise ValueError("quantize: x must have at least one dimension")
     axis = axis % x.dim()
     xf = x.float()
+
+    if spec.name == "fp32":
+        if rounding == "stochastic":
+            raise ValueError("fp32: stochastic rounding is not supported; valid: nearest")
+        return QuantizedTensor(fmt, xf.clone().view(torch.int32), None, axis)
 
     if spec.name == "bf16":
         if rounding == "stochastic":

@@ -78,7 +78,7 @@ class OperandFormat:
         spec = FORMATS[self.fmt]
         if self.rounding not in ("nearest", "stochastic"):
             raise SpecError(f"{self.fmt}: unknown rounding {self.rounding!r}; valid: nearest, stochastic")
-        if self.rounding == "stochastic" and self.fmt in ("bf16", "hif8"):
+        if self.rounding == "stochastic" and self.fmt in ("fp32", "bf16", "hif8"):
             raise SpecError(f"{self.fmt}: stochastic rounding is not supported; valid with: "
                             "fp8_e4m3, fp8_e5m2, mxfp8_e4m3, mxfp8_e5m2, mxfp4, nvfp4")
         if self.scale_rule not in ("floor", "rceil"):
@@ -98,7 +98,7 @@ class OperandFormat:
 
     @property
     def is_high_precision(self) -> bool:
-        return self.fmt == "bf16"
+        return self.fmt in ("fp32", "bf16")
 
     @property
     def prescale_factor(self) -> float:
