@@ -1,13 +1,20 @@
 #!/usr/bin/env python
 """Numerics report of one training run: which GEMM operand of which layer is breaking training?
+Or, given a sweep's output directory, the sweep's results with the interval beside every gap.
 
     python launch/report.py RUN_DIR [--out DIR] [--step N]
+    python launch/report.py SWEEP_OUT                 # the directory launch/sweep.py --out wrote
 
 Reads the TensorBoard scalars ``numerics/<layer>/<gemm>/<operand>/<metric>`` written by
 ``launch/pretrain.py --numerics-interval N`` (under RUN_DIR, searched recursively) and writes, for
 each metric, a heatmap PNG of layers x GEMM operands (``numerics_<metric>.png``) and a Markdown
 summary naming the worst layers (``numerics.md``). Values are those of the last telemetry step
 (or of ``--step``).
+
+For a sweep directory (it holds ``sweep.json``) the results are collected again from the runs'
+TensorBoard logs (``launch/sweep.py --collect``) and the per-grid-point table is printed: mean and
+spread over seeds, the paired gap to the baseline with its 95% interval, extra tokens with theirs,
+and which gaps are within noise.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "launch"))
 
 COLUMNS = ["fprop/x", "fprop/w", "dgrad/dy", "dgrad/w", "wgrad/dy", "wgrad/x"]
 # For each metric: is a higher value worse? And a one-line meaning for the summary.
@@ -115,6 +123,20 @@ def summary(table, step: int, top: int = 5) -> str:
     return "\n".join(lines)
 
 
+def sweep_report(out: Path) -> int:
+    """Re-collect a sweep's results and print its tables (intervals beside every gap)."""
+    import json
+
+    import sweep
+
+    info = json.loads((out / "sweep.json").read_text())
+    runs = [sweep.Run(**r) for r in info["runs"]]
+    sweep.collect(out, runs, info["sweep"].get("baseline"))
+    print((out / "results.md").read_text().split("\n## Runs")[0])
+    print(f"wrote {out / 'results.md'}, {out / 'summary.csv'}, {out / 'loss_curves.png'}, {out / 'gap.png'}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", help="a run directory (or its TensorBoard directory)")
@@ -125,6 +147,8 @@ def main(argv=None) -> int:
     if not run_dir.is_dir():
         print(f"error: {run_dir}: not a directory", file=sys.stderr)
         return 2
+    if (run_dir / "sweep.json").is_file():
+        return sweep_report(run_dir)
     try:
         table, step = load_numerics(run_dir, args.step)
     except (FileNotFoundError, ValueError) as e:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Ablation sweeps over precision presets or the per-GEMM precision matrix.
+"""Ablation sweeps over precision presets or the per-GEMM precision matrix, with seeds and intervals.
 
     python launch/sweep.py configs/sweeps/mxfp4_study.yaml --out runs/study
     python launch/sweep.py configs/sweeps/mxfp4_study.yaml --out runs/study --parallel 2 -- --train-iters 50
@@ -12,10 +12,12 @@ A sweep file (YAML)::
       model-size: tiny
       train-iters: 300
     nproc-per-node: 2           # processes per run (torchrun); default 1
-    baseline: fp8               # the run the gaps and "extra tokens" are measured against
+    seeds: [0, 1, 2]            # every grid point is run once per seed (default: one run, base seed)
+    baseline: fp8               # the precision the gaps and "extra tokens" are measured against
     grid:
       presets: [bf16, fp8, mxfp4_fprop, wgrad_hadamard]
-    # or the per-GEMM matrix (every combination is one run):
+      lr: [6e-4, 1e-3, 2e-3]    # any other key is a pretrain flag to range over (hyper-parameters)
+    # or the per-GEMM matrix (every combination is one grid point):
     # grid:
     #   fprop: [fp8, mxfp4]
     #   dgrad: [fp8, mxfp4]
@@ -24,12 +26,22 @@ A sweep file (YAML)::
 Flags after ``--`` are appended to every run's command line (e.g. a smaller model, fewer
 iterations). Each run lives in ``OUT/runs/NAME/`` (``train.log``, ``tensorboard/``,
 ``checkpoints/``, ``status.json``). Re-running the sweep skips finished runs and restarts failed
-or interrupted ones (resuming from their last checkpoint). Results: ``OUT/results.csv``,
-``OUT/results.md``, ``OUT/loss_curves.png``, ``OUT/gap.png``.
+or interrupted ones (resuming from their last checkpoint); diverged runs (``pretrain.py`` wrote
+``checkpoints/run_status.json`` with state ``diverged``) are a result and are not re-run unless
+``--retry-diverged``. Results: ``OUT/results.csv`` (one row per run), ``OUT/summary.csv`` (one row
+per grid point), ``OUT/results.md``, ``OUT/loss_curves.png``, ``OUT/gap.png``.
+
+How far to trust a gap (``pretrain.evaluation.stats``): runs with the same seed share their
+initialization and data order, so each precision's gap to the baseline is **paired** by seed; the
+tables give its mean over seeds with a 95% Student-t interval and mark gaps whose interval
+contains 0 as *within noise*. The validation loss's own sampling noise (its standard error over
+validation batches, and the paired standard error of the gap) is reported beside it. With a
+hyper-parameter in the grid, a second table compares every precision at its own best value
+(lowest mean validation loss over seeds), since a precision's cost depends on e.g. the learning rate.
 
 "Extra tokens" is the study's metric: how many more training tokens a run needs than the baseline
 to reach the baseline's final (smoothed) training loss, in percent; runs share the batch size and
-sequence length, so the ratio of iterations is the ratio of tokens.
+sequence length, so the ratio of iterations is the ratio of tokens. It is paired by seed as well.
 """
 
 from __future__ import annotations
@@ -50,8 +62,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pretrain.evaluation.stats import Interval, paired_batch_se, paired_interval, spread  # noqa: E402
+
 GEMMS = ("fprop", "dgrad", "wgrad")
-SWEEP_KEYS = {"base", "grid", "baseline", "nproc-per-node", "name", "description"}
+SWEEP_KEYS = {"base", "grid", "baseline", "nproc-per-node", "name", "description", "seeds"}
+# Flags a grid may not range over: the sweep sets them itself.
+RESERVED_FLAGS = {"precision", "seed", "save", "load", "tensorboard-dir"}
+RUN_STATUS_FILE = "run_status.json"  # written by pretrain.py into --save on divergence
 
 
 class SweepError(ValueError):
@@ -60,9 +77,26 @@ class SweepError(ValueError):
 
 @dataclass
 class Run:
+    """One training run: a grid point (precision ``label`` + hyper-parameter ``point``) at one seed."""
+
     name: str
     precision: str
     flags: list[str] = field(default_factory=list)
+    label: str = ""  # the precision's name in tables (a preset name, or the matrix cell's name)
+    point: dict = field(default_factory=dict)  # hyper-parameters of the grid, e.g. {"lr": 0.002}
+    seed: int | None = None
+
+    def __post_init__(self):
+        self.label = self.label or self.name
+
+    @property
+    def group(self) -> str:
+        """The grid point (everything but the seed): runs of one group differ only by seed."""
+        return _point_name(self.label, self.point)
+
+
+def _point_name(label: str, point: dict) -> str:
+    return "__".join([label, *(f"{k}-{v}" for k, v in point.items())])
 
 
 # ---------------------------------------------------------------- sweep file
@@ -84,6 +118,12 @@ def load_sweep(path: str) -> dict:
                          f"valid: {', '.join(sorted(SWEEP_KEYS))}")
     if "grid" not in data or not isinstance(data["grid"], dict):
         raise SweepError(f"sweep file {path}: 'grid' must map 'presets' or fprop/dgrad/wgrad to lists")
+    seeds = data.get("seeds")
+    if seeds is not None and (not isinstance(seeds, list) or not seeds
+                              or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)
+                              or len(set(seeds)) != len(seeds)):
+        raise SweepError(f"sweep file {path}: seeds must be a list of distinct integers, e.g. [0, 1, 2]; "
+                         f"got {seeds!r}")
     return data
 
 
@@ -94,60 +134,107 @@ def _flags_from_mapping(base) -> list[str]:
         return [str(v) for v in base]
     flags = []
     for k, v in base.items():
-        if v is True:
-            flags.append(f"--{k}")
-        elif v is False or v is None:
-            continue
-        elif isinstance(v, list):
-            for item in v:
-                flags += [f"--{k}", str(item)]
-        else:
-            flags += [f"--{k}", str(v)]
+        flags += _flag(k, v)
     return flags
 
 
-def expand_runs(sweep: dict, path: str = "sweep") -> list[Run]:
-    """The runs of a sweep, in a stable order, each with a validated precision."""
-    from precision import LinearPrecision, SpecError, presets
-    from precision.recipe import parse_gemm, Gemm
+def _flag(k: str, v) -> list[str]:
+    if v is True:
+        return [f"--{k}"]
+    if v is False or v is None:
+        return []
+    if isinstance(v, list):
+        return [x for item in v for x in (f"--{k}", str(item))]
+    return [f"--{k}", str(v)]
 
-    grid = sweep["grid"]
-    base = _flags_from_mapping(sweep.get("base"))
-    runs: list[Run] = []
+
+def _pretrain_options() -> set[str]:
+    """Every long option ``launch/pretrain.py`` accepts, without the leading ``--``."""
+    from pretrain.arguments import build_parser
+
+    return {o[2:] for a in build_parser()._actions for o in a.option_strings if o.startswith("--")}
+
+
+def _hyper_grid(grid: dict, path: str) -> list[tuple[str, list]]:
+    """The grid's non-precision keys: pretrain flags with the values to range over."""
+    keys = [k for k in grid if k not in ("presets", *GEMMS)]
+    if not keys:
+        return []
+    options = _pretrain_options()
+    out = []
+    for k in keys:
+        if k in RESERVED_FLAGS:
+            raise SweepError(f"{path}: grid.{k}: set by the sweep itself"
+                             + ("; list seeds under 'seeds:'" if k == "seed" else ""))
+        if k not in options:
+            raise SweepError(f"{path}: grid key(s) {k}; valid: presets, fprop, dgrad, wgrad, or a "
+                             f"pretrain.py flag such as lr (python launch/pretrain.py --help)")
+        values = grid[k]
+        if not isinstance(values, list) or not values:
+            raise SweepError(f"{path}: grid.{k}: expected a non-empty list of values")
+        out.append((k, values))
+    return out
+
+
+def _precision_points(grid: dict, path: str) -> list[tuple[str, str]]:
+    """(label, precision) of every precision in the grid, in a stable order."""
+    from precision import LinearPrecision, SpecError, presets
+    from precision.recipe import Gemm, parse_gemm
+
     if "presets" in grid:
-        extra = sorted(set(grid) - {"presets"})
+        extra = sorted(set(grid) & set(GEMMS))
         if extra:
             raise SweepError(f"{path}: grid mixes 'presets' with {', '.join(extra)}; use one or the other")
+        points = []
         for name in grid["presets"]:
             try:
                 presets.get(name)
             except ValueError as e:
                 raise SweepError(f"{path}: grid.presets: {e}") from None
-            runs.append(Run(name, name, base))
-    else:
-        bad = sorted(set(grid) - set(GEMMS))
-        if bad:
-            raise SweepError(f"{path}: grid key(s) {', '.join(bad)}; valid: presets, fprop, dgrad, wgrad")
-        lists = []
-        for g in GEMMS:
-            values = grid.get(g, ["fp8"])
-            for v in values:
-                try:
-                    parse_gemm(str(v), Gemm(g))
-                except SpecError as e:
-                    raise SweepError(f"{path}: grid.{g}: {e}") from None
-            lists.append([str(v) for v in values])
-        for combo in itertools.product(*lists):
-            spec = ",".join(f"{g}={v}" for g, v in zip(GEMMS, combo))
-            LinearPrecision.parse(spec)
-            name = "__".join(f"{g}-{v}" for g, v in zip(GEMMS, combo)).replace("+", "_").replace("@", "x")
-            runs.append(Run(name, spec, base))
+            points.append((name, name))
+        return points
+    if not set(grid) & set(GEMMS):
+        raise SweepError(f"{path}: the grid names no precision: give presets, or fprop/dgrad/wgrad")
+    lists = []
+    for g in GEMMS:
+        values = grid.get(g, ["fp8"])
+        for v in values:
+            try:
+                parse_gemm(str(v), Gemm(g))
+            except SpecError as e:
+                raise SweepError(f"{path}: grid.{g}: {e}") from None
+        lists.append([str(v) for v in values])
+    points = []
+    for combo in itertools.product(*lists):
+        spec = ",".join(f"{g}={v}" for g, v in zip(GEMMS, combo))
+        LinearPrecision.parse(spec)
+        name = "__".join(f"{g}-{v}" for g, v in zip(GEMMS, combo)).replace("+", "_").replace("@", "x")
+        points.append((name, spec))
+    return points
+
+
+def expand_runs(sweep: dict, path: str = "sweep") -> list[Run]:
+    """The runs of a sweep, in a stable order (grid points, then seeds), each with a validated precision."""
+    grid = sweep["grid"]
+    base = _flags_from_mapping(sweep.get("base"))
+    hyper = _hyper_grid(grid, path)
+    seeds = sweep.get("seeds") or [None]
+    runs: list[Run] = []
+    for label, precision in _precision_points(grid, path):
+        for values in itertools.product(*(v for _, v in hyper)):
+            point = {k: v for (k, _), v in zip(hyper, values)}
+            flags = base + [x for k, v in point.items() for x in _flag(k, v)]
+            for seed in seeds:
+                name = _point_name(label, point) + ("" if seed is None else f"__seed-{seed}")
+                runs.append(Run(name, precision, flags + ([] if seed is None else ["--seed", str(seed)]),
+                                label, dict(point), seed))
     names = [r.name for r in runs]
     if len(set(names)) != len(names):
         raise SweepError(f"{path}: the grid has duplicate runs")
     baseline = sweep.get("baseline")
-    if baseline is not None and baseline not in names:
-        raise SweepError(f"{path}: baseline {baseline!r} is not one of the runs: {', '.join(names)}")
+    labels = list(dict.fromkeys(r.label for r in runs))
+    if baseline is not None and baseline not in labels:
+        raise SweepError(f"{path}: baseline {baseline!r} is not one of the runs: {', '.join(labels)}")
     return runs
 
 
@@ -157,7 +244,16 @@ def run_dir(out: Path, run: Run) -> Path:
 
 
 def read_status(out: Path, run: Run) -> str:
-    f = run_dir(out, run) / "status.json"
+    """pending | running | done | failed | diverged (pretrain.py's own verdict wins over the exit code)."""
+    d = run_dir(out, run)
+    diverged = d / "checkpoints" / RUN_STATUS_FILE
+    if diverged.exists():
+        try:
+            if json.loads(diverged.read_text()).get("state") == "diverged":
+                return "diverged"
+        except json.JSONDecodeError:
+            pass
+    f = d / "status.json"
     if not f.exists():
         return "pending"
     try:
@@ -186,6 +282,7 @@ def run_command(out: Path, run: Run, nproc: int, extra: list[str]) -> list[str]:
 def start_run(out: Path, run: Run, nproc: int, extra: list[str]) -> subprocess.Popen:
     d = run_dir(out, run)
     d.mkdir(parents=True, exist_ok=True)
+    (d / "checkpoints" / RUN_STATUS_FILE).unlink(missing_ok=True)  # a retried diverged run starts clean
     cmd = run_command(out, run, nproc, extra)
     write_status(d, state="running", command=shlex.join(cmd), started=time.time())
     log = open(d / "train.log", "a")
@@ -194,14 +291,39 @@ def start_run(out: Path, run: Run, nproc: int, extra: list[str]) -> subprocess.P
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
 
-def run_local(out: Path, runs: list[Run], nproc: int, parallel: int, extra: list[str]) -> int:
-    todo = [r for r in runs if read_status(out, r) != "done"]
-    skipped = len(runs) - len(todo)
-    if skipped:
-        print(f"skipping {skipped} finished run(s)")
+def finish_run(out: Path, run: Run, rc: int, seconds: float) -> str:
+    """Record a finished run's state: done, diverged (pretrain.py said so) or failed."""
+    state = "done" if rc == 0 else "failed"
+    if rc != 0 and read_status(out, run) == "diverged":
+        state = "diverged"
+    write_status(run_dir(out, run), state=state, returncode=rc, seconds=round(seconds, 1))
+    return state
+
+
+def _todo(out: Path, runs: list[Run], retry_diverged: bool) -> tuple[list[Run], int, int]:
+    todo, done, diverged = [], 0, 0
+    for r in runs:
+        st = read_status(out, r)
+        if st == "done":
+            done += 1
+        elif st == "diverged" and not retry_diverged:
+            diverged += 1
+        else:
+            todo.append(r)
+    return todo, done, diverged
+
+
+def run_local(out: Path, runs: list[Run], nproc: int, parallel: int, extra: list[str],
+              retry_diverged: bool = False) -> int:
+    todo, done, diverged = _todo(out, runs, retry_diverged)
+    if done:
+        print(f"skipping {done} finished run(s)")
+    if diverged:
+        print(f"skipping {diverged} diverged run(s) (a result; --retry-diverged runs them again)")
     running: dict[str, tuple[Run, subprocess.Popen, float]] = {}
     failed = 0
-    done = skipped
+    tty = sys.stdout.isatty()
+    last = None
     while todo or running:
         while todo and len(running) < parallel:
             r = todo.pop(0)
@@ -212,20 +334,29 @@ def run_local(out: Path, runs: list[Run], nproc: int, parallel: int, extra: list
             if rc is None:
                 continue
             del running[name]
-            state = "done" if rc == 0 else "failed"
-            done += rc == 0
-            failed += rc != 0
-            write_status(run_dir(out, r), state=state, returncode=rc, seconds=round(time.time() - t0, 1))
+            state = finish_run(out, r, rc, time.time() - t0)
+            done += state == "done"
+            diverged += state == "diverged"
+            failed += state == "failed"
+            if tty:
+                print()
             print(f"[{state}] {name} ({time.time() - t0:.0f}s)" +
-                  ("" if rc == 0 else f" -- see {run_dir(out, r) / 'train.log'}"))
-        print(f"\rruns: {done} done, {len(running)} running, {failed} failed, {len(todo)} pending   ",
-              end="", flush=True)
-    print()
+                  ("" if state == "done" else f" -- see {run_dir(out, r) / 'train.log'}"), flush=True)
+        line = (f"runs: {done} done, {len(running)} running, {diverged} diverged, {failed} failed, "
+                f"{len(todo)} pending")
+        if tty:  # rewritten in place on a terminal; whole lines, only when it changes, in a log file
+            print(f"\r{line}   ", end="", flush=True)
+        elif line != last:
+            print(line, flush=True)
+        last = line
+    if tty:
+        print()
     return failed
 
 
-def submit_slurm(sweep_path: str, out: Path, runs: list[Run], extra: list[str], sbatch_args: list[str]) -> int:
-    todo = [i for i, r in enumerate(runs) if read_status(out, r) != "done"]
+def submit_slurm(sweep_path: str, out: Path, runs: list[Run], extra: list[str], sbatch_args: list[str],
+                 retry_diverged: bool = False) -> int:
+    todo = [i for i, r in enumerate(runs) if r in _todo(out, runs, retry_diverged)[0]]
     if not todo:
         print("all runs finished; nothing to submit")
         return 0
@@ -244,8 +375,7 @@ def run_one(out: Path, runs: list[Run], index: int, nproc: int, extra: list[str]
     t0 = time.time()
     proc = start_run(out, r, nproc, extra)
     rc = proc.wait()
-    write_status(run_dir(out, r), state="done" if rc == 0 else "failed", returncode=rc,
-                 seconds=round(time.time() - t0, 1))
+    finish_run(out, r, rc, time.time() - t0)
     return rc
 
 
@@ -263,6 +393,20 @@ def read_scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {t: sorted(v.items()) for t, v in out.items()}
 
 
+def read_val_batches(tb_dir: Path) -> dict[int, list[float]]:
+    """Per-batch validation losses by iteration (``val_batches.jsonl``; later lines win)."""
+    f = tb_dir / "val_batches.jsonl"
+    out: dict[int, list[float]] = {}
+    if f.exists():
+        for line in f.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a killed run
+            out[int(rec["iteration"])] = [float(v) for v in rec["batch_losses"]]
+    return out
+
+
 def smooth(values: list[float], window: int) -> list[float]:
     res, acc = [], []
     for v in values:
@@ -278,22 +422,25 @@ def analyse(name: str, scalars: dict, window: int) -> dict:
     vals = [v for _, v in loss]
     finite = [v for v in vals if math.isfinite(v)]
     sm = smooth(finite, window) if finite else []
-    diverged = len(finite) < len(vals)
+    diverged = len(finite) < len(vals) or bool(scalars.get("train/nonfinite"))
     spike = False
     if len(sm) > 2 * window:
         best = min(sm[: len(sm) // 2])
         spike = any(v > 1.5 * best for v in sm[len(sm) // 2:])
     val = scalars.get("val/loss", [])
+    sem = dict(scalars.get("val/loss_sem", []))
     tps = [v for _, v in scalars.get("train/tokens_per_sec", [])]
     return {
         "run": name,
         "iterations": steps[-1] if steps else 0,
         "final_train_loss": sm[-1] if sm else float("nan"),
         "final_val_loss": val[-1][1] if val else float("nan"),
+        "val_loss_sem": sem.get(val[-1][0], float("nan")) if val else float("nan"),
         "tokens_per_sec": sum(tps) / len(tps) if tps else float("nan"),
         "diverged": diverged,
         "spike": spike,
         "_curve": (steps[: len(sm)], sm),
+        "_val_step": val[-1][0] if val else None,
     }
 
 
@@ -310,32 +457,145 @@ def extra_tokens_pct(run_curve, base_curve) -> float:
     return float("inf")
 
 
+def _paired_base(rows: list[dict], baseline: str | None, hyper_equal: bool) -> dict[str, dict]:
+    """For each run, the baseline run it is compared with: same seed, and the same hyper-parameters
+    (``hyper_equal``) or the baseline's best ones."""
+    pairs = {}
+    base_rows = [r for r in rows if r["_run"].label == baseline]
+    for row in rows:
+        run = row["_run"]
+        for b in base_rows:
+            if b["_run"].seed == run.seed and (not hyper_equal or b["_run"].point == run.point):
+                pairs[row["run"]] = b
+    return pairs
+
+
+def _pair_numbers(row: dict, base: dict) -> dict:
+    out = {"gap_train_loss": row["final_train_loss"] - base["final_train_loss"],
+           "gap_val_loss": row["final_val_loss"] - base["final_val_loss"],
+           "extra_tokens_pct": extra_tokens_pct(row["_curve"], base["_curve"]),
+           "gap_val_batch_se": float("nan")}
+    a, b = row["_val_batches"].get(row["_val_step"]), base["_val_batches"].get(base["_val_step"])
+    if a and b:
+        out["gap_val_batch_se"] = 0.0 if row is base else paired_batch_se(a, b)
+    return out
+
+
+def summarize(rows: list[dict], baseline: str | None, groups: list[str] | None = None,
+              base_group: dict[int | None, dict] | None = None) -> list[dict]:
+    """One row per grid point: mean and spread over seeds, paired gaps with 95% intervals.
+
+    ``base_group`` maps a seed to the baseline run that seed's runs are paired with (default: the
+    baseline at the same hyper-parameters)."""
+    by_group: dict[str, list[dict]] = {}
+    for row in rows:
+        by_group.setdefault(row["_run"].group, []).append(row)
+    out = []
+    for group in groups or list(by_group):
+        members = by_group[group]
+        run = members[0]["_run"]
+        val_mean, val_sd = spread([m["final_val_loss"] for m in members])
+        train_mean, train_sd = spread([m["final_train_loss"] for m in members])
+        gaps, extras, ses = [], [], []
+        for m in members:
+            if base_group is not None:
+                b = base_group.get(m["_run"].seed)
+            else:
+                b = next((r for r in rows if r["_run"].label == baseline and r["_run"].seed == m["_run"].seed
+                          and r["_run"].point == m["_run"].point), None)
+            if b is None:
+                continue
+            p = _pair_numbers(m, b)
+            gaps.append(p["gap_val_loss"])
+            extras.append(p["extra_tokens_pct"])
+            ses.append(p["gap_val_batch_se"])
+        gap = paired_interval(gaps)
+        finite_extras = [e for e in extras if math.isfinite(e)]
+        extra = paired_interval(finite_extras)
+        ses = [s for s in ses if math.isfinite(s)]
+        out.append({
+            "point": group, "precision": run.label, **{k: v for k, v in run.point.items()},
+            "seeds": len(members),
+            "val_loss_mean": val_mean, "val_loss_sd": val_sd,
+            "train_loss_mean": train_mean, "train_loss_sd": train_sd,
+            "val_loss_sem": spread([m["val_loss_sem"] for m in members])[0],
+            "gap_val": gap,
+            "gap_val_batch_se": sum(ses) / len(ses) if ses else float("nan"),
+            "extra_tokens": extra,
+            "extra_not_reached": sum(1 for e in extras if math.isinf(e)),
+            "diverged": sum(1 for m in members if m["diverged"] or m["status"] == "diverged"),
+            "verdict": verdict(gap, run.label == baseline),
+        })
+    return out
+
+
+def verdict(gap: Interval, is_baseline: bool) -> str:
+    if is_baseline:
+        return "baseline"
+    if gap.n == 0:
+        return "n/a"
+    if gap.within_noise is None:
+        return "1 seed: no interval"
+    if gap.within_noise:
+        return "within noise"
+    return "worse" if gap.mean > 0 else "better"
+
+
+def best_points(summary: list[dict]) -> dict[str, dict]:
+    """Each precision's grid point with the lowest mean validation loss (its best hyper-parameters)."""
+    best: dict[str, dict] = {}
+    for s in summary:
+        cur = best.get(s["precision"])
+        if math.isfinite(s["val_loss_mean"]) and (cur is None or s["val_loss_mean"] < cur["val_loss_mean"]):
+            best[s["precision"]] = s
+    return best
+
+
 def collect(out: Path, runs: list[Run], baseline: str | None, window: int = 10) -> list[dict]:
+    """Analyse every run, write results.csv / summary.csv / results.md and the plots; return the run rows."""
     rows = []
     for r in runs:
         tb = run_dir(out, r) / "tensorboard"
         row = analyse(r.name, read_scalars(tb) if tb.exists() else {}, window)
         row["precision"] = r.precision
         row["status"] = read_status(out, r)
+        row["seed"] = r.seed
+        row["_run"] = r
+        row["_val_batches"] = read_val_batches(tb) if tb.exists() else {}
         rows.append(row)
-    base = next((row for row in rows if row["run"] == baseline), None)
+    pairs = _paired_base(rows, baseline, hyper_equal=True)
     for row in rows:
+        base = pairs.get(row["run"])
         if base is not None:
-            row["gap_train_loss"] = row["final_train_loss"] - base["final_train_loss"]
-            row["gap_val_loss"] = row["final_val_loss"] - base["final_val_loss"]
-            row["extra_tokens_pct"] = extra_tokens_pct(row["_curve"], base["_curve"])
+            row.update(_pair_numbers(row, base))
         else:
-            row["gap_train_loss"] = row["gap_val_loss"] = row["extra_tokens_pct"] = float("nan")
-    write_tables(out, rows, baseline)
-    write_plots(out, rows, baseline)
+            row.update(gap_train_loss=float("nan"), gap_val_loss=float("nan"), extra_tokens_pct=float("nan"),
+                       gap_val_batch_se=float("nan"))
+    summary = summarize(rows, baseline)
+    tuned = []
+    hyper = sorted({k for r in runs for k in r.point})
+    if hyper:
+        best = best_points(summary)
+        if baseline in best:
+            base_runs = {m["_run"].seed: m for m in rows if m["_run"].group == best[baseline]["point"]}
+            groups = [best[p]["point"] for p in dict.fromkeys(r.label for r in runs) if p in best]
+            tuned = summarize(rows, baseline, groups, base_runs)
+    write_tables(out, rows, summary, tuned, baseline, hyper)
+    write_plots(out, rows, summary, tuned or summary, baseline)
     return rows
 
 
-COLUMNS = ["run", "status", "precision", "iterations", "final_train_loss", "final_val_loss", "gap_train_loss",
-           "gap_val_loss", "extra_tokens_pct", "diverged", "spike", "tokens_per_sec"]
+COLUMNS = ["run", "status", "precision", "seed", "iterations", "final_train_loss", "final_val_loss",
+           "val_loss_sem", "gap_train_loss", "gap_val_loss", "gap_val_batch_se", "extra_tokens_pct",
+           "diverged", "spike", "tokens_per_sec"]
+SUMMARY_COLUMNS = ["point", "precision", "seeds", "val_loss_mean", "val_loss_sd", "val_loss_sem",
+                   "gap_val_mean", "gap_val_lo", "gap_val_hi", "gap_val_batch_se", "extra_tokens_mean",
+                   "extra_tokens_lo", "extra_tokens_hi", "extra_not_reached", "diverged", "verdict"]
 
 
 def _fmt(v) -> str:
+    if v is None:
+        return ""
     if isinstance(v, float):
         if math.isnan(v):
             return "n/a"
@@ -345,35 +605,101 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def write_tables(out: Path, rows: list[dict], baseline: str | None) -> None:
+def _summary_csv_row(s: dict) -> list:
+    g, e = s["gap_val"], s["extra_tokens"]
+    flat = {**s, "gap_val_mean": g.mean, "gap_val_lo": g.lo, "gap_val_hi": g.hi,
+            "extra_tokens_mean": e.mean, "extra_tokens_lo": e.lo, "extra_tokens_hi": e.hi}
+    return [flat[c] for c in SUMMARY_COLUMNS]
+
+
+def _mean_sd(mean: float, sd: float) -> str:
+    if math.isnan(mean):
+        return "n/a"
+    return f"{mean:.4f}" if math.isnan(sd) else f"{mean:.4f} ± {sd:.4f}"
+
+
+def summary_table(summary: list[dict], hyper: list[str]) -> list[str]:
+    """Markdown rows: one per grid point, every gap with its interval and noise verdict."""
+    head = ["precision", *hyper, "seeds", "val loss (mean ± sd)", "val s.e.",
+            "gap to baseline (95% CI)", "gap s.e. (val batches)", "extra tokens % (95% CI)", "verdict"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in summary:
+        extra = s["extra_tokens"].text(1)
+        if s["extra_not_reached"]:
+            extra += f"; not reached in {s['extra_not_reached']} of {s['seeds']}"
+        verdict_text = s["verdict"] + (f"; {s['diverged']} diverged" if s["diverged"] else "")
+        cells = [s["precision"], *(str(s.get(h)) for h in hyper), str(s["seeds"]),
+                 _mean_sd(s["val_loss_mean"], s["val_loss_sd"]), _fmt(s["val_loss_sem"]),
+                 s["gap_val"].text(4), _fmt(s["gap_val_batch_se"]), extra, verdict_text]
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    return lines
+
+
+def write_tables(out: Path, rows: list[dict], summary: list[dict], tuned: list[dict],
+                 baseline: str | None, hyper: list[str]) -> None:
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(COLUMNS)
         for row in rows:
             w.writerow([row[c] for c in COLUMNS])
-    lines = [f"# Sweep results ({len(rows)} runs, baseline: {baseline or 'none'})", "",
-             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    with open(out / "summary.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(SUMMARY_COLUMNS + hyper)
+        for s in summary:
+            w.writerow(_summary_csv_row(s) + [s.get(h) for h in hyper])
+    seeds = max((s["seeds"] for s in summary), default=0)
+    lines = [f"# Sweep results ({len(rows)} runs, {len(summary)} grid points x {seeds} seed(s), "
+             f"baseline: {baseline or 'none'})", "",
+             "## Per grid point (gaps paired by seed against the baseline at the same hyper-parameters)", ""]
+    lines += summary_table(summary, hyper)
+    if tuned:
+        lines += ["", f"## Each precision at its own best {', '.join(hyper)} (lowest mean val loss), "
+                  "paired with the baseline at its best", ""]
+        lines += summary_table(tuned, hyper)
+    lines += ["", "## Runs", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in rows:
         lines.append("| " + " | ".join(_fmt(row[c]).replace("|", "/") for c in COLUMNS) + " |")
-    lines += ["", "extra_tokens_pct: % more tokens than the baseline to reach the baseline's final smoothed "
-              "training loss ('not reached' within the run). diverged: a NaN/Inf loss; spike: the smoothed loss "
-              "rose above 1.5x its early minimum in the second half."]
+    lines += ["", "gap: final validation loss minus the baseline's, per seed (same initialization and data "
+              "order), mean over seeds ± the half-width of its 95% Student-t interval; *within noise*: the "
+              "interval contains 0. val s.e.: standard error of the validation loss over its batches; gap s.e. "
+              "(val batches): standard error of the gap from the choice of validation batches (paired "
+              "per-batch differences). extra tokens: % more tokens than the baseline to reach the "
+              "baseline's final smoothed training loss ('not reached' within the run), paired by seed. "
+              "diverged: a NaN/Inf loss; spike: the smoothed loss rose above 1.5x its early minimum in the "
+              "second half."]
     (out / "results.md").write_text("\n".join(lines) + "\n")
 
 
-def write_plots(out: Path, rows: list[dict], baseline: str | None) -> None:
+def _mean_curve(members: list[dict]):
+    """Mean, min and max smoothed training loss over seeds, on the steps every seed logged."""
+    curves = [dict(zip(*m["_curve"])) for m in members if m["_curve"][0]]
+    if not curves:
+        return [], [], [], []
+    steps = sorted(set.intersection(*(set(c) for c in curves)))
+    mean = [sum(c[s] for c in curves) / len(curves) for s in steps]
+    return steps, mean, [min(c[s] for c in curves) for s in steps], [max(c[s] for c in curves) for s in steps]
+
+
+def write_plots(out: Path, rows: list[dict], summary: list[dict], shown: list[dict], baseline: str | None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    by_group: dict[str, list[dict]] = {}
     for row in rows:
-        steps, sm = row["_curve"]
-        if steps:
-            ax.plot(steps, sm, label=row["run"], linewidth=2.5 if row["run"] == baseline else 1.2)
+        by_group.setdefault(row["_run"].group, []).append(row)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for s in shown:
+        steps, mean, lo, hi = _mean_curve(by_group[s["point"]])
+        if not steps:
+            continue
+        (line,) = ax.plot(steps, mean, label=f"{s['point']} ({s['seeds']} seed{'s' * (s['seeds'] > 1)})",
+                          linewidth=2.5 if s["precision"] == baseline else 1.2)
+        if s["seeds"] > 1:
+            ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
     ax.set_xlabel("iteration")
-    ax.set_ylabel("training loss (smoothed)")
+    ax.set_ylabel("training loss (smoothed; band: min-max over seeds)")
     ax.set_title("Loss curves")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
@@ -382,14 +708,16 @@ def write_plots(out: Path, rows: list[dict], baseline: str | None) -> None:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(8, 4))
-    names = [r["run"] for r in rows]
-    gaps = [0.0 if math.isnan(r["gap_train_loss"]) else r["gap_train_loss"] for r in rows]
-    colors = ["tab:red" if r["diverged"] or r["spike"] else "tab:blue" for r in rows]
-    ax.bar(range(len(rows)), gaps, color=colors)
-    ax.set_xticks(range(len(rows)), names, rotation=45, ha="right", fontsize=7)
+    names = [s["point"] for s in shown]
+    gaps = [0.0 if math.isnan(s["gap_val"].mean) else s["gap_val"].mean for s in shown]
+    err = [0.0 if math.isnan(s["gap_val"].half_width) else s["gap_val"].half_width for s in shown]
+    colors = ["tab:red" if s["diverged"] else "tab:gray" if s["verdict"] == "within noise" else "tab:blue"
+              for s in shown]
+    ax.bar(range(len(shown)), gaps, yerr=err, capsize=3, color=colors)
+    ax.set_xticks(range(len(shown)), names, rotation=45, ha="right", fontsize=7)
     ax.axhline(0, color="k", linewidth=0.8)
-    ax.set_ylabel(f"final train loss - {baseline or 'baseline'}")
-    ax.set_title("Loss gap to the baseline (red: diverged or spiked)")
+    ax.set_ylabel(f"val loss - {baseline or 'baseline'} (paired, 95% CI)")
+    ax.set_title("Gap to the baseline (gray: within noise; red: diverged)")
     fig.tight_layout()
     fig.savefig(out / "gap.png", dpi=120)
     plt.close(fig)
@@ -410,6 +738,8 @@ def main(argv=None) -> int:
     ap.add_argument("--slurm", action="store_true", help="submit a SLURM job array instead of running locally")
     ap.add_argument("--sbatch-arg", action="append", default=[], help="extra sbatch argument (repeatable)")
     ap.add_argument("--collect", action="store_true", help="only collect results from existing runs")
+    ap.add_argument("--retry-diverged", action="store_true",
+                    help="run diverged runs again (by default divergence is a result and is kept)")
     ap.add_argument("--run-index", type=int, help=argparse.SUPPRESS)  # one run (SLURM array task)
     ap.add_argument("--smooth", type=int, default=10, help="loss smoothing window in logged points")
     args = ap.parse_args(argv)
@@ -426,14 +756,16 @@ def main(argv=None) -> int:
         if args.run_index is not None:
             return run_one(out, runs, args.run_index, nproc, extra)
         if args.slurm:
-            return submit_slurm(args.sweep, out, runs, extra, args.sbatch_arg)
+            return submit_slurm(args.sweep, out, runs, extra, args.sbatch_arg, args.retry_diverged)
         failed = 0
         if not args.collect:
-            print(f"sweep {args.sweep}: {len(runs)} runs, {args.parallel} at a time, {nproc} process(es) each")
-            failed = run_local(out, runs, nproc, args.parallel, extra)
+            seeds = sweep.get("seeds")
+            print(f"sweep {args.sweep}: {len(runs)} runs ({len(runs) // len(seeds or [0])} grid points x "
+                  f"{len(seeds or [0])} seed(s)), {args.parallel} at a time, {nproc} process(es) each")
+            failed = run_local(out, runs, nproc, args.parallel, extra, args.retry_diverged)
         collect(out, runs, sweep.get("baseline"), args.smooth)
-        print(f"results: {out / 'results.md'}, {out / 'results.csv'}, plots: {out / 'loss_curves.png'}, "
-              f"{out / 'gap.png'}")
+        print(f"results: {out / 'results.md'}, {out / 'results.csv'}, {out / 'summary.csv'}, plots: "
+              f"{out / 'loss_curves.png'}, {out / 'gap.png'}")
         return 1 if failed else 0
     except SweepError as e:
         print(f"error: {e}", file=sys.stderr)
