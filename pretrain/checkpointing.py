@@ -1,8 +1,9 @@
-"""Checkpoints in Megatron-LM's layout, written atomically; exact resume on CPU and GPU.
+"""Checkpoints in Megatron-LM's layout, written atomically, checksummed; exact resume on CPU and GPU.
 
     DIR/latest_checkpointed_iteration.txt      "10": the newest *complete* checkpoint
     DIR/iter_0000010/mp_rank_00/model_optim_rng.pt
     DIR/iter_0000010/mp_rank_01/model_optim_rng.pt  one file per tensor-parallel rank
+    DIR/iter_0000010/checksums.json            size and sha256 of every file above
 
 Each file (written by data-parallel rank 0 of its TP rank; plain ``torch.save``) holds Megatron-LM's
 keys ``checkpoint_version``, ``iteration``, ``model`` (the unwrapped model's ``state_dict``: every
@@ -14,17 +15,36 @@ and ours: ``consumed_train_samples`` (the data position), ``precision_plan``
 included) and ``tokenizer_model`` (the tokenizer file the run used). Load with
 ``torch.load(..., weights_only=False)``: RNG states hold numpy arrays.
 
-Atomicity: all ranks write into ``DIR/.tmp_iter_0000010``; after a barrier global rank 0 renames it
-to ``DIR/iter_0000010`` and then replaces the tracker file (written beside it, fsynced,
-``os.replace``). A crash at any point leaves either the previous checkpoint and tracker, or the new
-ones; a stale ``.tmp_*`` directory is never read and is removed by the next save.
+Atomicity: all ranks write into ``DIR/.tmp_iter_0000010``; after a barrier global rank 0 writes
+``checksums.json`` there, renames it to ``DIR/iter_0000010`` and then replaces the tracker file
+(written beside it, fsynced, ``os.replace``). A crash at any point leaves either the previous
+checkpoint and tracker, or the new ones; a stale ``.tmp_*`` directory is never read and is removed
+by the next save. ``retain=N`` (``--save-retain``) then removes all but the newest N complete
+checkpoints -- only after the new one is published.
+
+Integrity: ``checksums.json`` is ``{"iteration": 10, "files": {"mp_rank_00/model_optim_rng.pt":
+{"bytes": ..., "sha256": ...}, ...}}``, hashed while the files are written (``distrib_optim.pt`` is
+read back once). Loading checks each file's size and hash before ``torch.load``, so a truncated or
+silently corrupted file is one line naming it and the newest earlier complete iteration (load it
+with ``--ckpt-step N``); a checkpoint without ``checksums.json`` (older versions) loads unchecked,
+with an unreadable file reported the same way.
+
+Failures are collective: each rank's problem is gathered (``all_gather_object``) so that every rank
+raises the same one-line :class:`CheckpointError` (load) or :class:`CheckpointSaveError` (a save
+that could not be completed, e.g. a full disk: the partial directory is removed and the previous
+checkpoint stays the tracker's) -- no rank is left waiting in a collective the others abandoned.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import pickle
 import random
+import re
 import shutil
+import zipfile
 
 import numpy as np
 import torch
@@ -32,11 +52,19 @@ from megatron.core import parallel_state
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
+CHECKSUMS = "checksums.json"
 CHECKPOINT_VERSION = 3.0
+_ITER_DIR = re.compile(r"iter_(\d{7,})")
+_HASH_CHUNK = 1 << 24
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded; the message is one line naming ``--load`` and the path."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint that could not be written (e.g. a full disk); one line naming ``--save``, the
+    iteration that was not written and the intact one. Raised on every rank alike."""
 
 
 def iter_dir_name(iteration: int | str) -> str:
@@ -129,6 +157,137 @@ def gather_rng_states() -> list[dict]:
 
 
 # ================================================================================================
+# Collective agreement, checksums
+# ================================================================================================
+
+
+def _world() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def _gather(obj) -> list:
+    """Every rank's ``obj`` (the same list on all ranks); collective."""
+    if _world() == 1:
+        return [obj]
+    out = [None] * _world()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def _agree(problem: str | None) -> str | None:
+    """The lowest rank's problem, or None if no rank has one -- the same on every rank; collective."""
+    return next((p for p in _gather(problem) if p), None)
+
+
+class _HashingWriter:
+    """A binary file that counts and sha256-hashes what ``torch.save`` writes through it."""
+
+    def __init__(self, f):
+        self._f, self.name, self.bytes, self._sha = f, f.name, 0, hashlib.sha256()
+
+    def write(self, data) -> int:
+        n = self._f.write(data)
+        self._sha.update(memoryview(data)[:n])
+        self.bytes += n
+        return n
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def entry(self) -> dict:
+        return {"bytes": self.bytes, "sha256": self._sha.hexdigest()}
+
+
+def file_entry(path: str) -> dict:
+    """``{"bytes", "sha256"}`` of a file, read in chunks."""
+    sha, n = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            sha.update(chunk)
+            n += len(chunk)
+    return {"bytes": n, "sha256": sha.hexdigest()}
+
+
+def read_checksums(ckpt_dir: str) -> dict | None:
+    """``ckpt_dir``'s ``checksums.json`` ``files`` mapping (relative path -> entry), or None for a
+    checkpoint written before checksums existed."""
+    path = os.path.join(ckpt_dir, CHECKSUMS)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"--load: {path} is unreadable ({e.__class__.__name__}: {e}); "
+                              f"{_advice(os.path.dirname(ckpt_dir), ckpt_dir)}") from None
+    return files
+
+
+def _complete(ckpt_dir: str) -> bool:
+    """Cheap completeness check of an ``iter_*`` directory: every file its checksums list, at its
+    size (without checksums: at least one rank file)."""
+    try:
+        files = read_checksums(ckpt_dir)
+    except CheckpointError:
+        return False
+    if files is None:
+        return any(os.path.isfile(os.path.join(ckpt_dir, d, FILE)) for d in os.listdir(ckpt_dir)
+                   if d.startswith("mp_rank_"))
+    return bool(files) and all(
+        os.path.isfile(p := os.path.join(ckpt_dir, rel)) and os.path.getsize(p) == e["bytes"]
+        for rel, e in files.items()
+    )
+
+
+def saved_iterations(save_dir: str) -> list[int]:
+    """The iterations of the ``iter_*`` directories in ``save_dir``, ascending."""
+    names = os.listdir(save_dir) if os.path.isdir(save_dir) else []
+    return sorted(int(m.group(1)) for n in names if (m := _ITER_DIR.fullmatch(n)))
+
+
+def _advice(load_dir: str, ckpt_dir: str) -> str:
+    """What to do about an unloadable ``ckpt_dir``: the newest earlier complete iteration, if any."""
+    m = _ITER_DIR.fullmatch(os.path.basename(ckpt_dir))
+    bad = int(m.group(1)) if m else None
+    for it in reversed(saved_iterations(load_dir)):
+        if (bad is None or it < bad) and _complete(os.path.join(load_dir, iter_dir_name(it))):
+            return (f"iteration {it} ({os.path.join(load_dir, iter_dir_name(it))}) is complete: resume from it "
+                    f"with --ckpt-step {it}, or restore the file from a copy")
+    return f"no earlier complete checkpoint in {load_dir}: restore the file from a copy, or start without --load"
+
+
+def _verify(path: str, ckpt_dir: str, files: dict | None, load_dir: str) -> None:
+    """Raise a one-line :class:`CheckpointError` if ``path`` differs from its recorded size or hash."""
+    if files is None:
+        return
+    rel = os.path.relpath(path, ckpt_dir).replace(os.sep, "/")
+    expected = files.get(rel)
+    if expected is None:
+        raise CheckpointError(f"--load: {path} is not listed in {os.path.join(ckpt_dir, CHECKSUMS)}; "
+                              f"{_advice(load_dir, ckpt_dir)}")
+    size = os.path.getsize(path)
+    if size != expected["bytes"]:
+        raise CheckpointError(f"--load: {path} is truncated ({size} of {expected['bytes']} bytes written at "
+                              f"save time); {_advice(load_dir, ckpt_dir)}")
+    if file_entry(path)["sha256"] != expected["sha256"]:
+        raise CheckpointError(f"--load: {path} is corrupt (its sha256 differs from the one recorded at save "
+                              f"time, size unchanged); {_advice(load_dir, ckpt_dir)}")
+
+
+# torch.load's errors for a file cut short or overwritten (zip reader, unpickler)
+_UNREADABLE = (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, KeyError)
+
+
+def _torch_load(path: str, ckpt_dir: str, load_dir: str, **kwargs) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, **kwargs)  # our files: python objects
+    except _UNREADABLE as e:
+        what = " ".join(str(e).split())[:160]
+        raise CheckpointError(f"--load: {path} cannot be read ({e.__class__.__name__}: {what}); "
+                              f"{_advice(load_dir, ckpt_dir)}") from None
+
+
+# ================================================================================================
 # Save / load
 # ================================================================================================
 
@@ -141,54 +300,128 @@ def this_rank_file(ckpt_dir: str) -> str:
     return rank_file(ckpt_dir, parallel_state.get_tensor_model_parallel_rank(), pp_rank)
 
 
-def save_checkpoint(save_dir: str, iteration: int, state: dict, write_beside=None) -> str:
+def _save_problem(save_dir: str, iteration: int, e: OSError) -> str:
+    """The one line of a save that could not be completed (see :class:`CheckpointSaveError`)."""
+    what = e.strerror or str(e)
+    where = f": {e.filename}" if e.filename else ""
+    try:
+        intact = read_tracker(save_dir)
+    except CheckpointError:
+        intact = None
+    if intact is not None and intact != iteration:
+        kept = (f"iteration {intact} ({os.path.join(save_dir, iter_dir_name(intact))}) is intact and {TRACKER} "
+                f"still names it; free space (or give another --save) and resume with --load {save_dir}")
+    else:
+        kept = "no earlier checkpoint exists; free space or give another --save"
+    return (f"--save {save_dir}: could not write iteration {iteration} ({what}{where}); the partial checkpoint "
+            f"was removed; {kept}")
+
+
+def _remove_dir(path: str) -> None:
+    """Rename ``path`` out of the ``iter_*`` namespace, then delete it (a half-deleted directory is
+    never mistaken for a checkpoint)."""
+    if not os.path.exists(path):
+        return
+    parent, name = os.path.split(path)
+    doomed = os.path.join(parent, f".old_{name}" if not name.startswith(".") else name)
+    if doomed != path:
+        os.rename(path, doomed)
+    shutil.rmtree(doomed)
+
+
+def _retain(save_dir: str, newest: int, keep: int) -> None:
+    """Delete all but the ``keep`` newest complete checkpoints up to ``newest`` (global rank 0)."""
+    older = [it for it in saved_iterations(save_dir) if it < newest]
+    for it in older[: max(0, len(older) - (keep - 1))]:
+        path = os.path.join(save_dir, iter_dir_name(it))
+        try:
+            _remove_dir(path)
+        except OSError as e:  # the new checkpoint is complete; an old one left behind is only reported
+            print(f"note: --save-retain {keep}: could not remove {path} ({e})", flush=True)
+
+
+def save_checkpoint(save_dir: str, iteration: int, state: dict, write_beside=None, retain: int | None = None) -> str:
     """Write this rank's ``state`` (``rng_state`` is added here) for ``iteration``; collective.
 
     Returns the checkpoint directory. Only data-parallel rank 0 of each model-parallel (TP, PP)
     rank writes (model and optimizer are replicated over data parallelism); global rank 0
-    publishes the directory. ``write_beside(rank_dir)``, if given, is called on *every* rank with
-    the directory of its rank file, for collective writers of further files (megatron's
+    publishes the directory with the checksums of every file and, with ``retain``, deletes all but
+    the ``retain`` newest checkpoints. ``write_beside(rank_dir)``, if given, is called on *every*
+    rank with the directory of its rank file, for collective writers of further files (megatron's
     distributed optimizer gathers its sharded state over data parallelism into ``distrib_optim.pt``).
+    Raises :class:`CheckpointSaveError` on every rank if any rank could not write (the partial
+    directory is removed; the previous checkpoint and tracker are untouched).
     """
     rank = torch.distributed.get_rank()
     final = os.path.join(save_dir, iter_dir_name(iteration))
     tmp = os.path.join(save_dir, f".tmp_{iter_dir_name(iteration)}")
+
+    def give_up(problem: str):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # best effort: the next save removes leftovers too
+        raise CheckpointSaveError(problem)
+
+    problem = None
     if rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        for name in os.listdir(save_dir):  # stale partial saves of crashed runs
-            if name.startswith((".tmp_iter_", ".old_iter_")):
-                shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
-        os.makedirs(tmp)
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            for name in os.listdir(save_dir):  # stale partial saves of crashed runs
+                if name.startswith((".tmp_iter_", ".old_iter_")):
+                    shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as e:
+            problem = _save_problem(save_dir, iteration, e)
+    if problem := _agree(problem):
+        give_up(problem)
     rng_states = gather_rng_states()
-    torch.distributed.barrier()
 
     path = this_rank_file(tmp)
-    if write_beside is not None:
-        write_beside(os.path.dirname(path))
-    if parallel_state.get_data_parallel_rank() == 0:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        payload = {
-            "checkpoint_version": CHECKPOINT_VERSION,
-            "iteration": iteration,
-            **state,
-            "rng_state": rng_states,
-        }
-        with open(path, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-    torch.distributed.barrier()
+    files, problem = {}, None
+    try:
+        if write_beside is not None:
+            write_beside(os.path.dirname(path))
+        if parallel_state.get_data_parallel_rank() == 0:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            payload = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration, **state,
+                       "rng_state": rng_states}  # fmt: skip
+            with open(path, "wb") as f:
+                writer = _HashingWriter(f)
+                torch.save(payload, writer)
+                f.flush()
+                os.fsync(f.fileno())
+            files[os.path.relpath(path, tmp)] = writer.entry()
+            rank_dir = os.path.dirname(path)
+            for name in sorted(os.listdir(rank_dir)):  # e.g. distrib_optim.pt, written by write_beside
+                if name != FILE:
+                    files[os.path.relpath(os.path.join(rank_dir, name), tmp)] = file_entry(os.path.join(rank_dir, name))
+    except OSError as e:
+        problem = _save_problem(save_dir, iteration, e)
+    gathered = _gather((problem, files))
+    if problem := next((p for p, _ in gathered if p), None):
+        give_up(problem)
 
     if rank == 0:
-        if os.path.exists(final):  # re-saving an iteration (e.g. --finetune into the same --save)
+        try:
+            every = {rel.replace(os.sep, "/"): e for _, f in gathered for rel, e in f.items()}
+            _write_atomic_text(os.path.join(tmp, CHECKSUMS),
+                               json.dumps({"iteration": iteration, "files": every}, indent=1, sort_keys=True))
             old = os.path.join(save_dir, f".old_{iter_dir_name(iteration)}")
-            os.rename(final, old)
+            if os.path.exists(final):  # re-saving an iteration (e.g. --finetune into the same --save)
+                os.rename(final, old)
             os.rename(tmp, final)
+            _fsync_dir(save_dir)
+            _write_atomic_text(os.path.join(save_dir, TRACKER), str(iteration))
             shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        _fsync_dir(save_dir)
-        _write_atomic_text(os.path.join(save_dir, TRACKER), str(iteration))
+        except OSError as e:
+            problem = _save_problem(save_dir, iteration, e)
+            if os.path.isdir(final) and read_tracker(save_dir) != iteration:  # published, not tracked
+                os.rename(final, tmp)
+                if os.path.isdir(old):
+                    os.rename(old, final)
+    if problem := _agree(problem):
+        give_up(problem)
+    if rank == 0 and retain:
+        _retain(save_dir, iteration, retain)
     torch.distributed.barrier()
     return final
 
@@ -222,7 +455,7 @@ def _incomplete(ckpt_dir: str, saved: int, found: int) -> CheckpointError:
                            f"holds {found} tensor-parallel rank director{'y' if found == 1 else 'ies'}")
 
 
-def _load_resharded(ckpt_dir: str, saved_tp: int, tp_size: int) -> dict:
+def _load_resharded(load_dir: str, ckpt_dir: str, saved_tp: int, tp_size: int) -> dict:
     """This rank's model, resharded from all ``saved_tp`` rank files (see ``load_checkpoint``)."""
     from model.gpt import ModelConfig
     from pretrain.reshard import reshard
@@ -231,8 +464,12 @@ def _load_resharded(ckpt_dir: str, saved_tp: int, tp_size: int) -> dict:
     for path in files:
         if not os.path.isfile(path):
             raise CheckpointError(f"--load: missing {path} ({ckpt_dir} has {saved_tp} tensor-parallel ranks)")
+    checksums = read_checksums(ckpt_dir)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    for path in files[rank :: _world()]:  # every rank reads every file; each verifies its share
+        _verify(path, ckpt_dir, checksums, load_dir)
     # mmap: only the model's tensors are read, not the optimizer states beside them
-    shards = [torch.load(path, map_location="cpu", weights_only=False, mmap=True) for path in files]
+    shards = [_torch_load(path, ckpt_dir, load_dir, mmap=True) for path in files]
     first = shards[0]
     saved_args_tp = first.get("args", {}).get("tensor_model_parallel_size", saved_tp)
     if saved_args_tp != saved_tp:
@@ -251,13 +488,17 @@ def _load_resharded(ckpt_dir: str, saved_tp: int, tp_size: int) -> dict:
     return {**kept, "model": model, "path": ckpt_dir, "resharded": True}
 
 
-def load_checkpoint(load_dir: str, tp_size: int, *, reshard_model: bool = False) -> dict | None:
-    """This rank's checkpoint dict from ``load_dir``'s latest iteration, or None if there is none yet.
+def load_checkpoint(
+    load_dir: str, tp_size: int, *, reshard_model: bool = False, iteration: int | None = None
+) -> dict | None:
+    """This rank's checkpoint dict from ``load_dir``'s latest iteration (``iteration``, if given:
+    ``--ckpt-step``), or None if there is none yet; collective (ranks agree on any refusal).
 
     The dict is the rank file's (see the module docstring) plus ``path`` (the ``iter_*`` directory)
     and ``resharded`` (False). Raises :class:`CheckpointError` if the tracker points to a missing
-    directory, or the checkpoint was written with another pipeline-parallel size, or with another
-    tensor-parallel size and ``reshard_model`` is False.
+    directory, a file differs from its recorded size or sha256 or cannot be read, or the checkpoint
+    was written with another pipeline-parallel size, or with another tensor-parallel size and
+    ``reshard_model`` is False -- on every rank, whichever rank found the problem.
 
     ``reshard_model=True`` (``--finetune``, evaluation): a checkpoint saved at another TP size is
     loaded for its model only. Every rank reads all saved rank files (memory-mapped), and
@@ -270,10 +511,27 @@ def load_checkpoint(load_dir: str, tp_size: int, *, reshard_model: bool = False)
     state is not resharded: resuming needs the saved TP size). Needs the checkpoint's
     ``model_config``. At the saved TP size the option changes nothing.
     """
-    iteration = read_tracker(load_dir)
+    ckpt, problem = None, None
+    try:
+        ckpt = _load(load_dir, tp_size, reshard_model, iteration)
+    except CheckpointError as e:
+        problem = str(e)
+    if problem := _agree(problem):
+        raise CheckpointError(problem)
+    return ckpt
+
+
+def _load(load_dir: str, tp_size: int, reshard_model: bool, iteration: int | None) -> dict | None:
+    """``load_checkpoint`` on this rank alone."""
     if iteration is None:
-        return None
+        iteration = read_tracker(load_dir)
+        if iteration is None:
+            return None
     ckpt_dir = os.path.join(load_dir, iter_dir_name(iteration))
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointError(f"--load: missing {ckpt_dir} (" + (
+            f"the tracker {os.path.join(load_dir, TRACKER)} names iteration {iteration})"
+            if iteration == read_tracker(load_dir) else f"--ckpt-step {iteration})"))
     saved_tp, saved_pp = saved_parallel_sizes(ckpt_dir)
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     path = this_rank_file(ckpt_dir)
@@ -288,13 +546,14 @@ def load_checkpoint(load_dir: str, tp_size: int, *, reshard_model: bool = False)
         if pp_size > 1:
             raise CheckpointError(f"--load: {ckpt_dir}: resharding pipeline-parallel checkpoints is not "
                                   f"supported")
-        return _load_resharded(ckpt_dir, saved_tp, tp_size)
+        return _load_resharded(load_dir, ckpt_dir, saved_tp, tp_size)
     if not os.path.isfile(path):
         raise CheckpointError(
             f"--load: missing {path} (the tracker {os.path.join(load_dir, TRACKER)} names "
             f"iteration {iteration})"
         )
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)  # our own files: python objects inside
+    _verify(path, ckpt_dir, read_checksums(ckpt_dir), load_dir)
+    ckpt = _torch_load(path, ckpt_dir, load_dir)
     saved_args_tp = ckpt.get("args", {}).get("tensor_model_parallel_size", tp_size)
     if saved_args_tp != tp_size:  # the directory holds fewer rank files than the run that wrote it had
         if reshard_model:
