@@ -27,9 +27,11 @@ def write_curve(tb: Path, losses, tps=1000.0, val=None):
 
 def test_study_sweep_file_reproduces_the_ladder():
     s = sweep.load_sweep(str(ROOT / "configs/sweeps/mxfp4_study.yaml"))
-    names = [r.name for r in sweep.expand_runs(s)]
-    assert names == ["bf16", "fp8", "mxfp4_fprop", "mxfp4_fprop_dgrad", "mxfp4", "mxfp4_sr", "mxfp4_rht",
-                     "wgrad_hadamard"]
+    runs = sweep.expand_runs(s)
+    labels = list(dict.fromkeys(r.label for r in runs))
+    assert labels == ["fp32", "bf16", "fp8", "mxfp4_fprop", "mxfp4_fprop_dgrad", "mxfp4", "mxfp4_sr", "mxfp4_rht",
+                      "wgrad_hadamard"]
+    assert [r.name for r in runs[:3]] == ["fp32__seed-0", "fp32__seed-1", "fp32__seed-2"]
     assert s["baseline"] == "fp8"
 
 
