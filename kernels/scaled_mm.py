@@ -1,10 +1,10 @@
 """Hardware GEMM backends: ``fp8_scaled_mm`` (per-tensor FP8) and ``mx_scaled_mm`` (MXFP8/MXFP4/NVFP4).
 
-Both quantize each operand exactly as the emulated backend does -- same rotation, same random
-streams and amax histories from the layer's ``LayerQuantState``, same quantizer numerics (the
-Triton quantizer on CUDA, bit-identical to the reference; the reference elsewhere) -- but keep the
-codes and scales instead of dequantizing, lay them out the way the hardware wants
-(``kernels.layouts``) and call ``torch._scaled_mm``::
+Both take their operands from the one operand pipeline (``kernels.operand.gemm_operands``, with
+``codes=True``: the Triton quantizer on CUDA, bit-identical to the reference; the reference
+elsewhere) -- same rotation, TP-reduced amax, scales, SR streams, amax histories, telemetry and QAT
+warm-up as the emulated backend -- and add only what the hardware needs: the codes and scales laid
+out its way (``hw_operand``, ``kernels.layouts``) and the call to ``torch._scaled_mm``::
 
     A_k [M, K] (row-major)  x  B_k [N, K] (B = B_k.t(), column-major)  ->  out [M, N]
 
@@ -22,24 +22,23 @@ emulated backend's operands for every GEMM layout (the ``_scaled_mm`` call itsel
 
 from __future__ import annotations
 
-import math
+import logging
+import re
 from dataclasses import dataclass
 
 import torch
 
 from kernels.backends import BackendError, capability_name, device_backends, device_capability, recipe_backend
-from kernels.fused import _sr_uniforms
-from kernels.gemm import BACKENDS, CONTRACTION_AXES, _pad_axis, whole_tensor_amax
+from kernels.gemm import BACKENDS, fp32_gemm
 from kernels.layouts import pack_fp4, to_blocked, unpack_fp4
+from kernels.operand import CONTRACTION_AXES, QuantizedOperand, gemm_operands
 from precision import blocks
 from precision.elements import fp8_decode
 from precision.quantize import FORMATS
-from precision.quantize import quantize as reference_quantize
-from precision.recipe import Gemm, GemmRecipe, OperandFormat
-from precision.rotation import rotate, rotation_size
+from precision.recipe import Gemm, GemmRecipe
 from precision.state import LayerQuantState
 
-__all__ = ["HwOperand", "prepare_operand", "hw_gemm", "torch_scaled_mm", "emulated_scaled_mm"]
+__all__ = ["HwOperand", "hw_operand", "hw_gemm", "torch_scaled_mm", "emulated_scaled_mm"]
 
 K_MULTIPLE = 32
 ROW_MULTIPLE = 32
@@ -96,101 +95,59 @@ def _pad2(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return out
 
 
-def prepare_operand(t: torch.Tensor, axis: int, fmt: OperandFormat, gemm: Gemm, operand: str,
-                    state: LayerQuantState, call: int, scale_layout: str = "blocked",
-                    quantizer: str = "auto") -> HwOperand:
-    """Quantize one 2-D operand along ``axis`` (as the emulated backend would) into hardware form.
-
-    ``quantizer``: ``triton`` (CUDA, or the CPU interpreter), ``reference``, or ``auto`` (Triton on
-    CUDA when installed). Updates the amax history and telemetry like ``quantize_operand``.
-    """
-    spec = FORMATS[fmt.fmt]
+def hw_operand(q: QuantizedOperand, scale_layout: str = "blocked") -> HwOperand:
+    """The hardware form of an operand from ``kernels.operand``: codes and block scales zero-padded
+    (contraction axis to a multiple of 32, rows to a multiple of 32; +0.0 codes and all-zero blocks'
+    scale bytes are 0 in MX and NVFP4 alike), FP4 packed two per byte."""
+    spec = FORMATS[q.fmt.fmt]
     block = spec.scaling == "block"
-    gen = state.generator(gemm, operand, call, t.device) if fmt.rounding == "stochastic" else None
-    history = state.amax_history(gemm, operand, fmt) if fmt.amax_algo != "current" else None
-    # tensor parallelism: per-tensor scales from the whole tensor's amax (kernels.gemm)
-    whole = whole_tensor_amax(t, state) if not block and spec.scaling == "tensor" else None
-    amax = history.amax() if history is not None else whole
-    if quantizer == "auto":
-        from kernels.quantizer import triton_missing_reason
-
-        quantizer = "triton" if t.is_cuda and triton_missing_reason(t, fmt.fmt) is None else "reference"
-    kw = dict(axis=axis, rounding=fmt.rounding, scale_rule=fmt.scale_rule, prescale=fmt.prescale_factor,
-              amax=amax)
-    rows, k = t.shape[1 - axis], t.shape[axis]
+    rows = q.codes.shape[0]
+    k = q.codes.shape[1] * (2 if q.packed else 1)
     rows_p, k_p = -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE, -(-k // K_MULTIPLE) * K_MULTIPLE
-    packed = False
-    if quantizer == "triton":
-        from kernels.triton_quant import quantize_triton
-
-        u = None
-        if gen is not None:  # the emulated backend's draws, in its order
-            u = (_sr_uniforms(t, axis, spec.block, gen) if block
-                 else torch.rand(t.shape, generator=gen, device=t.device))
-        packed = spec.bits == 4 and k == k_p
-        r = quantize_triton(t, fmt.fmt, uniforms=u, layout="contraction_last", pack=packed,
-                            dequantize=state.collect_stats, **kw)
-        codes, scales, g_enc = r.codes, r.scales, r.tensor_scale
-        cur, nclip, deq = r.amax, r.num_clipped, r.dequantized
-    elif quantizer == "reference":
-        q = reference_quantize(t, fmt.fmt, generator=gen, **kw)  # the same draws as the emulated backend
-        codes = q.codes.movedim(axis, -1)
-        scales = q.scales.movedim(axis, -1) if block else q.scales
-        g_enc, cur, nclip = q.tensor_scale, q.amax, q.num_clipped
-        deq = q.dequantize() if state.collect_stats else None
+    if q.packed:
+        codes = _pad2(q.codes, rows_p, k_p // 2)
     else:
-        raise ValueError(f"quantizer: unknown {quantizer!r}; valid: auto, triton, reference")
-    # Zero padding: +0.0 codes, and all-zero blocks' scale bytes are 0 in MX and NVFP4 alike.
-    if packed:
-        codes = _pad2(codes, rows_p, k_p // 2)
-    else:
-        codes = _pad2(codes, rows_p, k_p)
+        codes = _pad2(q.codes, rows_p, k_p)
         codes = pack_fp4(codes) if spec.bits == 4 else codes.contiguous()
-    if block:
-        scales = _pad2(scales, rows_p, k_p // spec.block).contiguous()
-    _record(state, gemm, operand, fmt, t, axis, history, amax, cur if whole is None else whole, nclip, deq)
-    return HwOperand(fmt.fmt, codes, scales, scale_layout if block else "tensor", rows_p, k_p,
-                     tensor_scale=g_enc, prescale=fmt.prescale_factor if fmt.fmt != "nvfp4" else 1.0)
-
-
-def _record(state, gemm, operand, fmt, t, axis, history, amax, cur, nclip, deq) -> None:
-    """Amax history and telemetry, as ``kernels.gemm.quantize_operand`` records them."""
-    scale_amax = None
-    if cur is not None:
-        c = float(cur)
-        scale_amax = c if amax is None else float(amax)
-        if history is not None:
-            history.update(c)
-        state.record(gemm, operand, amax=c, num_clipped=int(nclip), scale_amax=scale_amax, numel=t.numel())
-    if state.collect_stats and deq is not None:
-        from precision.telemetry import operand_stats
-
-        state.record(gemm, operand, **operand_stats(t, deq, fmt.fmt, axis, scale_amax, fmt.scale_rule))
+    scales = _pad2(q.scales, rows_p, k_p // spec.block).contiguous() if block else q.scales
+    return HwOperand(q.fmt.fmt, codes, scales, scale_layout if block else "tensor", rows_p, k_p,
+                     tensor_scale=q.tensor_scale, prescale=q.fmt.prescale_factor if q.fmt.fmt != "nvfp4" else 1.0)
 
 
 # ============================================================================ the GEMM call
-_OUT_DTYPE: dict[str, torch.dtype] = {}
+log = logging.getLogger(__name__)
+
+# Some block-scaled GEMMs refuse FP32 output ("Block-wise scaling only supports BFloat16 or Half
+# output types"): those formats run with BF16 output, decided once per format pair and said once.
+_OUT_DTYPE: dict[tuple[str, str], torch.dtype] = {}
+_OUT_DTYPE_REFUSAL = re.compile(r"(output|out_dtype)[^\n]*(bfloat16|bf16)|(bfloat16|bf16)[^\n]*output", re.I)
 
 
-def torch_scaled_mm(a: HwOperand, b: HwOperand) -> torch.Tensor:
-    """``A_k @ B_k.t()`` through ``torch._scaled_mm`` (FP32 output where the library allows it)."""
-    kind = "tensor" if a.scale_layout == "tensor" else "block"
-    dtypes = [_OUT_DTYPE[kind]] if kind in _OUT_DTYPE else [torch.float32, torch.bfloat16]
-    err = None
-    for dt in dtypes:
-        try:
-            out = _call_scaled_mm(a, b, dt)
-        except RuntimeError as e:  # e.g. block-scaled GEMMs with BF16 output only
-            err = e
-            continue
-        _OUT_DTYPE[kind] = dt
-        out = out.float()
-        if a.fmt == "nvfp4":  # NVFP4's FP32 tensor scales multiply the output (g_dec_a * g_dec_b)
-            out = out * ((1.0 / a.tensor_scale) * (1.0 / b.tensor_scale))
-        if a.prescale != 1.0 or b.prescale != 1.0:  # undo the 3/4 SR pre-scale
-            out = out / (a.prescale * b.prescale)
-        return out
-    raise err
+def torch_scaled_mm(a: HwOperand, b: HwOperand, call=None) -> torch.Tensor:
+    """``A_k @ B_k.t()`` through ``torch._scaled_mm`` (FP32 output where the library allows it).
+
+    A refusal of FP32 output (and only that) is retried with BF16 output; that choice is cached per
+    format pair and logged once. Any other error propagates. ``call``: the GEMM call (tests).
+    """
+    call = call or _call_scaled_mm
+    key = (a.fmt, b.fmt)
+    dt = _OUT_DTYPE.get(key, torch.float32)
+    try:
+        out = call(a, b, dt)
+    except RuntimeError as e:
+        if dt is not torch.float32 or not _OUT_DTYPE_REFUSAL.search(str(e)):
+            raise
+        log.warning("torch._scaled_mm refused FP32 output for %s x %s (%s); these GEMMs now run with "
+                    "BF16 output", a.fmt, b.fmt, str(e).splitlines()[0])
+        dt = torch.bfloat16
+        out = call(a, b, dt)
+    _OUT_DTYPE[key] = dt
+    out = out.float()
+    if a.fmt == "nvfp4":  # NVFP4's FP32 tensor scales multiply the output (g_dec_a * g_dec_b)
+        out = out * ((1.0 / a.tensor_scale) * (1.0 / b.tensor_scale))
+    if a.prescale != 1.0 or b.prescale != 1.0:  # undo the 3/4 SR pre-scale
+        out = out / (a.prescale * b.prescale)
+    return out
 
 
 def _call_scaled_mm(a: HwOperand, b: HwOperand, out_dtype: torch.dtype) -> torch.Tensor:
@@ -224,20 +181,11 @@ def hw_gemm(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe, state
         raise BackendError(f"{g.value}: backend {backend} cannot run {recipe.spec()} ({why})")
     a_axis, b_axis = CONTRACTION_AXES[g]
     m, n = a.shape[1 - a_axis], b.shape[1 - b_axis]
-    call = state.next_call(g)
-    if recipe.rotation != "none":  # exactly the emulated backend's rotation
-        r = rotation_size(recipe.rotation)
-        multiple = math.lcm(r, *(FORMATS[f.fmt].block or 1 for f in (recipe.a, recipe.b)))
-        a, b = _pad_axis(a, a_axis, multiple), _pad_axis(b, b_axis, multiple)
-        signs = None
-        if recipe.rotation.startswith("rht"):
-            signs = state.rotation_signs(g, r, call if recipe.rotation.endswith("resample") else None)
-        a, b = rotate(a, a_axis, r, signs), rotate(b, b_axis, r, signs)
+    ops = gemm_operands(g, a, b, recipe, state, impl=quantizer, codes=True)
+    if ops.high_precision:  # QAT warm-up: the BF16 GEMM the emulated backend runs
+        return fp32_gemm(g, ops.a.values, ops.b.values)
     layout = "row_major" if cap == "gfx950" else "blocked"
-    names = g.operands
-    qa = prepare_operand(a, a_axis, recipe.a, g, names[0], state, call, layout, quantizer)
-    qb = prepare_operand(b, b_axis, recipe.b, g, names[1], state, call, layout, quantizer)
-    out = (mm or torch_scaled_mm)(qa, qb)
+    out = (mm or torch_scaled_mm)(hw_operand(ops.a, layout), hw_operand(ops.b, layout))
     return out[:m, :n].float()
 
 

@@ -29,7 +29,10 @@ Each layer holds, as plain attributes:
   ``quant_state``  its ``LayerQuantState`` (random streams, amax histories) for the layer's
                    lifetime, seeded from ``(seed, layer_name)``; saved and restored through the
                    module's ``_extra_state`` entry of ``state_dict()`` (megatron's hook for it).
-                   It is the same on every TP rank, so shards draw the same random numbers;
+                   Under TP it also knows where this rank's shard sits in the whole layer
+                   (``TPLayout``: column/row split, rank, megatron's ``partition_stride``), so that
+                   whole-tensor amaxes are reduced over the TP group for sharded operands and
+                   stochastic rounding draws, for each element, the number TP=1 draws for it;
   ``gemm_backend`` which ``kernels`` backend runs the GEMMs (``"emulated"`` by default).
 """
 
@@ -45,7 +48,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from model.linear import policy_linear
-from precision.state import LayerQuantState
+from precision.state import LayerQuantState, TPLayout
 
 if TYPE_CHECKING:
     from precision import LinearPrecision
@@ -53,6 +56,8 @@ if TYPE_CHECKING:
 
 class _PolicyLinearMixin:
     """Shared state and checks of the two policy-routed linears (put first in the MRO)."""
+
+    tp_split: str  # which weight axis TP shards: "column" (out-features) or "row" (in-features)
 
     precision: LinearPrecision | None
     layer_name: str | None
@@ -90,6 +95,8 @@ class _PolicyLinearMixin:
         self.quant_state = LayerQuantState(seed=seed, name=name)
         if self.tp_group is not None and self.tp_group.size() > 1:
             self.quant_state.amax_group = self.tp_group
+            self.quant_state.tp = TPLayout(self.tp_group.rank(), self.tp_group.size(), self.tp_split,
+                                           getattr(self.weight, "partition_stride", 1))
 
     # megatron's linears store None as ``_extra_state``; ours store the quantization state.
     def get_extra_state(self) -> dict:
@@ -112,6 +119,8 @@ class _PolicyLinearMixin:
 
 class PolicyColumnParallelLinear(_PolicyLinearMixin, ColumnParallelLinear):
     """``ColumnParallelLinear`` (weight split along out-features) whose local GEMM is ``policy_linear``."""
+
+    tp_split = "column"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -143,6 +152,8 @@ class PolicyRowParallelLinear(_PolicyLinearMixin, RowParallelLinear):
 
     Megatron's ``forward`` passes ``bias=None`` here and adds the bias after reducing the output.
     """
+
+    tp_split = "row"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -25,6 +25,10 @@ a block's amax nor the product. The bias gradient is the plain high-precision su
 Each GEMM draws its random numbers (stochastic rounding, resampled Hadamard signs) from its own
 stream in the layer's ``LayerQuantState``, so changing one GEMM's recipe never changes another
 GEMM's output (the GEMM-isolation property, tested bit-for-bit).
+
+A forward run without autograd (``torch.no_grad``: evaluation, generation) reads the layer's
+quantization state and changes nothing -- no call counter advances, no amax is recorded -- so
+evaluating between training steps leaves training bit-identical (``precision.state``).
 """
 
 from __future__ import annotations
@@ -95,5 +99,10 @@ def policy_linear(
         raise ValueError(f"policy_linear: x has {x.shape[-1]} in-features, weight expects {w.shape[1]}")
     if state is None:
         state = LayerQuantState()
-    y2d = _PolicyLinearFn.apply(x, w, bias, precision, state, backend)
+    if not torch.is_grad_enabled() and not state.frozen:
+        # no autograd: evaluation or generation, never a training step -- read the state, change nothing
+        with state.read_only():
+            y2d = _PolicyLinearFn.apply(x, w, bias, precision, state, backend)
+    else:
+        y2d = _PolicyLinearFn.apply(x, w, bias, precision, state, backend)
     return y2d.reshape(*x.shape[:-1], w.shape[0])

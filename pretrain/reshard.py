@@ -205,12 +205,14 @@ def merge_quant_states(states: Sequence[dict | None]) -> dict | None:
     merged["amax"] = {}
     keys = dict.fromkeys(k for s in states for k in s.get("amax", {}))
     for key in keys:
-        hists = [s["amax"][key] for s in states if key in s.get("amax", {})]
+        # histories: lists of floats (older checkpoints) or tensors (precision.state); merged as floats
+        hists = [{**x, "history": [float(v) for v in x["history"]]}
+                 for x in (s["amax"][key] for s in states if key in s.get("amax", {}))]
         h = copy.deepcopy(hists[0])
         longest = max(len(x["history"]) for x in hists)
         h["history"] = [max(x["history"][-back] for x in hists if len(x["history"]) >= back)
                         for back in range(longest, 0, -1)]
-        emas = [x["ema"] for x in hists if x.get("ema") is not None]
+        emas = [float(x["ema"]) for x in hists if x.get("ema") is not None]
         h["ema"] = max(emas) if emas else None
         merged["amax"][key] = h
     return merged

@@ -253,6 +253,12 @@ class Trainer:
             m.quant_state.collect_stats = collect
             m.quant_state.observe_only = observe_only
 
+    def end_quant_step(self) -> None:
+        """An optimizer step ended: every layer's delayed-scaling histories take this step's amax
+        (the maximum over its micro-batches; ``precision.state``)."""
+        for _, m in self.policy_linears():
+            m.quant_state.end_step()
+
     def _write_layer_scalars(self, scalars: list[tuple[str, float]]) -> None:
         """Write per-layer scalars to rank 0's TensorBoard. With pipeline parallelism every stage
         contributes its own layers (gathered over the pipeline group; all ranks call this)."""
@@ -304,6 +310,7 @@ class Trainer:
         """One global batch: returns (loss, grad norm before clipping, lr)."""
         micro = [next(data) for _ in range(self.num_micro_batches)]
         loss, norm, lr = self.engine.train_step(micro, self.schedule)
+        self.end_quant_step()
         if not (np.isfinite(loss) and np.isfinite(norm)):
             raise FloatingPointError(
                 f"iteration {self.iteration + 1}: loss {loss}, grad norm {norm}; lower --lr, "

@@ -19,7 +19,8 @@ import math  # noqa: E402
 import pytest  # noqa: E402
 
 from kernels.backends import BackendError, device_capability  # noqa: E402
-from kernels.gemm import CONTRACTION_AXES, _pad_axis, gemm  # noqa: E402
+from kernels.gemm import CONTRACTION_AXES, gemm  # noqa: E402
+from kernels.operand import _pad_axis  # noqa: E402
 from kernels.layouts import blocked_offsets, from_blocked, pack_fp4, to_blocked, unpack_fp4  # noqa: E402
 from kernels.scaled_mm import HwOperand, emulated_scaled_mm, hw_gemm  # noqa: E402
 from precision import Gemm, LayerQuantState, quantize  # noqa: E402

@@ -150,12 +150,37 @@ def test_delayed_scaling_history_lives_in_the_state():
     p = presets.get("hif8_w8a8")
     st = LayerQuantState(0, "l")
     w = torch.randn(OUT, IN)
-    for scale in (1.0, 1.0, 10.0):
+    for scale in (1.0, 1.0, 10.0):  # one call per optimizer step
         policy_linear(torch.randn(T, IN) * scale, w, p, state=st, backend="reference")
+        st.end_step()
     h = st.amax["fprop/x"]
     assert len(h.history) == 3 and h.amax() == max(h.history)
+    assert isinstance(h.values, torch.Tensor) and h.values.device == w.device  # a device tensor
     # The jump to 10x happened with a scale from the 1x history: values clipped and counted.
     assert st.stats["fprop/x"]["num_clipped"] > 0
     again = LayerQuantState()
     again.load_state_dict(st.state_dict())
     assert again.amax["fprop/x"].history == h.history and again.calls == st.calls
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_amax_history_has_one_entry_per_optimizer_step(micro_batches):
+    """max over N means N optimizer steps, at any gradient-accumulation count: each step records
+    the maximum over its micro-batches, and every micro-batch of a step scales by the previous steps."""
+    p = presets.get("hif8_w8a8")
+    st = LayerQuantState(0, "l")
+    w = torch.randn(OUT, IN)
+    g = torch.Generator().manual_seed(5)
+    amaxes = []
+    for step in range(4):
+        step_max = 0.0
+        for _ in range(micro_batches):
+            x = torch.randn(T, IN, generator=g) * (step + 1)
+            step_max = max(step_max, x.abs().max().item())
+            policy_linear(x, w, p, state=st, backend="reference")
+            # inside a step the scale comes from the steps before (the first: the tensor's own amax)
+            want = x.abs().max().item() if step == 0 else max(amaxes)
+            assert st.stats["fprop/x"]["scale_amax"].item() == pytest.approx(want, rel=0, abs=0)
+        st.end_step()
+        amaxes.append(step_max)
+    assert st.amax["fprop/x"].history == pytest.approx(amaxes, rel=0, abs=0)

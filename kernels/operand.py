@@ -1,0 +1,306 @@
+"""``kernels.operand``: the whole life of a GEMM operand, the same for every backend.
+
+Every GEMM backend (``emulated``, ``reference``, ``fp8_scaled_mm``, ``mx_scaled_mm``) gets its two
+operands from :func:`gemm_operands`; a hardware backend adds only its GEMM call and the layout of
+codes and scales it needs (``kernels.scaled_mm``). One operand's road, in order::
+
+    0. QAT warm-up (state.observe_only): record delayed-scaling amaxes, hand back BF16 values
+    1. rotate      both operands of the GEMM along its contraction axis, zero-padded once to
+                   whole rotation groups and blocks (:func:`pad_and_rotation`)
+    2. amax        of the whole tensor: under tensor parallelism the maximum over the TP group for
+                   an operand that is sharded (replicated operands already hold the whole tensor)
+    3. scale       current (that amax) or delayed (the history's amax of the previous steps);
+                   every format with a tensor-level scale (FP8, HiF8, NVFP4's FP32 scale) uses it
+    4. quantize    reference (``precision.quantize``), fused (``kernels.fused``, torch.compile) or
+                   Triton (``kernels.triton_quant``): the same bits. Stochastic rounding draws each
+                   element's uniform from (seed, layer, GEMM, operand, call) and the element's index
+                   in the whole TP=1 tensor (``precision.srand.SRKey``; offsets from ``state.tp``)
+    5. telemetry   amax and clipped counts as device tensors; numerics on telemetry steps
+
+So "where is Wgrad's ``dy`` quantized" has one answer: :func:`quantize_operand` called from
+:func:`gemm_operands` with ``Gemm.WGRAD`` and ``"dy"``, whatever backend runs the GEMM. Nothing
+here reads a device value to the host (telemetry on ``collect_stats`` steps aside).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from precision.quantize import FORMATS
+from precision.quantize import quantize as reference_quantize
+from precision.recipe import Gemm, GemmRecipe, OperandFormat
+from precision.rotation import rotate, rotation_size
+from precision.srand import SRKey
+from precision.state import LayerQuantState
+
+__all__ = ["CONTRACTION_AXES", "QuantizedOperand", "GemmOperands", "gemm_operands", "quantize_operand",
+           "pad_and_rotation", "finite_amax", "whole_tensor_amax"]
+
+# (a axis, b axis) contracted by each GEMM, operands in their natural layouts.
+CONTRACTION_AXES = {Gemm.FPROP: (1, 1), Gemm.DGRAD: (1, 0), Gemm.WGRAD: (0, 0)}
+
+
+@dataclass
+class QuantizedOperand:
+    """One quantized GEMM operand.
+
+    ``values``: float32 dequantized values in the operand's natural layout (emulated backends).
+    ``codes`` / ``scales``: the hardware form, contraction axis last -- ``codes`` uint8 ``[rows, K]``
+    (FP4 two per byte, ``[rows, K/2]``, when ``packed``), ``scales`` uint8 ``[rows, K/block]`` for
+    block formats or the float32 encode scale (0-d) per tensor; ``tensor_scale``: NVFP4's ``g_enc``.
+    """
+
+    fmt: OperandFormat
+    axis: int
+    values: torch.Tensor | None = None
+    codes: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
+    tensor_scale: torch.Tensor | None = None
+    packed: bool = False
+
+
+@dataclass
+class GemmOperands:
+    """The two operands of one GEMM call; ``high_precision``: QAT warm-up, a plain GEMM of ``values``."""
+
+    a: QuantizedOperand
+    b: QuantizedOperand
+    call: int
+    high_precision: bool = False
+
+
+def _tensor_level(fmt: str) -> bool:
+    """Formats whose scale involves the whole tensor's amax (per-tensor FP8/HiF8, NVFP4's FP32 scale)."""
+    spec = FORMATS[fmt]
+    return spec.scaling == "tensor" or fmt == "nvfp4"
+
+
+def _no_rounding(fmt: str) -> bool:
+    return FORMATS[fmt].scaling == "none"  # fp32 (identity) and bf16 (an RNE cast)
+
+
+def finite_amax(t: torch.Tensor) -> torch.Tensor:
+    """max |t| over the finite values (0-d float32, 0 for an empty tensor), without a host read."""
+    if not t.numel():
+        return torch.zeros((), device=t.device)
+    a = t.detach().float().abs()
+    return torch.where(torch.isfinite(a), a, torch.zeros_like(a)).amax()
+
+
+def whole_tensor_amax(t: torch.Tensor, state: LayerQuantState, operand: str) -> torch.Tensor:
+    """The amax of the whole operand: this shard's, maximised over the TP group when the operand is
+    sharded (a collective: every rank of the group calls it for the same operands in the same
+    order, as SPMD training does). A 0-d float32 tensor on ``t``'s device."""
+    amax = finite_amax(t)
+    if state.amax_group is not None and state.tp.shard_axis(operand) is not None:
+        amax = amax.reshape(1).clone()
+        torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=state.amax_group)
+        amax = amax.reshape(())
+    return amax
+
+
+def _pad_axis(t: torch.Tensor, axis: int, multiple: int) -> torch.Tensor:
+    pad = (-t.shape[axis]) % multiple
+    if not pad:
+        return t
+    widths = [0, 0] * t.dim()
+    widths[2 * (t.dim() - 1 - axis) + 1] = pad  # F.pad lists dims last-first
+    return torch.nn.functional.pad(t, widths)
+
+
+def pad_and_rotation(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe, state: LayerQuantState,
+                     call: int):
+    """``(a, b, rotation)``: with a rotation, both operands zero-padded along the contraction axis
+    to whole rotation groups *and* blocks (zeros change neither a block's amax nor the product) and
+    ``rotation = (n, signs)``; otherwise the operands unchanged and None. The only place padding
+    for rotations happens."""
+    if recipe.rotation == "none":
+        return a, b, None
+    n = rotation_size(recipe.rotation)
+    multiple = math.lcm(n, *(FORMATS[f.fmt].block or 1 for f in (recipe.a, recipe.b)))
+    a_axis, b_axis = CONTRACTION_AXES[g]
+    a, b = _pad_axis(a, a_axis, multiple), _pad_axis(b, b_axis, multiple)
+    signs = None
+    if recipe.rotation.startswith("rht"):
+        signs = state.rotation_signs(g, n, call if recipe.rotation.endswith("resample") else None)
+    return a, b, (n, signs)
+
+
+def gemm_operands(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe, state: LayerQuantState, *,
+                  impl: str = "auto", codes: bool = False) -> GemmOperands:
+    """Both operands of GEMM ``g`` (natural layouts, see ``CONTRACTION_AXES``), ready for its backend.
+
+    ``codes=False``: dequantized float32 ``values`` (``impl``: ``reference``, or the fused
+    quantizer's ``auto``/``compiled``/``eager``). ``codes=True``: the hardware form (``impl``:
+    ``reference``, ``triton`` or ``auto`` = Triton on CUDA when it can run the format).
+    """
+    call = state.next_call(g)
+    names = g.operands
+    a_axis, b_axis = CONTRACTION_AXES[g]
+    if state.observe_only:  # === QAT warm-up: a BF16 GEMM; delayed-scaling operands record their amax
+        pa, pb, rot = pad_and_rotation(g, a, b, recipe, state, call)
+        for t, axis, fmt, name in ((pa, a_axis, recipe.a, names[0]), (pb, b_axis, recipe.b, names[1])):
+            if fmt.amax_algo != "current":
+                tr = rotate(t, axis, *rot) if rot is not None else t
+                state.observe_amax(g, name, fmt, whole_tensor_amax(tr, state, name))
+        bf16 = OperandFormat("bf16")
+        return GemmOperands(QuantizedOperand(bf16, a_axis, values=a.to(torch.bfloat16).float()),
+                            QuantizedOperand(bf16, b_axis, values=b.to(torch.bfloat16).float()), call, True)
+    a, b, rot = pad_and_rotation(g, a, b, recipe, state, call)
+    qa = quantize_operand(a, a_axis, recipe.a, g, names[0], state, call, impl=impl, rotation=rot, codes=codes)
+    qb = quantize_operand(b, b_axis, recipe.b, g, names[1], state, call, impl=impl, rotation=rot, codes=codes)
+    return GemmOperands(qa, qb, call)
+
+
+def _sr_keys(state: LayerQuantState, gemm: Gemm, operand: str, call: int, shape):
+    """``(piece axis, [(start, length, SRKey)])``: one key per contiguous run of the operand's TP
+    shard, each placing its elements in the whole TP=1 tensor (``TPLayout.pieces``)."""
+    seed = state.sr_seed(gemm, operand, call)
+    axis, pieces, global_cols = state.tp.pieces(operand, tuple(shape))
+    keys = []
+    for start, length, whole_start in pieces:
+        if axis == 0:
+            key = SRKey(seed, row_offset=whole_start, global_cols=global_cols)
+        elif axis == 1:
+            key = SRKey(seed, col_offset=whole_start, global_cols=global_cols)
+        else:
+            key = SRKey(seed)
+        keys.append((start, length, key))
+    return axis, keys
+
+
+def _resolve_impl(impl: str, t: torch.Tensor, fmt: str, codes: bool) -> str:
+    if not codes:
+        if impl not in ("auto", "compiled", "eager", "reference"):
+            raise ValueError(f"quantizer: unknown {impl!r}; valid: auto, compiled, eager, reference")
+        return impl
+    if impl == "auto":
+        from kernels.quantizer import triton_missing_reason
+
+        return "triton" if t.is_cuda and triton_missing_reason(t, fmt) is None else "reference"
+    if impl not in ("triton", "reference"):
+        raise ValueError(f"quantizer: unknown {impl!r}; valid: auto, triton, reference")
+    return impl
+
+
+def quantize_operand(
+    t: torch.Tensor, axis: int, fmt: OperandFormat, gemm: Gemm, operand: str, state: LayerQuantState,
+    call: int, *, impl: str = "auto", rotation: tuple[int, torch.Tensor | None] | None = None,
+    codes: bool = False,
+) -> QuantizedOperand:
+    """Steps 1-5 of the module docstring for one operand ``t`` (2-D, natural layout) along ``axis``.
+
+    ``rotation=(n, signs)``: rotate first (``t`` already padded by :func:`pad_and_rotation`); the
+    fused quantizer rotates inside its kernel unless the rotated tensor is needed here (its amax
+    under TP, the eager reference, the hardware form or telemetry).
+    """
+    name = fmt.fmt
+    impl = _resolve_impl(impl, t, name, codes)
+    tensor_level = _tensor_level(name)
+    sharded = state.amax_group is not None and state.tp.shard_axis(operand) is not None
+    if rotation is not None and (codes or impl == "reference" or _no_rounding(name) or state.collect_stats
+                                 or (tensor_level and sharded)):
+        t, rotation = rotate(t, axis, *rotation), None
+
+    # === 1. no rounding: fp32 / bf16
+    if _no_rounding(name):
+        q = reference_quantize(t, name)
+        out = QuantizedOperand(fmt, axis, values=q.dequantize(torch.float32))
+        if codes:
+            out.codes = q.codes.movedim(axis, -1)
+        if state.collect_stats:
+            from precision.telemetry import operand_stats
+
+            state.record(gemm, operand, **operand_stats(t, out.values, name, axis))
+        return out
+
+    # === 2-3. whole-tensor amax; the amax the tensor-level scale comes from
+    whole = whole_tensor_amax(t, state, operand) if tensor_level and sharded else None
+    delayed = fmt.amax_algo != "current"
+    scale_amax = state.amax_history(gemm, operand, fmt).amax(t.device) if delayed else None
+    if scale_amax is None:
+        scale_amax = whole  # current scaling (None: the quantizer takes the tensor's own amax)
+
+    # === 4. quantize (piece by piece when a strided TP shard needs several SR keys)
+    sr = fmt.rounding == "stochastic"
+    piece_axis, keys = _sr_keys(state, gemm, operand, call, t.shape) if sr else (None, [(0, None, None)])
+    parts = []
+    for start, length, key in keys:
+        piece = t if length is None or piece_axis is None else t.narrow(piece_axis, start, length)
+        parts.append(_quantize(piece, axis, fmt, impl, codes, key, scale_amax, rotation, state, gemm, operand,
+                               call))
+    res = parts[0] if len(parts) == 1 else _concat(parts, piece_axis, axis)
+
+    # === 5. telemetry (device tensors; numerics only on telemetry steps)
+    if FORMATS[name].scaling == "tensor":
+        cur = whole if whole is not None else res["amax"]
+        if delayed:
+            state.observe_amax(gemm, operand, fmt, cur)
+        state.record(gemm, operand, amax=cur, num_clipped=res["num_clipped"],
+                     scale_amax=cur if scale_amax is None else scale_amax, numel=t.numel())
+    if state.collect_stats:
+        from precision.telemetry import operand_stats
+
+        deq = res["values"]
+        stats_amax = None if scale_amax is None else float(scale_amax)
+        state.record(gemm, operand, **operand_stats(t, deq, name, axis, stats_amax, fmt.scale_rule))
+    return QuantizedOperand(fmt, axis, values=None if codes else res["values"], codes=res.get("codes"),
+                            scales=res.get("scales"), tensor_scale=res.get("tensor_scale"),
+                            packed=res.get("packed", False))
+
+
+def _quantize(t, axis, fmt, impl, codes, key, amax, rotation, state, gemm, operand, call) -> dict:
+    """One quantizer call. Returns values (natural layout; None unless asked or telemetry), and in
+    hardware form codes/scales (contraction-last), plus tensor_scale, amax, num_clipped."""
+    name, spec = fmt.fmt, FORMATS[fmt.fmt]
+    sr = fmt.rounding == "stochastic"
+    gen = state.generator(gemm, operand, call, t.device) if sr else None
+    kw = dict(axis=axis, rounding=fmt.rounding, scale_rule=fmt.scale_rule, prescale=fmt.prescale_factor)
+    amax_kw = {"amax": amax} if _tensor_level(name) and amax is not None else {}
+    if impl == "triton":
+        from kernels.fused import _sr_uniforms
+        from kernels.triton_quant import quantize_triton
+
+        u = None
+        if gen is not None:  # the emulated backend's draws, in its order
+            u = (_sr_uniforms(t, axis, spec.block, gen) if spec.scaling == "block"
+                 else torch.rand(t.shape, generator=gen, device=t.device))
+        k = t.shape[axis]
+        packed = spec.bits == 4 and k % 32 == 0
+        r = quantize_triton(t, name, uniforms=u, layout="contraction_last", pack=packed,
+                            dequantize=state.collect_stats, **kw, **amax_kw)
+        return {"values": r.dequantized, "codes": r.codes, "scales": r.scales, "tensor_scale": r.tensor_scale,
+                "amax": r.amax, "num_clipped": r.num_clipped, "packed": packed}
+    if impl == "reference" or codes:
+        q = reference_quantize(t, name, generator=gen, **kw, **amax_kw)
+        out = {"amax": q.amax, "num_clipped": q.num_clipped, "tensor_scale": q.tensor_scale}
+        if not codes or state.collect_stats:
+            out["values"] = q.dequantize(torch.float32)
+        if codes:
+            out["codes"] = q.codes.movedim(axis, -1)
+            out["scales"] = q.scales.movedim(axis, -1) if spec.scaling == "block" else q.scales
+        return out
+    from kernels.fused import fake_quantize
+
+    values, stats = fake_quantize(t, name, impl=impl, rotation=rotation, generator=gen, **kw, **amax_kw)
+    return {"values": values, **stats}
+
+
+def _concat(parts: list[dict], piece_axis: int, axis: int) -> dict:
+    """Join the results of a strided shard's runs (along ``piece_axis`` of the natural layout)."""
+    hw_dim = 1 if piece_axis == axis else 0  # the contraction axis is last in the hardware form
+    out = {}
+    for field in ("values", "codes", "scales"):
+        vals = [p.get(field) for p in parts]
+        if vals[0] is None or (field == "scales" and vals[0].dim() == 0):
+            out[field] = vals[0]
+        else:
+            out[field] = torch.cat(vals, dim=piece_axis if field == "values" else hw_dim)
+    out["tensor_scale"], out["amax"] = parts[0].get("tensor_scale"), parts[0].get("amax")
+    if parts[0].get("num_clipped") is not None:
+        out["num_clipped"] = sum(p["num_clipped"] for p in parts)
+    out["packed"] = parts[0].get("packed", False)
+    return out
