@@ -6,9 +6,11 @@ whole chain -- block layout along any axis, amax, scale, rounding, rescale -- in
 with OpenMP on CPU, Triton on GPU. The eager reference ``precision.quantize(...).dequantize()`` is
 the specification; ``tests/kernels`` holds the two equal bit for bit.
 
-Stochastic rounding draws its uniform numbers eagerly from the caller's ``torch.Generator``, in
-the same order and shape as the reference, and passes them in: compiled and reference results are
-bit-identical for SR too.
+Stochastic rounding: with ``sr=SRKey(...)`` (what training uses) the counter-based uniforms of
+``precision.srand`` are computed inside the compiled kernel from the key (no uniform tensor is
+materialized eagerly); with the older ``generator=`` they are drawn eagerly from the caller's
+``torch.Generator`` in the same order and shape as the reference. Either way compiled and reference
+results are bit-identical for SR too.
 
 ``fake_quantize(..., impl=...)``: ``"compiled"``, ``"eager"`` (the same expression uncompiled) or
 ``"auto"`` (compiled where ``torch.compile`` works on this machine, else eager).
@@ -25,6 +27,7 @@ from precision import blocks
 from precision.elements import round_to_grid
 from precision.quantize import FORMATS
 from precision.rotation import rotate
+from precision.srand import SRKey, uniforms_from_params
 from precision.tensorwise import scale_from_amax
 
 __all__ = ["fake_quantize", "compile_available"]
@@ -40,30 +43,42 @@ def _rotated(x, signs, axis, rot_n):
     return rotate(x, axis, rot_n, signs) if rot_n > 1 else x.float()
 
 
-def _mx_fn(x, u, signs, *, fmt, axis, scale_rule, rounding, prescale, rot_n):
+def _key_uniforms(x, srp, axis, block):
+    """SRKey uniforms of ``x``'s elements (natural layout), in the block layout when ``block``."""
+    u = uniforms_from_params(tuple(x.shape), srp)
+    return blocks.to_blocks(u, axis, block) if block else u
+
+
+def _mx_fn(x, u, signs, srp, *, fmt, axis, scale_rule, rounding, prescale, rot_n):
     spec = FORMATS[fmt]
     x = _rotated(x, signs, axis, rot_n)
     n = x.shape[axis]
+    if srp is not None:
+        u = _key_uniforms(x, srp, axis, spec.block)
     xb = _to_blocks_padded(x, axis, spec.block)
     q = blocks.mx_fake_quantize_blocks(xb, spec.element, scale_rule, rounding, u, prescale)
     return blocks.from_blocks(q, axis, n).contiguous()
 
 
-def _nvfp4_fn(x, u, signs, *, fmt, axis, scale_rule, rounding, prescale, rot_n):
+def _nvfp4_fn(x, u, signs, srp, amax_used, *, fmt, axis, scale_rule, rounding, prescale, rot_n):
     x = _rotated(x, signs, axis, rot_n)
     n = x.shape[axis]
-    xf = x
-    amax_t = torch.where(torch.isfinite(xf), xf.abs(), torch.zeros_like(xf)).amax()
+    if srp is not None:
+        u = _key_uniforms(x, srp, axis, 16)
+    amax_cur = torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x)).amax()
+    amax_t = torch.where(amax_used < 0, amax_cur, amax_used)  # amax_used < 0: this tensor's own
     g_enc = blocks.nvfp4_tensor_scale(amax_t)
     xb = _to_blocks_padded(x, axis, 16)
     q = blocks.nvfp4_fake_quantize_blocks(xb, g_enc, rounding, u)
     return blocks.from_blocks(q, axis, n).contiguous()
 
 
-def _tensor_fn(x, u, signs, amax_used, *, fmt, rounding, axis, rot_n):
+def _tensor_fn(x, u, signs, srp, amax_used, *, fmt, rounding, axis, rot_n):
     """Per-tensor FP8: returns (dequantized, current amax, number clipped)."""
     spec = FORMATS[fmt]
     xf = _rotated(x, signs, axis, rot_n)
+    if srp is not None:
+        u = _key_uniforms(xf, srp, axis, 0)
     finite = torch.isfinite(xf)
     amax_cur = torch.where(finite, xf.abs(), torch.zeros_like(xf)).amax()
     amax = torch.where(amax_used < 0, amax_cur, amax_used)  # amax_used < 0: current scaling
@@ -136,16 +151,20 @@ def fake_quantize(
     scale_rule: str = "floor",
     prescale: float = 1.0,
     generator: torch.Generator | None = None,
-    amax: float | None = None,
+    amax: torch.Tensor | float | None = None,
     rotation: tuple[int, torch.Tensor | None] | None = None,
     impl: str = "auto",
+    sr: SRKey | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """(rotate ->) quantize -> dequantize ``x`` (float32 result), equal to the reference bit for bit.
 
     ``rotation=(n, signs)`` applies ``precision.rotation.rotate(x, axis, n, signs)`` first, fused
-    into the same kernel (``x.shape[axis]`` must be a multiple of n). Returns ``(values, stats)``;
-    per-tensor formats report ``amax`` (this tensor's) and ``num_clipped`` in ``stats``. HiF8 and
-    BF16 go through the reference directly.
+    into the same kernel (``x.shape[axis]`` must be a multiple of n). ``amax`` (a float or a 0-d
+    float32 tensor, no host read): the amax of the tensor-level scale -- per-tensor formats and
+    NVFP4's FP32 tensor scale -- instead of this tensor's own. ``sr``: stochastic rounding's
+    counter-based key (``precision.srand``), else ``generator``. Returns ``(values, stats)``;
+    per-tensor formats report ``amax`` (this tensor's) and ``num_clipped`` in ``stats``. HiF8,
+    BF16 and FP32 go through the reference directly.
     """
     from precision.quantize import quantize  # the reference, for formats without a fused kernel
 
@@ -164,17 +183,21 @@ def fake_quantize(
     if fmt == "hif8":
         q = quantize(x, fmt, axis=axis, amax=amax)
         return q.dequantize(torch.float32), {"amax": q.amax, "num_clipped": q.num_clipped}
-    sr = rounding == "stochastic"
+    stochastic = rounding == "stochastic"
+    srp = sr.params(x.shape, x.device) if stochastic and sr is not None else None
+    draw = stochastic and sr is None  # the older API: eager draws from ``generator``
+    used = (torch.full((), -1.0, device=x.device) if amax is None
+            else torch.as_tensor(amax, dtype=torch.float32, device=x.device).reshape(()))
     if spec.scaling == "tensor":
-        u = torch.rand(x.shape, generator=generator, device=x.device) if sr else None
+        u = torch.rand(x.shape, generator=generator, device=x.device) if draw else None
         k = _kernel("tensor", compiled, fmt=fmt, rounding=rounding, axis=axis, rot_n=rot_n)
-        used = torch.tensor(-1.0 if amax is None else float(amax), device=x.device)
-        out, amax_cur, clipped = k(x, u, signs, used)
+        out, amax_cur, clipped = k(x, u, signs, srp, used)
         return out, {"amax": amax_cur, "num_clipped": clipped}
-    u = _sr_uniforms(x, axis, spec.block, generator) if sr else None
+    u = _sr_uniforms(x, axis, spec.block, generator) if draw else None
     kind = "nvfp4" if fmt == "nvfp4" else "mx"
     k = _kernel(kind, compiled, fmt=fmt, axis=axis, scale_rule=scale_rule, rounding=rounding,
                 prescale=prescale, rot_n=rot_n)
+    extra = (used,) if kind == "nvfp4" else ()
     n = x.shape[axis]
     pad = (-n) % spec.block
     if pad and rot_n > 1:  # rotation groups never straddle blocks: callers pad to lcm(n, block)
@@ -185,5 +208,5 @@ def fake_quantize(
         # padded last axis followed by the block reshape (reads garbage for the partial block).
         widths = [0, 0] * x.dim()
         widths[2 * (x.dim() - 1 - axis) + 1] = pad
-        return k(torch.nn.functional.pad(x, widths), u, signs).narrow(axis, 0, n), {}
-    return k(x, u, signs), {}
+        return k(torch.nn.functional.pad(x, widths), u, signs, srp, *extra).narrow(axis, 0, n), {}
+    return k(x, u, signs, srp, *extra), {}

@@ -9,8 +9,10 @@
   given): the executable specification, any device.
 * ``triton`` -- ``kernels.triton_quant``: one fused pass (rotation included) on a CUDA device, or on
   CPU under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is imported -- slow,
-  for tests). Nearest rounding equals the reference bit for bit. Stochastic rounding draws in the
-  kernel from a seed taken from ``generator``: reproducible, but a different stream.
+  for tests). Nearest rounding equals the reference bit for bit; so does stochastic rounding with
+  ``sr=SRKey(...)`` (counter-based uniforms, ``precision.srand``, generated in-kernel). With
+  ``generator`` instead, the kernel draws from a seed taken from it: reproducible, but a different
+  stream.
 * ``auto`` -- ``triton`` when ``x`` is on CUDA, triton is importable and the format has a kernel;
   otherwise ``reference``.
 """
@@ -25,6 +27,7 @@ import torch
 from precision.quantize import FORMATS, QuantizedTensor
 from precision.quantize import quantize as reference_quantize
 from precision.rotation import rotate, rotation_size
+from precision.srand import SRKey
 
 __all__ = ["quantize", "QUANTIZE_BACKENDS", "triton_importable", "triton_missing_reason"]
 
@@ -69,13 +72,15 @@ def quantize(
     signs: torch.Tensor | None = None,
     prescale: float = 1.0,
     amax: torch.Tensor | float | None = None,
+    sr: SRKey | None = None,
 ) -> QuantizedTensor:
     """Quantize ``x`` to ``fmt`` with blocks along ``axis``; returns a ``precision.QuantizedTensor``.
 
     ``rotation``: ``None``, ``had16``, ``had32`` or ``rht16`` (with ``signs``, the +-1 vector): the
     tensor is rotated by ``diag(signs)·H_n`` along ``axis`` first (whose length must be a multiple
     of ``n``), and the codes are those of the rotated tensor. ``prescale`` and ``amax`` are as in
-    ``precision.quantize`` (3/4 SR pre-scale; delayed-scaling amax for per-tensor formats).
+    ``precision.quantize`` (3/4 SR pre-scale; the amax of a tensor-level scale); so is ``sr``
+    (stochastic rounding's counter-based key).
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; valid: {', '.join(FORMATS)}")
@@ -92,7 +97,7 @@ def quantize(
         if rot is not None:
             x = rotate(x, axis % x.dim(), rotation_size(rot), signs if rot.startswith("rht") else None)
         return reference_quantize(x, fmt, axis=axis, rounding=rounding, scale_rule=scale_rule,
-                                  generator=generator, prescale=prescale, amax=amax)
+                                  generator=generator, prescale=prescale, amax=amax, sr=sr)
 
     why = triton_missing_reason(x, fmt)
     if why is not None:
@@ -100,12 +105,12 @@ def quantize(
     from kernels.triton_quant import quantize_triton
 
     seed = None
-    if rounding == "stochastic":
+    if rounding == "stochastic" and sr is None:
         dev = generator.device if generator is not None else x.device
         seed = torch.randint(0, 2**62, (1,), generator=generator, device=dev, dtype=torch.int64)
     r = quantize_triton(x, fmt, axis=axis, rounding=rounding, scale_rule=scale_rule, rotation=rot,
                         signs=signs if rot is not None and rot.startswith("rht") else None,
-                        seed=seed, prescale=prescale, amax=amax)
+                        seed=seed, sr=sr, prescale=prescale, amax=amax)
     spec = FORMATS[fmt]
     if spec.scaling == "tensor":
         return QuantizedTensor(fmt, r.codes, r.scales, r.axis, num_clipped=r.num_clipped, amax=r.amax)

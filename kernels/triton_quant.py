@@ -57,9 +57,10 @@ import triton.language as tl
 
 from kernels.quantizer import TRITON_FORMATS
 from precision import blocks
-from precision.elements import E2M1
+from precision.elements import E2M1, fdiv
 from precision.quantize import FORMATS, ROUNDINGS, SCALE_RULES
 from precision.rotation import hadamard_matrix, rotation_size
+from precision.srand import SRKey
 from precision.tensorwise import scale_from_amax
 
 __all__ = ["TRITON_FORMATS", "TritonQuantResult", "interpreter_problem", "interpreting", "quantize_triton"]
@@ -142,6 +143,44 @@ def _grid_code(qm, EMIN: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, 
 
 
 @triton.jit
+def _mix32(x):
+    """lowbias32 on uint32 (``precision.srand.mix32``)."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _key_uniforms(srp_ptr, o2, i2, k2, N, INNER, C, NAT: tl.constexpr):
+    """``precision.srand`` uniforms of the tile's elements from the SRKey params
+    ``[k_a, k_b, row_offset, col_offset, global_cols]``. The element's natural 2-D position
+    ``(row, col)`` of ``x.reshape(-1, C)``: NAT 0 -- blocks along the last axis (row o, col k);
+    1 -- along the second-to-last (row o*N + k, col i); 2 -- any other axis (from the flat index)."""
+    ka = tl.load(srp_ptr).to(tl.uint32)
+    kb = tl.load(srp_ptr + 1).to(tl.uint32)
+    row_off = tl.load(srp_ptr + 2)
+    col_off = tl.load(srp_ptr + 3)
+    gcols = tl.load(srp_ptr + 4)
+    if NAT == 0:
+        row = o2 + k2 * 0
+        col = k2 + o2 * 0
+    elif NAT == 1:
+        row = o2 * N + k2 + i2 * 0
+        col = i2 + k2 * 0
+    else:
+        flat = (o2 * N + k2) * INNER + i2
+        row = flat // C
+        col = flat % C
+    idx = (row_off + row) * gcols + (col_off + col)
+    lo = (idx & 0xFFFFFFFF).to(tl.uint32)
+    hi = (idx >> 32).to(tl.uint32)
+    h = _mix32(_mix32(lo ^ ka) ^ hi ^ kb)
+    return (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2^-24: 24 bits, exact
+
+
+@triton.jit
 def _hadamard(a, TILE_R: tl.constexpr, TK: tl.constexpr, ROT: tl.constexpr, LOG_ROT: tl.constexpr):
     """Unnormalized Walsh-Hadamard butterflies on consecutive groups of ROT along axis 1, top bit
     first (pairs (i, i + ROT/2) first): the pairwise-halves order of the reference's fp32 matmul."""
@@ -195,16 +234,17 @@ def _amax_kernel(x_ptr, signs_ptr, amax_ptr, R, N, INNER, sx_o, sx_i, sx_k,
 
 @triton.jit
 def _quant_kernel(
-    x_ptr, signs_ptr, u_ptr, seed_ptr, gs_ptr,
+    x_ptr, signs_ptr, u_ptr, seed_ptr, srp_ptr, gs_ptr,
     codes_ptr, scales_ptr, dq_ptr, aux_ptr,
-    R, N, INNER, NPAD, NBLK,
+    R, N, INNER, NPAD, NBLK, C,
     sx_o, sx_i, sx_k, sc_o, sc_i, sc_k, ss_o, ss_i, ss_k, sd_o, sd_i, sd_k, su_o, su_i, su_k,
     prescale,
     MODE: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, TILE_R: tl.constexpr,
     ROT: tl.constexpr, LOG_ROT: tl.constexpr, ROT_C: tl.constexpr, HAS_SIGNS: tl.constexpr,
     ELEM: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
     MAXN: tl.constexpr, SUBSCALE: tl.constexpr, SIGN_SHIFT: tl.constexpr,
-    RCEIL: tl.constexpr, SR: tl.constexpr, U_GIVEN: tl.constexpr, PRESCALE: tl.constexpr,
+    RCEIL: tl.constexpr, SR: tl.constexpr, U_GIVEN: tl.constexpr, KEYED: tl.constexpr, NAT: tl.constexpr,
+    PRESCALE: tl.constexpr,
     WRITE_CODES: tl.constexpr, WRITE_DQ: tl.constexpr, PACK: tl.constexpr,
 ):
     """MODE 0: MX, 1: NVFP4, 2: per-tensor FP8 (scales from ``gs_ptr``; clip counts to ``aux_ptr``)."""
@@ -220,6 +260,8 @@ def _quant_kernel(
     if SR:
         if U_GIVEN:
             u = tl.load(u_ptr + o2 * su_o + i2 * su_i + k2 * su_k, mask=valid, other=0.0)
+        elif KEYED:
+            u = _key_uniforms(srp_ptr, o2, i2, k2, N, INNER, C, NAT)
         else:
             seed = tl.load(seed_ptr)
             u = tl.rand(seed, r2 * NPAD + k2)
@@ -275,13 +317,14 @@ def _quant_kernel(
                 v = v * prescale
             qm = _round_grid(v, ub, EMIN, EMAX, MBITS, MAXN, SR)
             code = _grid_code(qm, EMIN, MBITS, BIAS, SUBSCALE) | (sb << SIGN_SHIFT)
-            drop = (zero | bad)[:, :, None]
-            code = tl.where(drop, 0, code)
+            # zero / FP32-subnormal blocks: zeros with their sign (-0 stays -0); bad blocks: NaN
+            code = tl.where(zero[:, :, None], sb << SIGN_SHIFT, code)
+            code = tl.where(bad[:, :, None], 0, code)
             qv = tl.where(sb == 1, -qm, qm)
             dq = qv * _pow2(sbyte - 127)[:, :, None]
             if PRESCALE:
                 dq = tl.math.div_rn(dq, tl.zeros_like(dq) + prescale)
-            dq = tl.where(zero[:, :, None], 0.0, dq)
+            dq = tl.where(zero[:, :, None], (sb << 31).to(tl.float32, bitcast=True), dq)
             dq = tl.where(bad[:, :, None], float("nan"), dq)
             sbyte = tl.where(bad, 255, sbyte)
         else:
@@ -296,6 +339,7 @@ def _quant_kernel(
             v = tl.where(v == v, v, 0.0)
             qm = _round_grid(v, ub, 0, 2, 1, 6.0, SR)
             code = _grid_code(qm, 0, 1, 1, 2.0) | (_signbit(v) << 3)
+            code = tl.where((s_dec == 0.0)[:, :, None], sb << 3, code)  # zero scale: signed zeros
             code = tl.where(bad[:, :, None], 0, code)
             qv = tl.where(_signbit(v) == 1, -qm, qm)
             dq = qv * (s_dec * g_dec)[:, :, None]
@@ -406,6 +450,7 @@ def quantize_triton(
     signs: torch.Tensor | None = None,
     seed: int | torch.Tensor | None = None,
     uniforms: torch.Tensor | None = None,
+    sr: SRKey | None = None,
     prescale: float = 1.0,
     amax: torch.Tensor | float | None = None,
     codes: bool = True,
@@ -417,9 +462,12 @@ def quantize_triton(
     """Quantize ``x`` to ``fmt`` in one fused pass (two for per-tensor formats and NVFP4).
 
     ``rotation``: ``None``/"none", ``had16``, ``had32`` or ``rht16`` (``signs``: the +-1 vector,
-    required for ``rht*``). ``seed``: stochastic rounding's in-kernel seed (int or 1-element int64
-    tensor); ``uniforms``: SR draws in the reference's order instead (bit-identical to the
-    reference). ``codes``/``dequantize``: which outputs to write. ``layout``: ``input`` or
+    required for ``rht*``). Stochastic rounding's uniforms, one of: ``sr`` (a
+    ``precision.srand.SRKey``: the counter-based uniforms, generated in-kernel, bit-identical to the
+    reference's ``quantize(..., sr=)``); ``uniforms`` (draws in the reference's ``generator`` order,
+    bit-identical to it); ``seed`` (int or 1-element int64 tensor: ``tl.rand``, its own stream).
+    ``amax`` (a float or a 0-d float32 tensor): the amax of the tensor-level scale (per-tensor
+    formats; NVFP4's FP32 tensor scale) instead of this tensor's own. ``codes``/``dequantize``: which outputs to write. ``layout``: ``input`` or
     ``contraction_last``; ``pack``: FP4 codes two per byte along the block axis
     (``contraction_last`` only).
     """
@@ -445,7 +493,7 @@ def quantize_triton(
     spec = FORMATS[fmt]
     axis = axis % x.dim()
     n = x.shape[axis]
-    sr = rounding == "stochastic"
+    sr_key, sr = sr, rounding == "stochastic"
     rot = 0 if rotation in (None, "none") else rotation_size(rotation)
     if rot and n % rot:
         raise ValueError(f"rotation {rotation}: axis {axis} has length {n}, not a multiple of {rot}; "
@@ -454,8 +502,9 @@ def quantize_triton(
         raise ValueError(f"rotation {rotation}: needs signs= (the +-1 vector of length {rot})")
     if pack and (spec.bits != 4 or layout != "contraction_last" or n % 2):
         raise ValueError("pack=True: 4-bit formats, layout='contraction_last' and an even axis length only")
-    if sr and uniforms is None and seed is None:
-        raise ValueError("stochastic rounding: give seed= (in-kernel random numbers) or uniforms=")
+    key = sr_key if sr else None
+    if sr and uniforms is None and seed is None and key is None:
+        raise ValueError("stochastic rounding: give sr= (an SRKey), uniforms= or seed=")
 
     dev = x.device
     ois = _ois(x, axis)
@@ -483,6 +532,9 @@ def quantize_triton(
     signs_t = (signs.to(device=dev, dtype=torch.float32).contiguous() if signs is not None
                else torch.empty(1, device=dev))
     dummy_f = torch.empty(1, device=dev)
+    dummy_i = torch.zeros(1, dtype=torch.int64, device=dev)
+    ncols = x.shape[-1]
+    nat = 0 if axis == x.dim() - 1 else 1 if axis == x.dim() - 2 else 2
     launch = dict(BLOCK=block, NB=nb, TILE_R=tile_r, ROT=rot, LOG_ROT=int(math.log2(rot)) if rot else 0,
                   ROT_C=rot_c, HAS_SIGNS=signs is not None and rot > 0, **ekw)
 
@@ -492,17 +544,18 @@ def quantize_triton(
         sd = _strides(dq_t, axis)
         su = _strides(u_t, axis)
         args = (x, signs_t, u_t if u_t is not None else dummy_f, seed_t if seed_t is not None else dummy_f,
-                gs if gs is not None else dummy_f,
+                srp_t if srp_t is not None else dummy_i, gs if gs is not None else dummy_f,
                 codes_t if codes_t is not None else dummy_f, scales_t if scales_t is not None else dummy_f,
                 dq_t if dq_t is not None else dummy_f, aux if aux is not None else dummy_f,
-                R, n, inner, npad, nblk, sx_o, sx_i, sx_k, *sc, *ss, *sd, *su, float(prescale))
+                R, n, inner, npad, nblk, ncols, sx_o, sx_i, sx_k, *sc, *ss, *sd, *su, float(prescale))
         meta = dict(MODE=mode, RCEIL=scale_rule == "rceil", SR=sr, U_GIVEN=uniforms is not None,
+                    KEYED=uniforms is None and key is not None, NAT=nat,
                     PRESCALE=prescale != 1.0, WRITE_CODES=write_codes, WRITE_DQ=write_dq, PACK=pack, **launch)
         _launch(_quant_kernel, grid, args, meta)
 
-    # ---- tensor-wide numbers: amax pass -------------------------------------------------------
+    # ---- tensor-wide numbers: amax pass (NVFP4 with a given amax needs none) ----------------------
     amax_cur = None
-    if spec.scaling == "tensor" or fmt == "nvfp4":
+    if spec.scaling == "tensor" or (fmt == "nvfp4" and amax is None):
         bits = torch.zeros(1, dtype=torch.int32, device=dev)
         _launch(_amax_kernel, grid, (x, signs_t, bits, R, n, inner, sx_o, sx_i, sx_k),
                 dict(TILE_R=tile_r, TK=tk, ROT=rot, LOG_ROT=launch["LOG_ROT"], ROT_C=rot_c,
@@ -510,9 +563,11 @@ def quantize_triton(
         amax_cur = bits.view(torch.float32)[0]
 
     # ---- SR random numbers ---------------------------------------------------------------------
-    u_t = seed_t = None
+    u_t = seed_t = srp_t = None
     if sr:
-        if uniforms is not None:
+        if uniforms is None and key is not None:
+            srp_t = key.params(x.shape, dev)
+        elif uniforms is not None:
             u_t = _uniforms_view(uniforms.to(dev, torch.float32), x.shape, axis, npad,
                                  spec.scaling == "block")
         else:
@@ -542,8 +597,10 @@ def quantize_triton(
         scales_t = _alloc(shape, axis, nblk, torch.uint8, dev, layout)
         gs, g_enc = None, None
         if fmt == "nvfp4":
-            g_enc = blocks.nvfp4_tensor_scale(amax_cur)          # the reference's own expression
-            gs = torch.stack([g_enc / E2M1.max_normal, 1.0 / g_enc]).float().contiguous()
+            used = (amax_cur if amax is None
+                    else torch.as_tensor(amax, dtype=torch.float32, device=dev).reshape(()))
+            g_enc = blocks.nvfp4_tensor_scale(used)              # the reference's own expression
+            gs = torch.stack([fdiv(g_enc, E2M1.max_normal), 1.0 / g_enc]).float().contiguous()
         run(MODE_NVFP4 if fmt == "nvfp4" else MODE_MX, gs, codes_t, scales_t, dq_t, None, u_t, seed_t,
             codes, dequantize)
         res = TritonQuantResult(fmt, axis, codes_t, scales_t, dq_t, tensor_scale=g_enc,

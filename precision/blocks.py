@@ -24,12 +24,13 @@ from precision.elements import (
     E2M1,
     E4M3,
     ElementSpec,
+    decode_element,
     e2m1_decode,
     e2m1_encode,
     e2m1_round,
+    encode_element,
     exponent_floor,
-    fp8_decode,
-    fp8_encode,
+    fdiv,
     pow2,
     round_to_grid,
 )
@@ -64,7 +65,7 @@ def mx_scale_bytes(amax: torch.Tensor, spec: ElementSpec, scale_rule: str) -> to
     elif scale_rule == "rceil":
         # ceil(log2(r)), r = amax / max_normal in FP32: exponent bits, +1 unless r is a power of two.
         # FP32-subnormal r is first scaled by 2^64 (exact) into the normal range.
-        r = amax / spec.max_normal
+        r = fdiv(amax, spec.max_normal)
         tiny = r < torch.finfo(torch.float32).tiny
         r = torch.where(tiny, r * 2.0**64, r)
         up = (r.view(torch.int32) & 0x7FFFFF) != 0
@@ -76,6 +77,11 @@ def mx_scale_bytes(amax: torch.Tensor, spec: ElementSpec, scale_rule: str) -> to
     return torch.where(zero, torch.zeros_like(e), e + 127)
 
 
+def _sign_code(x: torch.Tensor, spec: ElementSpec) -> torch.Tensor:
+    """The signed-zero code of each element of ``x`` (uint8: the sign bit alone)."""
+    return torch.signbit(x).to(torch.uint8) << spec.sign_shift
+
+
 def mx_quantize_blocks(
     xb: torch.Tensor,
     spec: ElementSpec,
@@ -83,47 +89,43 @@ def mx_quantize_blocks(
     rounding: str = "nearest",
     generator: torch.Generator | None = None,
     prescale: float = 1.0,
+    u: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``[..., nblocks, 32]`` float32 blocks -> (element codes uint8, scale bytes uint8).
 
     ``prescale`` (e.g. 0.75 for the SR trick of arXiv 2502.20586) multiplies the values before
-    rounding; the dequantizer divides it back out.
+    rounding; the dequantizer divides it back out. Stochastic rounding uses ``u`` (uniforms shaped
+    like ``xb``) when given, else one draw from ``generator``.
     """
     xb = xb.float()
     amax = xb.abs().amax(dim=-1)
     finite_amax = torch.isfinite(amax)  # False where the block holds NaN or +-Inf
-    all_finite = bool(finite_amax.all())
-    if not all_finite:
-        amax = torch.where(finite_amax, amax, torch.zeros_like(amax))
+    amax = torch.where(finite_amax, amax, torch.zeros_like(amax))
     sbyte = mx_scale_bytes(amax, spec, scale_rule)
     zero = exponent_floor(amax) == -127  # all zeros / FP32 subnormals (byte 0 alone may be 2^-127)
     inv_scale = pow2(127 - sbyte)  # 1 / 2^(s-127); s = 0 -> 2^127 (only reached by all-small blocks)
     v = xb * inv_scale.unsqueeze(-1)
     if prescale != 1.0:
         v = v * prescale
-    if spec is E2M1:
-        codes = e2m1_encode(v, rounding, generator)
-    else:
-        codes = fp8_encode(v, spec, rounding, generator)
-    # Blocks of zeros / FP32 subnormals encode as exact zeros.
-    if bool(zero.any()):
-        codes = torch.where(zero.unsqueeze(-1), torch.zeros_like(codes), codes)
-    if not all_finite:
-        bad = ~finite_amax
-        sbyte = torch.where(bad, torch.full_like(sbyte, SCALE_NAN), sbyte)
-        codes = torch.where(bad.unsqueeze(-1), torch.zeros_like(codes), codes)
+    codes = encode_element(v, spec, rounding, generator, u)
+    # Blocks of zeros / FP32 subnormals encode as zeros with their sign (-0 stays -0); blocks
+    # holding NaN/Inf get the NaN scale byte and zero codes (no host sync: branch-free).
+    codes = torch.where(zero.unsqueeze(-1), _sign_code(xb, spec), codes)
+    bad = ~finite_amax
+    sbyte = torch.where(bad, torch.full_like(sbyte, SCALE_NAN), sbyte)
+    codes = torch.where(bad.unsqueeze(-1), torch.zeros_like(codes), codes)
     return codes, sbyte.to(torch.uint8)
 
 
 def mx_dequantize_blocks(codes: torch.Tensor, sbytes: torch.Tensor, spec: ElementSpec,
                          prescale: float = 1.0) -> torch.Tensor:
     """Inverse of :func:`mx_quantize_blocks`: float32 ``[..., nblocks, 32]``."""
-    vals = e2m1_decode(codes) if spec is E2M1 else fp8_decode(codes, spec)
+    vals = decode_element(codes, spec)
     s = sbytes.to(torch.int32)
     scale = torch.where(s == SCALE_NAN, float("nan"), pow2(s - 127))
     out = vals * scale.unsqueeze(-1)
     if prescale != 1.0:
-        out = out / prescale
+        out = fdiv(out, prescale)
     return out
 
 
@@ -154,9 +156,9 @@ def mx_fake_quantize_blocks(
     else:
         q = round_to_grid(v, spec, rounding, u=u) * pow2(sbyte - 127)
     if prescale != 1.0:
-        q = q / prescale
-    zero = exponent_floor(amax) == -127  # zero / FP32-subnormal blocks
-    q = torch.where(zero, torch.zeros_like(q), q)
+        q = fdiv(q, prescale)
+    zero = exponent_floor(amax) == -127  # zero / FP32-subnormal blocks: zeros with their sign
+    q = torch.where(zero, torch.copysign(torch.zeros_like(q), xb), q)
     return torch.where(finite, q, torch.full_like(q, float("nan")))
 
 
@@ -164,7 +166,7 @@ def mx_fake_quantize_blocks(
 def nvfp4_tensor_scale(amax_tensor: torch.Tensor) -> torch.Tensor:
     """FP32 encode scale ``g_enc`` mapping the tensor amax to 448*6 (1 for an all-zero tensor)."""
     amax_tensor = amax_tensor.float()
-    g = torch.clamp((E4M3.max_normal * E2M1.max_normal) / amax_tensor, max=FP32_MAX)
+    g = torch.clamp(fdiv(E4M3.max_normal * E2M1.max_normal, amax_tensor), max=FP32_MAX)  # one division
     return torch.where(amax_tensor == 0, torch.ones_like(g), g)
 
 
@@ -173,6 +175,7 @@ def nvfp4_quantize_blocks(
     g_enc: torch.Tensor,
     rounding: str = "nearest",
     generator: torch.Generator | None = None,
+    u: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``[..., nblocks, 16]`` float32 blocks -> (E2M1 codes, E4M3 scale bytes).
 
@@ -182,16 +185,17 @@ def nvfp4_quantize_blocks(
     amax = xb.abs().amax(dim=-1)
     finite = torch.isfinite(amax)
     g_dec = 1.0 / g_enc
-    s_dec = torch.clamp(amax * (g_enc / E2M1.max_normal), max=E4M3.max_normal)
+    s_dec = torch.clamp(amax * fdiv(g_enc, E2M1.max_normal), max=E4M3.max_normal)
     s_dec = torch.where(finite, s_dec, torch.zeros_like(s_dec)).to(torch.float8_e4m3fn)
     s_enc = torch.clamp(1.0 / (s_dec.float() * g_dec), max=FP32_MAX)
     v = torch.clamp(xb * s_enc.unsqueeze(-1), -E2M1.max_normal, E2M1.max_normal)
     v = torch.where(torch.isnan(v), torch.zeros_like(v), v)
-    codes = e2m1_encode(v, rounding, generator)
+    codes = e2m1_encode(v, rounding, generator, u)
+    # A block whose scale rounds to zero holds zeros (with their sign), not saturated codes.
+    codes = torch.where((s_dec.float() == 0).unsqueeze(-1), _sign_code(xb, E2M1), codes)
     sbytes = s_dec.view(torch.uint8)
-    if not bool(finite.all()):
-        sbytes = torch.where(finite, sbytes, torch.full_like(sbytes, 0x7F))
-        codes = torch.where(finite.unsqueeze(-1), codes, torch.zeros_like(codes))
+    sbytes = torch.where(finite, sbytes, torch.full_like(sbytes, 0x7F))
+    codes = torch.where(finite.unsqueeze(-1), codes, torch.zeros_like(codes))
     return codes, sbytes
 
 
@@ -212,7 +216,7 @@ def nvfp4_fake_quantize_blocks(
     amax = xb.abs().amax(dim=-1, keepdim=True)
     finite = torch.isfinite(amax)
     g_dec = 1.0 / g_enc
-    s_dec = torch.clamp(torch.where(finite, amax, torch.zeros_like(amax)) * (g_enc / E2M1.max_normal),
+    s_dec = torch.clamp(torch.where(finite, amax, torch.zeros_like(amax)) * fdiv(g_enc, E2M1.max_normal),
                         max=E4M3.max_normal).to(torch.float8_e4m3fn).float()
     s_enc = torch.clamp(1.0 / (s_dec * g_dec), max=FP32_MAX)
     v = torch.clamp(xb * s_enc, -E2M1.max_normal, E2M1.max_normal)

@@ -37,6 +37,14 @@ __all__ = [
     "fp8_decode",
     "exponent_floor",
     "pow2",
+    "fdiv",
+    "E2M3",
+    "E3M2",
+    "element_values",
+    "grid_encode",
+    "grid_decode",
+    "encode_element",
+    "decode_element",
 ]
 
 
@@ -45,6 +53,7 @@ class ElementSpec:
     """A sign-exponent-mantissa element format (no scale)."""
 
     name: str
+    ebits: int  # exponent bits
     mbits: int  # stored mantissa bits
     emin: int  # exponent of the smallest normal
     emax: int  # exponent of the largest power of two
@@ -52,14 +61,43 @@ class ElementSpec:
     torch_dtype: torch.dtype | None  # torch storage dtype, where one exists
 
     @property
+    def bits(self) -> int:
+        """Bits per code: sign, exponent, mantissa."""
+        return 1 + self.ebits + self.mbits
+
+    @property
+    def bias(self) -> int:
+        return 1 - self.emin
+
+    @property
+    def sign_shift(self) -> int:
+        """Position of the sign bit in the code."""
+        return self.ebits + self.mbits
+
+    @property
     def min_subnormal(self) -> float:
         return 2.0 ** (self.emin - self.mbits)
 
 
-E2M1 = ElementSpec("e2m1", mbits=1, emin=0, emax=2, max_normal=6.0, torch_dtype=None)
-E4M3 = ElementSpec("e4m3", mbits=3, emin=-6, emax=8, max_normal=448.0, torch_dtype=torch.float8_e4m3fn)
-E5M2 = ElementSpec("e5m2", mbits=2, emin=-14, emax=15, max_normal=57344.0, torch_dtype=torch.float8_e5m2)
-ELEMENTS = {e.name: e for e in (E2M1, E4M3, E5M2)}
+E2M1 = ElementSpec("e2m1", ebits=2, mbits=1, emin=0, emax=2, max_normal=6.0, torch_dtype=None)
+E2M3 = ElementSpec("e2m3", ebits=2, mbits=3, emin=0, emax=2, max_normal=7.5, torch_dtype=None)
+E3M2 = ElementSpec("e3m2", ebits=3, mbits=2, emin=-2, emax=4, max_normal=28.0, torch_dtype=None)
+E4M3 = ElementSpec("e4m3", ebits=4, mbits=3, emin=-6, emax=8, max_normal=448.0, torch_dtype=torch.float8_e4m3fn)
+E5M2 = ElementSpec("e5m2", ebits=5, mbits=2, emin=-14, emax=15, max_normal=57344.0, torch_dtype=torch.float8_e5m2)
+ELEMENTS = {e.name: e for e in (E2M1, E2M3, E3M2, E4M3, E5M2)}
+
+
+def fdiv(a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor:
+    """``a / b`` as one IEEE float32 division on every device.
+
+    PyTorch evaluates ``number / tensor`` as ``reciprocal(tensor) * number`` and, on CUDA,
+    ``tensor / number`` as ``tensor * (1 / number)``: two roundings, which flip scales that sit on
+    a rounding tie (NUMERICS.md's NVFP4 tie vector). Both operands become tensors on one device.
+    """
+    t = a if isinstance(a, torch.Tensor) else b
+    a = a if isinstance(a, torch.Tensor) else torch.full_like(t, a, dtype=torch.float32)
+    b = b if isinstance(b, torch.Tensor) else torch.full_like(t, b, dtype=torch.float32)
+    return torch.div(a.float(), b.float())
 
 
 def exponent_floor(a: torch.Tensor) -> torch.Tensor:
@@ -147,7 +185,8 @@ def e2m1_values() -> torch.Tensor:
     return _E2M1_VALUES.clone()
 
 
-def e2m1_encode(a: torch.Tensor, rounding: str = "nearest", generator=None) -> torch.Tensor:
+def e2m1_encode(a: torch.Tensor, rounding: str = "nearest", generator=None,
+                u: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled float32 values -> E2M1 codes (uint8, 0..15), saturating at 6.
 
     Nearest rounding is one bucketize over the decision boundaries; stochastic rounding goes
@@ -157,7 +196,7 @@ def e2m1_encode(a: torch.Tensor, rounding: str = "nearest", generator=None) -> t
     if rounding == "nearest":
         mag = torch.bucketize(a.abs(), _E2M1_BOUNDS_RNE.to(a.device), right=False)
     else:
-        q = round_to_grid(a, E2M1, rounding, generator).abs()
+        q = round_to_grid(a, E2M1, rounding, generator, u).abs()
         mag = torch.bucketize(q, _E2M1_BOUNDS.to(a.device), right=False)  # exact grid values
     sign = torch.signbit(a).to(torch.uint8) << 3
     return mag.to(torch.uint8) | sign
@@ -169,7 +208,8 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- FP8 codes
-def fp8_encode(a: torch.Tensor, spec: ElementSpec, rounding: str = "nearest", generator=None) -> torch.Tensor:
+def fp8_encode(a: torch.Tensor, spec: ElementSpec, rounding: str = "nearest", generator=None,
+               u: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled float32 values -> FP8 codes (uint8), saturating to +-max normal; NaN/Inf -> NaN code
     for E4M3 (it has no Inf), kept as +-Inf for E5M2."""
     a = a.float()
@@ -177,10 +217,72 @@ def fp8_encode(a: torch.Tensor, spec: ElementSpec, rounding: str = "nearest", ge
     if rounding == "nearest":
         q = a.clamp(-spec.max_normal, spec.max_normal)  # torch RNE-casts; E5M2 does not saturate itself
     else:
-        q = round_to_grid(a, spec, rounding, generator)
+        q = round_to_grid(a, spec, rounding, generator, u)
     q = torch.where(finite, q, a if spec is E5M2 else torch.full_like(a, float("nan")))
     return q.to(spec.torch_dtype).view(torch.uint8)
 
 
 def fp8_decode(codes: torch.Tensor, spec: ElementSpec) -> torch.Tensor:
     return codes.view(spec.torch_dtype).float()
+
+
+# ---------------------------------------------------------------- any element: codes from bits
+def element_values(spec: ElementSpec) -> torch.Tensor:
+    """The value of every code of ``spec`` (index = code), decoded from the bit layout
+    ``sign | exponent (bias 1 - emin) | mantissa``: exponent field 0 is subnormal. Finite-only
+    formats (E2M1, E2M3, E3M2) use every code; for FP8 use the torch dtypes."""
+    vals = []
+    for code in range(1 << spec.bits):
+        m = code & ((1 << spec.mbits) - 1)
+        ef = (code >> spec.mbits) & ((1 << spec.ebits) - 1)
+        mag = (m * 2.0 ** (spec.emin - spec.mbits) if ef == 0
+               else (1 + m / 2**spec.mbits) * 2.0 ** (ef - spec.bias))
+        vals.append(-mag if code >> spec.sign_shift else mag)
+    return torch.tensor(vals, dtype=torch.float32)
+
+
+_VALUE_TABLES: dict[str, torch.Tensor] = {}
+
+
+def grid_encode(a: torch.Tensor, spec: ElementSpec, rounding: str = "nearest", generator=None,
+                u: torch.Tensor | None = None) -> torch.Tensor:
+    """Scaled float32 values -> codes of a finite-only element format (uint8), saturating.
+
+    Rounds with :func:`round_to_grid` (RNE or stochastic), then reads the code off the exact grid
+    value's float32 bits: normal -- exponent field ``e + bias`` and the top ``mbits`` mantissa
+    bits; subnormal -- the integer ``|q| / min_subnormal``. NaN encodes as +0 (callers mark
+    non-finite blocks through their scale).
+    """
+    a = a.float()
+    q = round_to_grid(torch.where(torch.isnan(a), torch.zeros_like(a), a), spec, rounding, generator, u).abs()
+    e = exponent_floor(q)
+    bits = q.view(torch.int32)
+    normal = ((e + spec.bias) << spec.mbits) | ((bits & 0x7FFFFF) >> (23 - spec.mbits))
+    sub = (q * 2.0 ** (spec.mbits - spec.emin)).to(torch.int32)  # exact: a small integer
+    mag = torch.where(e >= spec.emin, normal, sub)
+    return (mag | (torch.signbit(a).to(torch.int32) << spec.sign_shift)).to(torch.uint8)
+
+
+def grid_decode(codes: torch.Tensor, spec: ElementSpec) -> torch.Tensor:
+    """Codes of a finite-only element format -> float32 values (table lookup)."""
+    table = _VALUE_TABLES.get(spec.name)
+    if table is None:
+        table = _VALUE_TABLES[spec.name] = element_values(spec)
+    return table.to(codes.device)[codes.long() & ((1 << spec.bits) - 1)]
+
+
+def encode_element(a: torch.Tensor, spec: ElementSpec, rounding: str = "nearest", generator=None,
+                   u: torch.Tensor | None = None) -> torch.Tensor:
+    """Scaled float32 values -> ``spec`` codes (uint8): the fastest exact path for each element."""
+    if spec is E2M1:
+        return e2m1_encode(a, rounding, generator, u)
+    if spec.torch_dtype is not None:
+        return fp8_encode(a, spec, rounding, generator, u)
+    return grid_encode(a, spec, rounding, generator, u)
+
+
+def decode_element(codes: torch.Tensor, spec: ElementSpec) -> torch.Tensor:
+    """``spec`` codes -> float32 values."""
+    if spec.torch_dtype is not None:
+        return fp8_decode(codes, spec)
+    return grid_decode(codes, spec)

@@ -33,6 +33,7 @@ import torch
 from precision import blocks
 from precision.elements import E2M1, E4M3, E5M2, ElementSpec, fp8_decode, fp8_encode
 from precision.hif8 import HIF8_MAX, hif8_decode, hif8_encode
+from precision.srand import SRKey
 from precision.tensorwise import scale_from_amax, tensor_amax
 
 __all__ = ["FormatSpec", "FORMATS", "QuantizedTensor", "quantize", "ROUNDINGS", "SCALE_RULES"]
@@ -140,13 +141,18 @@ def quantize(
     generator: torch.Generator | None = None,
     prescale: float = 1.0,
     amax: torch.Tensor | float | None = None,
+    sr: SRKey | None = None,
 ) -> QuantizedTensor:
     """Quantize ``x`` to ``fmt``; block formats take their blocks along ``axis``.
 
-    ``rounding``: ``nearest`` (ties to even; HiF8 ties away) or ``stochastic`` (from ``generator``).
+    ``rounding``: ``nearest`` (ties to even; HiF8 ties away) or ``stochastic``: uniforms from
+    ``sr`` (a :class:`precision.srand.SRKey`: counter-based, a function of the global element
+    index -- what training uses) or else one ``torch.rand`` draw from ``generator``.
     ``scale_rule``: MX scale rule, ``floor`` (OCP) or ``rceil``. ``prescale``: multiply before
-    rounding and divide after (0.75 for stochastic MXFP4). ``amax``: per-tensor formats only, the
-    amax to scale by (delayed scaling); default the tensor's own.
+    rounding and divide after (0.75 for stochastic MXFP4). ``amax``: formats with a tensor-level
+    scale (per-tensor FP8/HiF8, NVFP4's FP32 tensor scale), the amax to scale by (delayed scaling,
+    or the whole tensor's amax under tensor parallelism); a float or a 0-d float32 tensor; default
+    the tensor's own.
     """
     spec = format_spec(fmt)
     if rounding not in ROUNDINGS:
@@ -179,17 +185,23 @@ def quantize(
                 raise ValueError("hif8: stochastic rounding is not supported; valid: nearest")
             codes = hif8_encode(v, saturate=True)
         else:
-            codes = fp8_encode(v, spec.element, rounding, generator)
+            u = sr.uniforms(xf.shape, xf.device) if sr is not None and rounding == "stochastic" else None
+            codes = fp8_encode(v, spec.element, rounding, generator, u)
         return QuantizedTensor(fmt, codes, scale, axis, num_clipped=clipped.sum(), amax=cur)
 
     n = xf.shape[axis]
     xb = blocks.to_blocks(xf, axis, spec.block)
+    u = None
+    if sr is not None and rounding == "stochastic":  # natural layout, then blocked like x (pad: 0)
+        u = blocks.to_blocks(sr.uniforms(xf.shape, xf.device), axis, spec.block)
     if spec.name == "nvfp4":
-        g_enc = blocks.nvfp4_tensor_scale(tensor_amax(xf))
-        codes, sbytes = blocks.nvfp4_quantize_blocks(xb, g_enc, rounding, generator)
+        used = tensor_amax(xf) if amax is None else torch.as_tensor(amax, dtype=torch.float32, device=x.device)
+        g_enc = blocks.nvfp4_tensor_scale(used.reshape(()))
+        codes, sbytes = blocks.nvfp4_quantize_blocks(xb, g_enc, rounding, generator, u)
         extra = {"tensor_scale": g_enc}
     else:
-        codes, sbytes = blocks.mx_quantize_blocks(xb, spec.element, scale_rule, rounding, generator, prescale)
+        codes, sbytes = blocks.mx_quantize_blocks(xb, spec.element, scale_rule, rounding, generator, prescale,
+                                                  u)
         extra = {"prescale": prescale}
     codes = blocks.from_blocks(codes, axis, n)
     return QuantizedTensor(fmt, codes, sbytes.movedim(-1, axis), axis, **extra)

@@ -24,6 +24,7 @@ import math
 import torch
 
 from precision import blocks
+from precision.elements import fdiv
 from precision.quantize import FORMATS
 
 __all__ = ["operand_stats", "METRICS"]
@@ -41,7 +42,7 @@ def _block_limits(hp: torch.Tensor, fmt: str, axis: int) -> torch.Tensor:
     amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
     if fmt == "nvfp4":
         g_enc = blocks.nvfp4_tensor_scale(amax.amax())
-        s_dec = torch.clamp(amax * (g_enc / 6.0), max=448.0).to(torch.float8_e4m3fn).float()
+        s_dec = torch.clamp(amax * fdiv(g_enc, 6.0), max=448.0).to(torch.float8_e4m3fn).float()
         limit = 6.0 * s_dec * (1.0 / g_enc)
     else:
         sbyte = blocks.mx_scale_bytes(amax, spec.element, "floor")

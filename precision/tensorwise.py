@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from precision.elements import fdiv
+
 __all__ = ["AMAX_ALGOS", "AmaxHistory", "tensor_amax", "scale_from_amax"]
 
 AMAX_ALGOS = ("current", "most_recent", "max", "ema")
@@ -24,16 +26,17 @@ AMAX_ALGOS = ("current", "most_recent", "max", "ema")
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """amax over the finite values of ``x`` (float32 scalar tensor). NaN/Inf never set the scale."""
-    amax = x.abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
-    if not bool(torch.isfinite(amax)):
-        amax = torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x)).amax().float()
-    return amax
+    if not x.numel():
+        return torch.zeros((), device=x.device)
+    # branch-free (no host read of the device value): one pass over |x| with non-finite values as 0
+    return torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x)).amax().float()
 
 
 def scale_from_amax(amax: torch.Tensor, max_normal: float, pow2_scale: bool = False) -> torch.Tensor:
-    """Encode scale ``max_normal / amax`` (1 for amax = 0), optionally rounded down to a power of two."""
+    """Encode scale ``max_normal / amax`` (one FP32 division; 1 for amax = 0), optionally rounded
+    down to a power of two."""
     amax = amax.float()
-    s = torch.where(amax > 0, max_normal / amax, torch.ones_like(amax))
+    s = torch.where(amax > 0, fdiv(max_normal, amax), torch.ones_like(amax))
     s = torch.clamp(s, max=torch.finfo(torch.float32).max)
     if pow2_scale:
         s = torch.exp2(torch.floor(torch.log2(s)))

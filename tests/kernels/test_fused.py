@@ -1,5 +1,6 @@
 """The fused quantizers and the emulated backend equal the eager reference bit for bit."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -95,3 +96,38 @@ def test_past_the_recompile_limit_new_shapes_run_eagerly(caplog):
             out, _ = fake_quantize(x, "mxfp4", impl="compiled")
             assert torch.equal(out, quantize(x, "mxfp4").dequantize(torch.float32))
     assert "recompile limit reached" in caplog.text
+
+
+# ------------------------------------------------------------------ counter-based SR, tensor amax
+@pytest.mark.parametrize("impl", ["eager", pytest.param("compiled", marks=pytest.mark.skipif(
+    not compile_available(), reason="torch.compile has no working backend here"))])
+@pytest.mark.parametrize("fmt,axis", [("mxfp4", 0), ("nvfp4", 1), ("fp8_e5m2", 0)])
+def test_sr_key_equals_reference(fmt, axis, impl):
+    """SRKey uniforms computed inside the (compiled) expression equal the reference's."""
+    from precision.srand import SRKey
+
+    x = data()
+    key = SRKey(123456789, row_offset=2, global_cols=80)
+    ref = quantize(x, fmt, axis=axis, rounding="stochastic", sr=key).dequantize()
+    out, _ = fake_quantize(x, fmt, axis=axis, rounding="stochastic", sr=key, impl=impl)
+    assert bits_equal(ref, out)
+
+
+@pytest.mark.parametrize("impl", ["eager", pytest.param("compiled", marks=pytest.mark.skipif(
+    not compile_available(), reason="torch.compile has no working backend here"))])
+def test_nvfp4_external_amax_and_defect_vectors(impl):
+    """A given tensor amax (0-d tensor or float); the NVFP4 tie vector; signed zeros of MX zero
+    blocks (values are what the codes decode to)."""
+    x = data()
+    for amax in (torch.tensor(1e5), 1e5):
+        ref = quantize(x, "nvfp4", axis=1, amax=amax).dequantize()
+        assert bits_equal(ref, fake_quantize(x, "nvfp4", axis=1, amax=amax, impl=impl)[0])
+    t = torch.zeros(1, 32)
+    t[0, 0], t[0, 16] = 4.3125, 1.6171875
+    f32 = np.float32
+    g_dec = f32(1) / (f32(2688) / f32(4.3125))
+    assert fake_quantize(t, "nvfp4", impl=impl)[0][0, 16].item() == f32(6) * (f32(160) * g_dec)  # scale 160
+    z = torch.zeros(1, 32)
+    z[0, :3] = torch.tensor([-0.0, -1e-40, 1e-40])
+    out, _ = fake_quantize(z, "mxfp4", impl=impl)
+    assert torch.signbit(out[0, :3]).tolist() == [True, True, False]

@@ -27,7 +27,7 @@ from kernels import triton_quant as tq
 ELEM = {"e2m1": dict(ELEM=0, EMIN=0, EMAX=2, MBITS=1, BIAS=1, MAXN=6.0, SUBSCALE=2.0, SIGN_SHIFT=3),
         "e4m3": dict(ELEM=1, EMIN=-6, EMAX=8, MBITS=3, BIAS=7, MAXN=448.0, SUBSCALE=512.0, SIGN_SHIFT=7),
         "e5m2": dict(ELEM=2, EMIN=-14, EMAX=15, MBITS=2, BIAS=15, MAXN=57344.0, SUBSCALE=65536.0, SIGN_SHIFT=7)}
-PTRS = {"x_ptr": "*bf16", "seed_ptr": "*i64", "codes_ptr": "*u8", "scales_ptr": "*u8", "aux_ptr": "*i32",
+PTRS = {"x_ptr": "*bf16", "seed_ptr": "*i64", "srp_ptr": "*i64", "codes_ptr": "*u8", "scales_ptr": "*u8", "aux_ptr": "*i32",
         "amax_ptr": "*i32"}
 
 def build(fn, constexprs, arch):
@@ -36,15 +36,19 @@ def build(fn, constexprs, arch):
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
                           target=GPUTarget("cuda", arch, 32), options={"enable_fp_fusion": False})
 
-# (mode, block, elem, rot, sr, u_given, pack, rceil, prescale)
-VARIANTS = [(0, 32, "e2m1", 16, True, False, True, True, True), (0, 32, "e4m3", 32, False, True, False, False, False),
-            (1, 16, "e2m1", 16, True, True, True, False, False), (2, 64, "e5m2", 0, True, False, False, False, False)]
+# (mode, block, elem, rot, sr, u_given, pack, rceil, prescale, keyed SR uniforms, natural-layout mode)
+VARIANTS = [(0, 32, "e2m1", 16, True, False, True, True, True, True, 0),
+            (0, 32, "e4m3", 32, False, True, False, False, False, False, 0),
+            (1, 16, "e2m1", 16, True, True, True, False, False, False, 0),
+            (2, 64, "e5m2", 0, True, False, False, False, False, False, 0),
+            (1, 16, "e2m1", 0, True, False, False, False, False, True, 1),
+            (2, 64, "e4m3", 0, True, False, False, False, False, True, 2)]
 for arch in (90, 100):
-    for mode, block, elem, rot, sr, ug, pack, rceil, pre in VARIANTS:
+    for mode, block, elem, rot, sr, ug, pack, rceil, pre, keyed, nat in VARIANTS:
         tk = max(block, rot, 2)
         c = dict(MODE=mode, BLOCK=block, NB=tk // block, TILE_R=64, ROT=rot, LOG_ROT=rot.bit_length() - 1 if rot else 0,
                  ROT_C=0.25 if rot == 16 else 0.17677669529663687, HAS_SIGNS=rot == 16, RCEIL=rceil, SR=sr,
-                 U_GIVEN=ug, PRESCALE=pre, WRITE_CODES=True, WRITE_DQ=True, PACK=pack, **ELEM[elem])
+                 U_GIVEN=ug, KEYED=keyed, NAT=nat, PRESCALE=pre, WRITE_CODES=True, WRITE_DQ=True, PACK=pack, **ELEM[elem])
         ptx = build(tq._quant_kernel, c, arch).asm["ptx"]
         assert "div.full" not in ptx and "div.approx.f32" not in ptx, "approximate division"
         assert not re.search(r"fma\.rn\.f32", ptx), "FMA contraction"
@@ -62,4 +66,4 @@ def test_kernels_compile_for_sm90_and_sm100():
     r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600, cwd=ROOT,
                        env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "compiled 10" in r.stdout
+    assert "compiled 14" in r.stdout

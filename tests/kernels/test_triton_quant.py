@@ -242,3 +242,55 @@ def test_kernels_quantize_sr_generator_reproducible():
     b = kernels.quantize(x, "mxfp4", rounding="stochastic", generator=torch.Generator(DEV).manual_seed(1),
                          backend="triton")
     assert torch.equal(a.codes, b.codes)
+
+
+# ------------------------------------------------------------------ counter-based SR, tensor amax
+@pytest.mark.parametrize("fmt,axis", [("mxfp4", 0), ("mxfp4", 1), ("nvfp4", 1), ("mxfp8_e5m2", 0),
+                                      ("fp8_e4m3", 1)])
+def test_sr_key_in_kernel_equals_reference(fmt, axis):
+    """SRKey uniforms are generated in the kernel from the key: the same codes as the reference."""
+    from precision.srand import SRKey
+
+    x = data(24, 48)
+    key = SRKey(2**62 + 7, row_offset=5, col_offset=3, global_cols=100)
+    ref = ref_quantize(x, fmt, axis=axis, rounding="stochastic", sr=key)
+    out = quantize_triton(x, fmt, axis=axis, rounding="stochastic", sr=key, dequantize=True)
+    assert_same(ref, out)
+    assert not torch.equal(ref.codes, ref_quantize(x, fmt, axis=axis).codes)  # SR did round differently
+
+
+def test_sr_key_3d_any_axis_equals_reference():
+    from precision.srand import SRKey
+
+    x = (torch.randn(2, 40, 3, generator=torch.Generator().manual_seed(4)) * 3).to(DEV)
+    for axis in (0, 1, 2):
+        ref = ref_quantize(x, "mxfp4", axis=axis, rounding="stochastic", sr=SRKey(9))
+        assert_same(ref, quantize_triton(x, "mxfp4", axis=axis, rounding="stochastic", sr=SRKey(9),
+                                         dequantize=True))
+
+
+def test_nvfp4_external_amax_and_tie_vector():
+    """The tensor scale from a given amax (the TP-reduced one), and NUMERICS.md's tie vector:
+    one true FP32 division gives scale bytes [0x7e, 0x72]."""
+    x = torch.zeros(1, 32)
+    x[0, 0], x[0, 16] = 4.3125, 1.6171875
+    out = quantize_triton(x.to(DEV), "nvfp4", dequantize=True)
+    assert out.scales.cpu().flatten().tolist() == [0x7E, 0x72]
+    y = data(16, 48)
+    amax = torch.tensor(1e5, device=DEV)
+    ref = ref_quantize(y, "nvfp4", amax=amax.cpu())
+    out = quantize_triton(y, "nvfp4", amax=amax, dequantize=True)
+    assert_same(ref, out)
+    assert torch.equal(ref.tensor_scale.cpu(), out.tensor_scale.cpu())
+
+
+def test_zero_blocks_keep_their_sign_and_nvfp4_zero_scales_store_zero_codes():
+    x = torch.zeros(2, 32)
+    x[0, :4] = torch.tensor([-0.0, 1e-40, -1e-40, 0.0])  # an MX zero / subnormal block
+    x[1, 0] = 1e4
+    x[1, 16:20] = torch.tensor([1e-4, -1e-4, 5e-5, -0.0])  # NVFP4: this block's scale underflows
+    mx = quantize_triton(x.to(DEV), "mxfp4", dequantize=True)
+    assert mx.codes.cpu()[0, :4].tolist() == [0x8, 0, 0x8, 0]
+    assert torch.signbit(mx.dequantized.cpu()[0, :4]).tolist() == [True, False, True, False]
+    nv = quantize_triton(x[1:].to(DEV), "nvfp4", dequantize=True)
+    assert nv.scales.cpu()[0, 1].item() == 0 and nv.codes.cpu()[0, 16:20].tolist() == [0, 0x8, 0, 0x8]

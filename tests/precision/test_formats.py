@@ -240,3 +240,51 @@ def test_prescale_three_quarters_never_clips():
     assert abs(out.mean().item() - 7.9) < 0.02
     clipped = quantize(x, "mxfp4", rounding="stochastic", generator=torch.Generator().manual_seed(0))
     assert torch.all(clipped.dequantize() == 6.0)
+
+
+# ---------------------------------------------------------------- issue 11 numerics defects
+def test_nvfp4_tensor_scale_is_one_true_fp32_division():
+    """NUMERICS.md tie vector: block 2's exact scale 168 is halfway between 160 and 176 (RNE: 160,
+    0x72); 2688 * (1 / 4.3125) rounds twice and lands above the tie (0x73)."""
+    x = torch.zeros(1, 32)
+    x[0, 0], x[0, 16] = 4.3125, 1.6171875
+    q = quantize(x, "nvfp4")
+    assert q.scales.view(torch.uint8).flatten().tolist() == [0x7E, 0x72]
+    assert q.tensor_scale.item() == float(np.float32(2688.0) / np.float32(4.3125))
+
+
+@pytest.mark.parametrize("fmt,max_normal", [("fp8_e4m3", 448.0), ("fp8_e5m2", 57344.0), ("hif8", 2.0**15)])
+def test_per_tensor_scale_is_one_true_fp32_division(fmt, max_normal):
+    g = torch.Generator().manual_seed(0)
+    amaxes = torch.rand(64, generator=g) * 100 + 0.01
+    got = [quantize(torch.tensor([a, -a / 3]), fmt).scales.item() for a in amaxes.tolist()]
+    want = (np.float32(max_normal) / amaxes.numpy()).tolist()  # numpy: one IEEE division
+    assert got == want
+
+
+def test_nvfp4_block_whose_scale_underflows_stores_zero_codes():
+    """Tensor amax 1e4 -> block scale 1e-4 * 2688/1e4 / 6 < 2^-10 rounds to E4M3 zero: the block's
+    elements are zero codes (sign kept), not saturated +-6 codes that decode to 0."""
+    x = torch.zeros(1, 32)
+    x[0, 0] = 1e4
+    x[0, 16:20] = torch.tensor([1e-4, -1e-4, 5e-5, -0.0])
+    q = quantize(x, "nvfp4")
+    assert q.scales.view(torch.uint8)[0, 1].item() == 0
+    assert q.codes[0, 16:20].tolist() == [0x0, 0x8, 0x0, 0x8]
+    assert q.dequantize()[0, 16:20].view(torch.int32).tolist() == torch.tensor([0.0, -0.0, 0.0, -0.0]).view(
+        torch.int32).tolist()
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8_e4m3", "mxfp8_e5m2"])
+@pytest.mark.parametrize("small", [0.0, 1e-40])
+def test_mx_zero_and_subnormal_blocks_keep_the_sign_of_zero(fmt, small):
+    """OCP: each element is RNE(V/X); a block of zeros (or FP32 subnormals) gets byte 0x00 and its
+    elements are zeros *with their sign*: -0 stays -0 (codes keep the sign bit)."""
+    x = torch.zeros(1, 32)
+    x[0, :4] = torch.tensor([-0.0, small, -small, 0.0])
+    q = quantize(x, fmt)
+    sign = 0x8 if fmt == "mxfp4" else 0x80
+    assert q.scales.item() == 0
+    assert q.codes[0, :4].tolist() == [sign, 0, sign, 0]
+    assert torch.signbit(q.dequantize()[0, :4]).tolist() == [True, False, True, False]
+    assert (q.dequantize()[0, :4] == 0).all()
