@@ -138,6 +138,41 @@ def validate_config(cfg: ModelConfig, tp_size: int) -> None:
             )
 
 
+def validate_plan_shapes(cfg: ModelConfig, tp_size: int, plan: Mapping[str, LinearPrecision]) -> None:
+    """Raise ValueError (one line, naming the flags) if a TP shard edge would cut a block of a GEMM
+    the plan runs in a block format.
+
+    ``linear_qkv`` is column-parallel: its Dgrad contracts over this rank's output features,
+    ``(heads + 2 * query groups) / TP x head dim`` of them (Q, K and V of this rank's heads), which
+    must be whole blocks (32 for MX, 16 for NVFP4) -- with a head dimension of 8 or 24 they are
+    not. Plans whose ``linear_qkv`` Dgrad has no block format (BF16, FP8, HiF8) are not refused.
+    Hidden and FFN sizes are checked by :func:`validate_config`.
+    """
+    from precision.quantize import FORMATS
+
+    if tp_size == 1:
+        return
+    heads, groups, hidden = cfg.num_attention_heads, cfg.num_query_groups, cfg.hidden_size
+    head_dim = hidden // heads
+    per_rank = (heads + 2 * groups) // tp_size * head_dim
+    for name, precision in plan.items():
+        if not name.endswith("self_attention.linear_qkv"):
+            continue
+        recipe = precision.dgrad
+        blocks = [(FORMATS[op.fmt].block, op.fmt) for op in (recipe.a, recipe.b) if FORMATS[op.fmt].scaling == "block"]
+        if not blocks:
+            continue
+        block, fmt = max(blocks)
+        if per_rank % block:
+            raise ValueError(
+                f"--hidden-size {hidden} / --num-attention-heads {heads} = head dim {head_dim}: {name} has "
+                f"({heads} heads + 2 x {groups} --num-query-groups) x {head_dim} / --tensor-model-parallel-size "
+                f"{tp_size} = {per_rank} output features per rank, not a multiple of the {block}-element "
+                f"{fmt} blocks of its Dgrad; use a head dim whose per-rank Q/K/V width is a multiple of "
+                f"{block} (e.g. 16, 32, 64), or a non-block format for that GEMM (--precision-rule)"
+            )
+
+
 def padded_vocab_size(cfg: ModelConfig, tp_size: int) -> int:
     """Megatron-LM's rule: round the vocabulary up to a multiple of
     ``make_vocab_size_divisible_by * tp_size``. Different TP sizes can pad differently, and then

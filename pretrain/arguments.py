@@ -558,9 +558,14 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> None
     _check_data(args)
     _check_checkpoints(args)
     try:
-        from model.gpt import validate_config
+        from model.gpt import validate_config, validate_plan_shapes
+        from precision import PrecisionPolicy
 
-        validate_config(model_config(args, vocab_size=1), args.tensor_model_parallel_size)
+        cfg, tp = model_config(args, vocab_size=1), args.tensor_model_parallel_size
+        validate_config(cfg, tp)
+        qkv = [f"decoder.layers.{i}.self_attention.linear_qkv" for i in range(args.num_layers)]
+        plan = PrecisionPolicy.from_args(args.precision, args.precision_rule).resolve(qkv, args.num_layers)
+        validate_plan_shapes(cfg, tp, plan)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

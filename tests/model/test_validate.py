@@ -64,3 +64,33 @@ def test_vocab_padding_follows_megatron():
     assert padded_vocab_size(CFG, 2) == 256
     assert padded_vocab_size(dataclasses.replace(CFG, vocab_size=300), 1) == 384
     assert padded_vocab_size(dataclasses.replace(CFG, vocab_size=300), 2) == 512
+
+
+# linear_qkv's Dgrad contracts over its per-rank output features, (heads + 2 groups) / TP x head dim
+QKV_CASES = [  # (hidden, heads, groups, tp): per-rank Q/K/V width
+    (64, 8, 2, 2),  # head dim 8: (4 + 2) x 8 = 48
+    (192, 8, 2, 2),  # head dim 24: (4 + 2) x 24 = 144
+]
+
+
+@pytest.mark.parametrize("hidden, heads, groups, tp", QKV_CASES)
+def test_qkv_shard_cutting_an_mx_block_is_refused_for_block_plans_only(hidden, heads, groups, tp):
+    from model.gpt import validate_plan_shapes
+    from precision import presets
+
+    cfg = dataclasses.replace(CFG, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups)
+    validate_config(cfg, tp)  # hidden and FFN sizes are fine: only linear_qkv's shard edge is not
+    name = "decoder.layers.1.self_attention.linear_qkv"
+    head_dim, per_rank = hidden // heads, (heads + 2 * groups) // tp * hidden // heads
+    with pytest.raises(ValueError) as e:
+        validate_plan_shapes(cfg, tp, {name: presets.get("mxfp4")})
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"--hidden-size {hidden} / --num-attention-heads {heads} = head dim "
+                                              f"{head_dim}: {name} has")
+    assert f"--tensor-model-parallel-size {tp} = {per_rank} output features per rank" in msg
+    assert "32-element mxfp4 blocks of its Dgrad" in msg and "--num-query-groups" in msg
+    for ok in ("bf16", "fp8", "hif8_w8a8", "mxfp4_fprop"):  # no block format in linear_qkv's Dgrad
+        validate_plan_shapes(cfg, tp, {name: presets.get(ok)})
+    validate_plan_shapes(cfg, 1, {name: presets.get("mxfp4")})  # TP=1: no shard edge
+    if per_rank % 16 == 0:  # NVFP4's 16-element blocks fit where MX's 32 do not
+        validate_plan_shapes(cfg, tp, {name: presets.get("nvfp4")})
