@@ -18,6 +18,8 @@ Selectors (all anchored -- ``decoder.layers.1.*`` never matches layer 10):
 
 On the command line a rule is ``SELECTOR=VALUE`` where VALUE is a preset name or a per-GEMM spec
 (``--precision-rule first:2=bf16``, ``--precision-rule 'kind:mlp=base=fp8,wgrad=mxfp4+had16'``).
+A command-line rule that selects nothing is refused (``PrecisionPolicy.check_rules``): a reversed
+range, layer numbers beyond the model, no matching layer, or every match taken by an earlier rule.
 """
 
 from __future__ import annotations
@@ -45,6 +47,19 @@ KINDS = {
 }
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _SPEC_FILE_KEYS = ("base", "fprop", "dgrad", "wgrad")
+
+
+def describe_names(names: Iterable[str]) -> str:
+    """Layer names compactly: ``decoder.layers.{0..11}.mlp.linear_fc1, ..., output_layer``."""
+    layers, others = {}, []
+    for name in names:
+        parts = name.split(".", 3)
+        if len(parts) == 4 and parts[:2] == ["decoder", "layers"] and parts[2].isdigit():
+            layers.setdefault(parts[3], []).append(int(parts[2]))
+        else:
+            others.append(name)
+    described = [f"decoder.layers.{{{min(ix)}..{max(ix)}}}.{suffix}" for suffix, ix in layers.items()]
+    return ", ".join(described + others)
 
 
 def layer_index(name: str) -> int | None:
@@ -82,10 +97,24 @@ def _load_spec_file(path: str) -> LinearPrecision:
     unknown = sorted(set(data) - set(_SPEC_FILE_KEYS))
     if unknown:
         raise SpecError(f"{path}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(_SPEC_FILE_KEYS)}")
+    keys = _top_level_keys(path, text)  # a key given twice: YAML and JSON keep the last one silently
+    if twice := next((k for k in keys if keys.count(k) > 1), None):
+        raise SpecError(f"{path}: {twice}: given twice")
+    if empty := next((k for k, v in data.items() if v is None or not str(v).strip()), None):
+        raise SpecError(f"{path}: {empty}: empty value; give a preset name or a recipe, e.g. {empty}: mxfp4")
     try:
         return LinearPrecision.parse(",".join(f"{k}={v}" for k, v in data.items()))
     except SpecError as e:
         raise SpecError(f"{path}: {e}") from None
+
+
+def _top_level_keys(path: str, text: str) -> list[str]:
+    """The keys of a spec file's top-level mapping, in order, duplicates included."""
+    if path.endswith(".json"):
+        return [k for k, _ in json.loads(text, object_pairs_hook=lambda pairs: pairs)]
+    import yaml
+
+    return [str(k.value) for k, _ in yaml.compose(text).value]
 
 
 @dataclass(frozen=True)
@@ -107,6 +136,10 @@ class Rule:
         elif kind == "layers":
             if not re.fullmatch(r"\d+-\d+", arg):
                 raise SpecError(f"rule {self.selector!r}: layers:A-B needs two integers, e.g. layers:0-3")
+            lo, hi = (int(v) for v in arg.split("-"))
+            if lo > hi:
+                raise SpecError(f"rule {self.selector!r}: reversed range {arg}; valid: layers:A-B with A <= B, "
+                                f"e.g. layers:{hi}-{lo}")
         elif kind == "kind":
             if arg not in KINDS:
                 raise SpecError(f"rule {self.selector!r}: unknown kind {arg!r}; valid: {', '.join(KINDS)}")
@@ -117,6 +150,15 @@ class Rule:
             raise SpecError(f"--precision-rule {text!r}: expected SELECTOR=PRESET_OR_SPEC, e.g. first:2=bf16")
         selector, value = (s.strip() for s in text.split("=", 1))
         return cls(selector, parse_precision(value), f"{label} {text}")
+
+    def range_problem(self, num_layers: int) -> str | None:
+        """Why this rule's layer numbers select nothing in a model of ``num_layers`` layers, or None."""
+        kind, _, arg = self.selector.partition(":")
+        if kind in ("first", "last") and not 1 <= int(arg) <= num_layers:
+            return f"the model has {num_layers} layers ({kind}:1 .. {kind}:{num_layers})"
+        if kind == "layers" and int(arg.split("-")[1]) >= num_layers:
+            return f"layer {arg.split('-')[1]} is beyond the model ({num_layers} layers: 0-{num_layers - 1})"
+        return None
 
     def matches(self, name: str, num_layers: int) -> bool:
         kind, _, arg = self.selector.partition(":")
@@ -179,6 +221,7 @@ class PrecisionPolicy:
         self.default = default
         self.rules = list(rules)
         self.default_label = default_label
+        self.checked: list[tuple[str, Rule]] = []  # (text, rule) of --precision-rule: see check_rules
 
     @classmethod
     def from_args(cls, precision: str, rules: Iterable[str] = ()) -> "PrecisionPolicy":
@@ -188,7 +231,29 @@ class PrecisionPolicy:
         preset_name = precision if precision in presets.names() else "custom"
         builtin = [Rule(sel, parse_precision(val), f"preset {preset_name}: {sel}={val}")
                    for sel, val in presets.default_rules(preset_name)]
-        return cls(default, user + builtin, default_label=f"--precision {precision}")
+        policy = cls(default, user + builtin, default_label=f"--precision {precision}")
+        policy.checked = list(zip(rules, user))
+        return policy
+
+    def check_rules(self, num_layers: int, names: Iterable[str] | None = None) -> None:
+        """Refuse (``SpecError``, one line naming the rule) a ``--precision-rule`` that selects nothing:
+        layer numbers beyond ``num_layers``; given the model's layer ``names``, also a rule that matches
+        no layer, or whose every match is taken by an earlier rule (first match wins)."""
+        for text, rule in self.checked:
+            if problem := rule.range_problem(num_layers):
+                raise SpecError(f"--precision-rule {text!r}: {problem}")
+        if names is None:
+            return
+        names = list(names)
+        for i, (text, rule) in enumerate(self.checked):
+            matched = [n for n in names if rule.matches(n, num_layers)]
+            if not matched:
+                raise SpecError(f"--precision-rule {text!r}: matches no layer; layers: {describe_names(names)}")
+            earlier = [r for _, r in self.checked[:i]]
+            owners = [next((r for r in earlier if r.matches(n, num_layers)), None) for n in matched]
+            if all(owners):
+                raise SpecError(f"--precision-rule {text!r}: selects no layer: every layer it matches is taken "
+                                f"by an earlier rule ({owners[0].label})")
 
     def first_layers(self, n: int, precision: LinearPrecision | str) -> "PrecisionPolicy":
         """A new policy with ``first:n`` prepended (Megatron's --first-last-layers-bf16 idiom)."""

@@ -10,6 +10,8 @@ file (``configs/models/NAME.yaml``, or any ``.yaml`` path) maps argument names (
 
 Every refusal is one line on stderr, ``pretrain.py: error: <flag or path>: <what is valid>``, and
 exit status 2 (:func:`fail`); argparse's own errors (unknown flag, bad number) use the same format.
+``parse_args_or_raise`` raises :class:`ConfigError` instead of exiting, for ``pretrain.train.main``,
+which lets all ranks of a torchrun job agree on the error before rank 0 prints it (once).
 ``validate_args`` needs only the world size, which torchrun puts in the environment, so bad input is
 refused before ``torch.distributed``, data or model are touched. It imports ``model.gpt`` (and so
 megatron-core) only for its last check, the model shape.
@@ -40,8 +42,8 @@ def fail(message: str) -> NoReturn:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # argparse prints usage + error; we print one line
-        fail(message)
+    def error(self, message: str) -> NoReturn:  # argparse prints usage + error; we raise one line
+        raise ConfigError(message)
 
 
 def model_sizes() -> list[str]:
@@ -177,6 +179,22 @@ def build_parser() -> argparse.ArgumentParser:
     add("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (0: off)")
     add("--seed", type=int, default=1234)
     add("--exit-interval", type=int, help="save (with --save) and exit after an iteration divisible by this")
+    add(
+        "--check-for-nan-in-loss-and-grad",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a non-finite loss or gradient norm ends the run as diverged: exit status 3, "
+        "--save/run_status.json, the last good checkpoint named (pretrain/status.py); "
+        "--no-check-for-nan-in-loss-and-grad: train on",
+    )
+    add(
+        "--skip-nonfinite-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="skip up to N non-finite steps (no parameter or optimizer update, counted in "
+        "train/nonfinite_steps) before the next one ends the run as diverged",
+    )
 
     g = p.add_argument_group("data")
     add = g.add_argument
@@ -217,9 +235,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--save-interval", type=int, help="save every N iterations (and always at the end and on SIGTERM)")
     add(
+        "--save-retain",
+        type=int,
+        metavar="N",
+        help="keep the newest N complete checkpoints in --save; older ones are deleted only after a newer "
+        "one is complete (default: keep all)",
+    )
+    add(
         "--load",
         metavar="DIR",
         help="resume from DIR's latest checkpoint; may equal --save and not exist yet",
+    )
+    add(
+        "--ckpt-step",
+        type=int,
+        metavar="N",
+        help="with --load: load iteration N instead of the one latest_checkpointed_iteration.txt names",
     )
     add(
         "--finetune", action="store_true", help="with --load: load model weights only, restart at iteration 0"
@@ -322,24 +353,29 @@ def _apply_pretrained(args: argparse.Namespace, given: set[str]) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse ``argv`` over the model-size file's values; fill derived defaults. Exits 2 on bad input."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
     try:
-        from_file = {}
-        if args.model_size:
-            from_file = _load_model_size(parser, args.model_size)
-            parser.set_defaults(**from_file)
-            args = parser.parse_args(argv)
-        args.pretrained_vocab_size = None  # set from --pretrained-checkpoint's model config
-        if args.pretrained_checkpoint:
-            _apply_pretrained(args, _given_flags(argv) | set(from_file))
+        return parse_args_or_raise(argv)
     except ConfigError as e:
         fail(str(e))
+
+
+def parse_args_or_raise(argv: list[str] | None = None) -> argparse.Namespace:
+    """:func:`parse_args`, raising :class:`ConfigError` (one line) on bad input (``--help`` exits 0)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from_file = {}
+    if args.model_size:
+        from_file = _load_model_size(parser, args.model_size)
+        parser.set_defaults(**from_file)
+        args = parser.parse_args(argv)
+    args.pretrained_vocab_size = None  # set from --pretrained-checkpoint's model config
+    if args.pretrained_checkpoint:
+        _apply_pretrained(args, _given_flags(argv) | set(from_file))
     required = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters")
     missing = [f"--{k.replace('_', '-')}" for k in required if getattr(args, k) is None]
     if missing:
         sizes = ", ".join(model_sizes())
-        fail(f"missing {', '.join(missing)} (give them, or --model-size NAME with NAME in {sizes})")
+        raise ConfigError(f"missing {', '.join(missing)} (give them, or --model-size NAME with NAME in {sizes})")
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size
     if args.num_query_groups is None:
@@ -368,17 +404,20 @@ def _check_precision(args) -> None:
 
     try:
         parse_precision(args.precision)
-    except SpecError as e:
+    except ValueError as e:  # SpecError, or an unknown preset named by base=
         raise ConfigError(f"--precision: {e}") from None
     for rule in args.precision_rule:
         try:
             Rule.parse(rule)
-        except SpecError as e:
+        except ValueError as e:
             msg = str(e)
             raise ConfigError(
                 msg if msg.startswith("--precision-rule") else f"--precision-rule {rule!r}: {msg}"
             ) from None
-    PrecisionPolicy.from_args(args.precision, args.precision_rule)
+    try:  # layer numbers beyond the model; rules that match no layer are refused in build_model
+        PrecisionPolicy.from_args(args.precision, args.precision_rule).check_rules(args.num_layers)
+    except SpecError as e:
+        raise ConfigError(str(e)) from None
     for flag in ("numerics_interval", "qat_warmup_iters"):
         if getattr(args, flag) < 0:
             raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 0")
@@ -460,6 +499,19 @@ def _check_checkpoints(args) -> None:
             raise ConfigError(f"--finetune: no checkpoint in --load {args.load} ({TRACKER} missing)")
     if args.save is not None and os.path.exists(args.save) and not os.path.isdir(args.save):
         raise ConfigError(f"--save: {args.save} exists and is not a directory")
+    if args.skip_nonfinite_steps and not args.check_for_nan_in_loss_and_grad:
+        raise ConfigError("--skip-nonfinite-steps needs --check-for-nan-in-loss-and-grad (the check that finds "
+                          "non-finite steps; drop --no-check-for-nan-in-loss-and-grad)")
+    if args.save_retain is not None and args.save is None:
+        raise ConfigError("--save-retain needs --save (the directory whose old checkpoints it deletes)")
+    if args.ckpt_step is not None:
+        from pretrain.checkpointing import iter_dir_name
+
+        if args.load is None:
+            raise ConfigError("--ckpt-step needs --load (the directory holding that iteration)")
+        step_dir = os.path.join(args.load, iter_dir_name(args.ckpt_step))
+        if not os.path.isdir(step_dir):
+            raise ConfigError(f"--ckpt-step {args.ckpt_step}: no checkpoint {step_dir}")
 
 
 def _check_parallel(args, world_size: int, cuda: bool) -> None:
@@ -532,6 +584,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> None
         "pipeline_model_parallel_size",
         "log_interval",
         "save_interval",
+        "save_retain",
         "exit_interval",
         "make_vocab_size_divisible_by",
     )
@@ -545,6 +598,8 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> None
         "eval_interval",
         "eval_iters",
         "init_method_std",
+        "skip_nonfinite_steps",
+        "ckpt_step",
         allow_zero=True,
     )
     if args.min_lr > args.lr:

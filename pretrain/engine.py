@@ -24,7 +24,10 @@ how the batch is split into micro-batches, data-parallel ranks or pipeline stage
 rate of the step is set (``LRSchedule.step``) before the optimizer steps.
 
 Each engine returns the global loss on every rank: with pipelining only the last stage computes it,
-and it is broadcast over the pipeline group so that rank 0 can log it.
+and it is broadcast over the pipeline group so that rank 0 can log it. ``stepped`` says whether the
+last ``train_step`` updated the parameters: the torch engine steps only when loss and gradient norm
+are finite, the megatron engine only when the loss is (a non-finite norm behind a finite loss is
+found after megatron's optimizer has stepped), so a skipped non-finite step changes nothing.
 
 megatron-core 0.16.1 facts this relies on (found by running it):
   - ``config.calculate_per_token_loss`` must be set before megatron's DDP is built (DDP fixes its
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 
 import torch
@@ -82,6 +86,7 @@ class TorchEngine:
         self.model, self.args, self.device = model, args, device
         self.optimizer = build_optimizer(model, args)
         self.ddp: torch.nn.Module = model  # wrap() replaces it when DP > 1
+        self.stepped = False  # whether the last train_step updated the parameters
 
     def wrap(self) -> None:
         """torch DDP over the data-parallel group (after a checkpoint is loaded into the model)."""
@@ -121,7 +126,8 @@ class TorchEngine:
             self.model.parameters(), self.args.clip_grad, parallel_state.get_tensor_model_parallel_group()
         )
         lr = schedule.step()
-        if torch.isfinite(torch.tensor([loss, norm])).all():
+        self.stepped = bool(torch.isfinite(torch.tensor([loss, norm])).all())
+        if self.stepped:
             self.optimizer.step()
         return loss, norm, lr
 
@@ -198,6 +204,7 @@ class MegatronEngine:
         )
         self.optimizer = get_megatron_optimizer(opt_config, [self.ddp])
         self.forward_backward = get_forward_backward_func()
+        self.stepped = False  # whether the last train_step updated the parameters
 
     def wrap(self) -> None:
         pass  # wrapped at construction (megatron's optimizer needs the DDP buffers)
@@ -245,8 +252,12 @@ class MegatronEngine:
         self.optimizer.zero_grad()
         loss = self._run(micro, forward_only=False)
         lr = schedule.step()
+        if loss is None or not math.isfinite(loss):  # a non-finite loss: no step (it could be skipped)
+            self.stepped = False
+            return float("nan") if loss is None else loss, float("nan"), lr
         ok, norm, _ = self.optimizer.step()
-        return (float("nan") if loss is None else loss), float(norm if ok and norm is not None else "nan"), lr
+        self.stepped = bool(ok)
+        return loss, float(norm if ok and norm is not None else "nan"), lr
 
     @torch.no_grad()
     def eval_loss(self, micro) -> float | None:

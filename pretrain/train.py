@@ -6,7 +6,9 @@
 Order of events (every rank):
 
 1. ``parse_args`` / ``validate_args`` (``pretrain.arguments``): bad input exits 2 with one line,
-   before anything is initialized.
+   before model, data or parallel state are touched. Under torchrun every rank validates and the
+   ranks agree (one ``all_gather_object``) before rank 0 prints the line and all exit, so the line
+   is printed once and always reaches the user (torchrun kills the other ranks when one exits).
 2. ``torch.distributed`` from torchrun's environment (a world of one without torchrun): gloo on
    CPU, NCCL on CUDA; megatron ``parallel_state.initialize_model_parallel(TP, PP)``; seeds
    (python, numpy, torch; megatron's CUDA RNG tracker on GPU) -- the same on every rank, so every
@@ -27,6 +29,13 @@ Order of events (every rank):
 5. After the iteration: progress line and TensorBoard scalars (rank 0), evaluation every
    ``--eval-interval``, checkpoint every ``--save-interval``; SIGTERM (on any rank) or
    ``--exit-interval``: save and exit 0. At the end: save, final evaluation.
+6. A non-finite loss or gradient norm (``--check-for-nan-in-loss-and-grad``, on by default) is
+   skipped -- no parameter, optimizer or schedule update, the layers' quantization state restored --
+   up to ``--skip-nonfinite-steps`` times; the next one is divergence: logged (TensorBoard
+   ``train/loss`` NaN, ``train/nonfinite_steps``, the progress line), ``--save/run_status.json``
+   written, one line naming the iteration and the last good checkpoint, exit status 3 on every rank
+   (``pretrain.status``: the contract with ``launch/sweep.py``). The diverged state is never saved.
+   A checkpoint that cannot be written (a full disk) is one line and exit status 4.
 
 Exact resume: the iteration's data are a function of the samples consumed; the model's
 ``state_dict`` holds every linear's quantization state (SR call counters, amax histories); RNG
@@ -38,6 +47,7 @@ iteration number).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import json
@@ -54,7 +64,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pretrain.arguments import ConfigError, fail, model_config, parse_args, validate_args
+from pretrain.arguments import PROG, ConfigError, model_config, parse_args_or_raise, validate_args
+from pretrain.status import (
+    EXIT_BAD_INPUT,
+    EXIT_DIVERGED,
+    EXIT_SAVE_FAILED,
+    clear_run_status,
+    write_run_status,
+)
 
 if TYPE_CHECKING:
     from model.gpt import ModelConfig
@@ -80,10 +97,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(args) -> torch.device:
-    """Process group from torchrun's environment (a world of one without it), parallel state, seeds."""
-    from megatron.core import parallel_state
+ERROR_WAIT_S = 30  # how long a rank that failed waits for the others to fail alike (_refuse)
+_error_group = None  # gloo group on which failing ranks meet before exiting (_refuse)
 
+
+def init_process_group() -> None:
+    """torch.distributed from torchrun's environment (a world of one without it), once, and the
+    gloo group on which ranks that fail meet before they exit (:func:`_refuse`)."""
+    global _error_group
+    if torch.distributed.is_initialized():
+        return
     if "RANK" not in os.environ:  # plain `python launch/pretrain.py`: a world of one
         os.environ.update(
             RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
@@ -92,6 +115,15 @@ def init_distributed(args) -> torch.device:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    _error_group = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(seconds=ERROR_WAIT_S))
+
+
+def init_distributed(args) -> torch.device:
+    """Process group (:func:`init_process_group`), parallel state, seeds."""
+    from megatron.core import parallel_state
+
+    init_process_group()
+    cuda = torch.cuda.is_available()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -146,7 +178,7 @@ def build_model(args, vocab_size: int, device: torch.device):
     """This rank's model with the resolved precision plan applied; returns ``(model, stage plan,
     whole-model plan)`` (the two plans are the same without pipeline parallelism)."""
     from model.gpt import apply_precision_plan, build_gpt, policy_linear_names, policy_linears
-    from precision import PrecisionPlan, PrecisionPolicy
+    from precision import PrecisionPlan, PrecisionPolicy, SpecError
 
     sequence_parallel = args.sequence_parallel and args.tensor_model_parallel_size > 1
     model = build_gpt(model_config(args, vocab_size), sequence_parallel=sequence_parallel, seed=args.seed)
@@ -154,7 +186,12 @@ def build_model(args, vocab_size: int, device: torch.device):
     layer_linears = list(dict.fromkeys(n.split(".", 3)[3] for n in names if n.startswith("decoder.layers.")))
     every = [f"decoder.layers.{i}.{s}" for i in range(args.num_layers) for s in layer_linears] + ["output_layer"]
     # resolved once over the whole model's names, so first:/last: rules mean the whole model's layers
-    plan = PrecisionPolicy.from_args(args.precision, args.precision_rule).resolve(every, args.num_layers)
+    policy = PrecisionPolicy.from_args(args.precision, args.precision_rule)
+    try:  # a --precision-rule that selects no layer of this model is refused, naming the layers
+        policy.check_rules(args.num_layers, every)
+    except SpecError as e:
+        raise ConfigError(str(e)) from None
+    plan = policy.resolve(every, args.num_layers)
     if args.amax_algo or args.amax_history_len:
         plan = override_amax(plan, args.amax_algo, args.amax_history_len)
     stage_plan = PrecisionPlan({n: (plan[n], plan.rule_for(n)) for n in names})
@@ -222,6 +259,8 @@ class Trainer:
     iteration: int = 0
     consumed_samples: int = 0
     last_saved: int | None = None  # iteration of the last checkpoint written or loaded
+    last_checkpoint: str | None = None  # its directory (the last good one, should the run diverge)
+    nonfinite_steps: int = 0  # non-finite steps met so far (skipped, or the one that diverged)
     tb: object = None  # rank 0's SummaryWriter with --tensorboard-dir
     delayed_scaling: bool = False  # some operand of the whole model's plan uses delayed scaling
 
@@ -306,17 +345,53 @@ class Trainer:
         self._write_layer_scalars(scalars)
 
     # ---------------------------------------------------------------- one iteration
-    def train_step(self, data) -> tuple[float, float, float]:
-        """One global batch: returns (loss, grad norm before clipping, lr)."""
+    def train_step(self, data) -> tuple[float, float, float, str]:
+        """One global batch: returns (loss, grad norm before clipping, lr, outcome).
+
+        ``outcome`` is ``"ok"``, ``"skipped"`` (non-finite, within ``--skip-nonfinite-steps``: the
+        engine did not step, the lr schedule is rewound and the layers' quantization state restored,
+        so only the data position moved) or ``"diverged"``. Loss and norm are global (the same on
+        every rank), so all ranks reach the same outcome."""
         micro = [next(data) for _ in range(self.num_micro_batches)]
+        if self.args.skip_nonfinite_steps:  # what a skipped step restores
+            quant_before = [copy.deepcopy(m.quant_state.state_dict()) for _, m in self.policy_linears()]
+            lr_before = [group["lr"] for group in self.engine.optimizer.param_groups]
         loss, norm, lr = self.engine.train_step(micro, self.schedule)
         self.end_quant_step()
-        if not (np.isfinite(loss) and np.isfinite(norm)):
-            raise FloatingPointError(
-                f"iteration {self.iteration + 1}: loss {loss}, grad norm {norm}; lower --lr, "
-                f"or keep more layers in higher precision (--precision-rule)"
-            )
-        return loss, norm, lr
+        if not self.args.check_for_nan_in_loss_and_grad or (math.isfinite(loss) and math.isfinite(norm)):
+            return loss, norm, lr, "ok"
+        self.nonfinite_steps += 1
+        # the megatron engine steps on a finite loss even if the norm is not: that cannot be undone
+        if self.nonfinite_steps > self.args.skip_nonfinite_steps or self.engine.stepped:
+            return loss, norm, lr, "diverged"
+        self.schedule.num_steps -= 1  # no optimizer step was taken: the next step gets this lr
+        for group, group_lr in zip(self.engine.optimizer.param_groups, lr_before, strict=True):
+            group["lr"] = group_lr
+        for (_, m), state in zip(self.policy_linears(), quant_before, strict=True):
+            m.quant_state.load_state_dict(state)
+        return loss, norm, lr, "skipped"
+
+    def diverged(self, loss: float, norm: float) -> int:
+        """Divergence (see the module docstring, 6): rank 0 writes ``--save/run_status.json`` and
+        prints one line; nothing is saved. Returns ``EXIT_DIVERGED``."""
+        a = self.args
+        skip = (f", {self.nonfinite_steps} non-finite steps (--skip-nonfinite-steps {a.skip_nonfinite_steps})"
+                if a.skip_nonfinite_steps else "")
+        reason = f"loss {loss}, grad norm {norm}{skip}"
+        if is_rank0():
+            where = ""
+            if a.save:
+                status = write_run_status(a.save, state="diverged", iteration=self.iteration,
+                                          last_good_checkpoint=self.last_checkpoint, reason=reason)
+                where = f"; status in {status}"
+            good = self.last_checkpoint or "none (nothing saved yet)"
+            resume = f", then resume with --load {a.save}" if a.save and self.last_checkpoint else ""
+            print(f"{PROG}: error: diverged at iteration {self.iteration}: {reason} "
+                  f"(--check-for-nan-in-loss-and-grad); last good checkpoint: {good}{where}; lower --lr or keep "
+                  f"more layers in higher precision (--precision-rule){resume}", file=sys.stderr, flush=True)
+            if self.tb is not None:
+                self.tb.flush()
+        return EXIT_DIVERGED
 
     def evaluate(self) -> ValidationResult | None:
         """Per-token loss over the first ``--eval-iters`` global batches of the validation set.
@@ -352,10 +427,12 @@ class Trainer:
             "model_config": dataclasses.asdict(self.model_config),
             "tokenizer_model": self.tokenizer_model,
             "args": dict(vars(self.args)),
+            "nonfinite_steps": self.nonfinite_steps,
         }
-        path = save_checkpoint(self.args.save, self.iteration, state, write_beside=self.engine.save_extra)
+        path = save_checkpoint(self.args.save, self.iteration, state, write_beside=self.engine.save_extra,
+                               retain=self.args.save_retain)
         rank0_print(f"saved checkpoint {path} ({time.perf_counter() - t0:.1f}s)")
-        self.last_saved = self.iteration
+        self.last_saved, self.last_checkpoint = self.iteration, path
         return path
 
     def load_pretrained(self) -> None:
@@ -382,7 +459,8 @@ class Trainer:
 
         args = self.args
         # --finetune takes model weights only, so a checkpoint of another TP size is resharded
-        ckpt = load_checkpoint(args.load, args.tensor_model_parallel_size, reshard_model=args.finetune)
+        ckpt = load_checkpoint(args.load, args.tensor_model_parallel_size, reshard_model=args.finetune,
+                               iteration=args.ckpt_step)
         if ckpt is None:
             rank0_print(
                 f"--load {args.load}: no checkpoint yet ({os.path.basename(args.load)}/latest_checkpointed_"
@@ -425,7 +503,8 @@ class Trainer:
         )
         if not restore_rng_state(ckpt):
             rank0_print("note: data-parallel size differs from the checkpoint's: RNG states not restored")
-        self.last_saved = self.iteration
+        self.last_saved, self.last_checkpoint = self.iteration, ckpt["path"]
+        self.nonfinite_steps = int(ckpt.get("nonfinite_steps", 0))
         rank0_print(
             f"resumed from {ckpt['path']}: iteration {self.iteration}, "
             f"{self.consumed_samples} samples consumed"
@@ -471,14 +550,29 @@ class _Progress:
         self.rate_start, self.rate_iters, self.compiling = self.start, 0, True
         self.window_iters, self.window_loss = 0, 0.0
 
-    def iteration(self, loss: float, norm: float, lr: float, seconds: float) -> None:
+    def iteration(self, loss: float, norm: float, lr: float, seconds: float, outcome: str = "ok") -> None:
+        """``outcome`` (``Trainer.train_step``): a skipped step's loss stays out of ``train/loss`` and
+        the averages; a diverged step's NaN/Inf is logged; ``train/nonfinite_steps`` counts both."""
         t, a = self.t, self.t.args
         tokens = a.global_batch_size * a.seq_length
+        if outcome != "ok":
+            if t.tb is not None:
+                t.tb.add_scalar("train/nonfinite_steps", t.nonfinite_steps, t.iteration)
+                if outcome == "diverged":  # the values that ended the run (a skipped step's are left out)
+                    t.tb.add_scalar("train/loss", loss, t.iteration)
+                    t.tb.add_scalar("train/grad_norm", norm, t.iteration)
+                t.tb.flush()
+            what = ("diverged" if outcome == "diverged" else
+                    f"skipped ({t.nonfinite_steps} of --skip-nonfinite-steps {a.skip_nonfinite_steps})")
+            rank0_print(f"iteration {t.iteration:>{len(str(a.train_iters))}}/{a.train_iters} | loss {loss:.4f}"
+                        f" | lr {lr:.3e} | grad norm {norm:.3f} | non-finite: {what}")
+            return
         self.window_iters += 1
         self.window_loss += loss
         if t.tb is not None:
             for tag, value in (
                 ("train/loss", loss),
+                ("train/nonfinite_steps", t.nonfinite_steps),
                 ("train/lr", lr),
                 ("train/grad_norm", norm),
                 ("train/tokens_per_sec", tokens / max(seconds, 1e-9)),
@@ -499,6 +593,7 @@ class _Progress:
                 f" | lr {lr:.3e} | grad norm {norm:.3f} | {tokens / per_iter:,.0f} tokens/s"
                 f" | {self.tflops(tokens / per_iter):.3g} TFLOP/s/device"
                 f" | elapsed {_hms(now - self.start)} | ETA {_hms(per_iter * (a.train_iters - t.iteration))}"
+                + (f" | non-finite steps skipped {t.nonfinite_steps}" if t.nonfinite_steps else "")
             )
             self.rate_start, self.rate_iters = now, 0
             self.window_iters, self.window_loss = 0, 0.0
@@ -660,6 +755,8 @@ def train(trainer: Trainer, sigterm: _SigtermFlag) -> int:
         f"{args.global_batch_size} = micro {args.micro_batch_size} x DP {trainer.dp[1]} x "
         f"{trainer.num_micro_batches} micro-batches, {args.global_batch_size * args.seq_length:,} tokens"
     )
+    if args.save and is_rank0() and clear_run_status(args.save):
+        rank0_print(f"note: removed {args.save}/run_status.json of an earlier attempt")
     if args.qat_warmup_iters and trainer.iteration < args.qat_warmup_iters:
         rank0_print(f"QAT warm-up: iterations {trainer.iteration + 1}..{args.qat_warmup_iters} run in BF16 "
                     "while the amax histories fill; then the quantized plan")
@@ -675,7 +772,7 @@ def train(trainer: Trainer, sigterm: _SigtermFlag) -> int:
                 trainer.tb.add_text("qat", f"switched to the quantized plan at iteration {nxt}", nxt)
         trainer.set_telemetry(collect, warm)
         try:
-            loss, norm, lr = trainer.train_step(data)
+            loss, norm, lr, outcome = trainer.train_step(data)
         except StopIteration:
             raise RuntimeError(f"the training data ran out at iteration {trainer.iteration + 1}") from None
         trainer.iteration += 1
@@ -685,7 +782,9 @@ def train(trainer: Trainer, sigterm: _SigtermFlag) -> int:
         if not warm and trainer.delayed_scaling and args.tensorboard_dir:
             trainer.log_delayed_scaling()
         trainer.set_telemetry(False, False)
-        progress.iteration(loss, norm, lr, time.perf_counter() - t0)
+        progress.iteration(loss, norm, lr, time.perf_counter() - t0, outcome)
+        if outcome == "diverged":
+            return trainer.diverged(loss, norm)
 
         it = trainer.iteration
         if args.eval_interval and it % args.eval_interval == 0:
@@ -723,26 +822,62 @@ def train(trainer: Trainer, sigterm: _SigtermFlag) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``launch/pretrain.py``: parse, validate (exit 2 on bad input), set up, train."""
-    from pretrain.checkpointing import CheckpointError
+def _agree_on_input(problem: str | None) -> str | None:
+    """Under torchrun: every rank's validation result, gathered once (the process group is started
+    for it), so that all ranks learn of a problem found by any and none exits before rank 0 prints."""
+    init_process_group()
+    found = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(found, problem)
+    first = next((r for r, p in enumerate(found) if p), None)
+    return None if first is None else found[first] + ("" if first == 0 else f" (found on rank {first})")
 
-    args = parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
+
+def _refuse(message: str, status: int):
+    """Print ``pretrain.py: error: message`` once (rank 0) and exit with ``status`` on every rank.
+
+    With a process group the ranks then meet (a gloo ``monitored_barrier``) before exiting, so no
+    rank's exit lets torchrun kill rank 0 before its line is out. A rank that waits
+    ``ERROR_WAIT_S`` in vain (the error was not every rank's) prints the line itself."""
+    initialized = torch.distributed.is_initialized()
+    rank = torch.distributed.get_rank() if initialized else int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    if initialized and torch.distributed.get_world_size() > 1 and _error_group is not None:
+        try:
+            torch.distributed.monitored_barrier(_error_group, timeout=datetime.timedelta(seconds=ERROR_WAIT_S))
+        except RuntimeError:  # some rank never came: rank 0 may not have printed
+            if rank != 0:
+                print(f"{PROG}: error: {message} (rank {rank})", file=sys.stderr, flush=True)
+    sys.exit(status)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``launch/pretrain.py``: parse, validate, set up, train; returns the exit status
+    (``pretrain.status``: 0 done, 2 bad input, 3 diverged, 4 a checkpoint could not be written)."""
+    from pretrain.checkpointing import CheckpointError, CheckpointSaveError
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    problem = None
     try:
-        validate_args(args, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available())
+        args = parse_args_or_raise(argv)
+        validate_args(args, world, torch.cuda.is_available())
     except ConfigError as e:
-        if rank == 0:
-            fail(str(e))
-        sys.exit(2)
+        problem = str(e)
+    if world > 1 and "RANK" in os.environ:  # launched by torchrun (or srun): agree first
+        problem = _agree_on_input(problem)
+    if problem:
+        _refuse(problem, EXIT_BAD_INPUT)
     sigterm = _SigtermFlag()  # from here on SIGTERM means: finish the iteration, save, exit 0
+    trainer = None
     try:
         trainer = setup(args)
         status = train(trainer, sigterm)
     except (ConfigError, CheckpointError) as e:  # found after setup started (e.g. a checkpoint mismatch)
-        if is_rank0():
-            fail(str(e))
-        sys.exit(2)
+        _refuse(str(e), EXIT_BAD_INPUT)
+    except CheckpointSaveError as e:  # every rank raises it alike
+        if trainer is not None and trainer.tb is not None:
+            trainer.tb.close()
+        _refuse(str(e), EXIT_SAVE_FAILED)
     if trainer.tb is not None:
         trainer.tb.close()
     torch.distributed.barrier()
