@@ -15,7 +15,7 @@ A sweep file (YAML)::
     seeds: [0, 1, 2]            # every grid point is run once per seed (default: one run, base seed)
     baseline: fp8               # the precision the gaps and "extra tokens" are measured against
     grid:
-      presets: [bf16, fp8, mxfp4_fprop, wgrad_hadamard]
+      presets: [bf16, fp8, mxfp4_fprop, wgrad_hadamard, {fprop_only: "base=bf16,fprop=mxfp4"}]
       lr: [6e-4, 1e-3, 2e-3]    # any other key is a pretrain flag to range over (hyper-parameters)
     # or the per-GEMM matrix (every combination is one grid point):
     # grid:
@@ -186,12 +186,20 @@ def _precision_points(grid: dict, path: str) -> list[tuple[str, str]]:
         if extra:
             raise SweepError(f"{path}: grid mixes 'presets' with {', '.join(extra)}; use one or the other")
         points = []
-        for name in grid["presets"]:
+        for item in grid["presets"]:
+            # a preset name, or {label: per-GEMM spec} for a precision no preset names
+            label, spec = next(iter(item.items())) if isinstance(item, dict) and len(item) == 1 else (item, item)
             try:
-                presets.get(name)
+                if spec in presets.names():
+                    presets.get(spec)
+                elif isinstance(item, dict):
+                    LinearPrecision.parse(str(spec))
+                else:
+                    presets.get(str(spec))
             except ValueError as e:
-                raise SweepError(f"{path}: grid.presets: {e}") from None
-            points.append((name, name))
+                where = f"grid.presets: {label}" if isinstance(item, dict) else "grid.presets"
+                raise SweepError(f"{path}: {where}: {e}") from None
+            points.append((str(label), str(spec)))
         return points
     if not set(grid) & set(GEMMS):
         raise SweepError(f"{path}: the grid names no precision: give presets, or fprop/dgrad/wgrad")

@@ -128,6 +128,13 @@ def test_hyper_parameter_grid_compares_each_precision_at_its_best(tmp_path):
     assert "| 0.001 |" in row and "+0.0300" in row  # 3.93 at its best vs fp8's 3.90 at its best
 
 
+def test_grid_precisions_may_be_named_specs(tmp_path):
+    runs = _sweep_file(tmp_path, "baseline: mxfp4\ngrid:\n  presets: [mxfp4, {fprop_only: 'base=bf16,fprop=mxfp4'}]\n")
+    assert [(r.name, r.precision) for r in runs] == [("mxfp4", "mxfp4"), ("fprop_only", "base=bf16,fprop=mxfp4")]
+    with pytest.raises(sweep.SweepError, match="grid.presets: bad: fprop: unknown format 'mxfp5'"):
+        _sweep_file(tmp_path, "grid:\n  presets: [{bad: 'base=bf16,fprop=mxfp5'}]\n")
+
+
 @pytest.mark.parametrize("text,message", [
     ("seeds: [0, 0]\ngrid:\n  presets: [fp8]\n", "seeds must be a list of distinct integers"),
     ("grid:\n  presets: [fp8]\n  seed: [1, 2]\n", "grid.seed: set by the sweep itself; list seeds under 'seeds:'"),
