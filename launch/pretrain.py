@@ -5,7 +5,11 @@
         --tensorboard-dir runs/tiny/tb
     python launch/pretrain.py --help            # every flag; a world of one runs without torchrun
 
-Bad input exits with status 2 and one line on stderr, ``pretrain.py: error: <flag>: ...``.
+Exit status of every rank (``pretrain/status.py``), each failure one line on stderr,
+``pretrain.py: error: ...``, printed once under torchrun (which itself exits 1 if any rank fails):
+0 done or stopped cleanly; 2 bad input (a flag, a file, a corrupt checkpoint); 3 diverged (a
+non-finite loss or gradient norm; ``--save/run_status.json`` names the iteration and the last good
+checkpoint); 4 a checkpoint could not be written (e.g. a full disk; the previous one is intact).
 SIGTERM: the current iteration finishes, a checkpoint is saved (with ``--save``) and the exit
 status is 0. The loop itself lives in ``pretrain/train.py``.
 """
