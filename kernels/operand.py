@@ -230,8 +230,7 @@ def quantize_operand(
     parts = []
     for start, length, key in keys:
         piece = t if length is None or piece_axis is None else t.narrow(piece_axis, start, length)
-        parts.append(_quantize(piece, axis, fmt, impl, codes, key, scale_amax, rotation, state, gemm, operand,
-                               call))
+        parts.append(_quantize(piece, axis, fmt, impl, codes, key, scale_amax, rotation, state))
     res = parts[0] if len(parts) == 1 else _concat(parts, piece_axis, axis)
 
     # === 5. telemetry (device tensors; numerics only on telemetry steps)
@@ -252,30 +251,22 @@ def quantize_operand(
                             packed=res.get("packed", False))
 
 
-def _quantize(t, axis, fmt, impl, codes, key, amax, rotation, state, gemm, operand, call) -> dict:
+def _quantize(t, axis, fmt, impl, codes, key, amax, rotation, state) -> dict:
     """One quantizer call. Returns values (natural layout; None unless asked or telemetry), and in
     hardware form codes/scales (contraction-last), plus tensor_scale, amax, num_clipped."""
     name, spec = fmt.fmt, FORMATS[fmt.fmt]
-    sr = fmt.rounding == "stochastic"
-    gen = state.generator(gemm, operand, call, t.device) if sr else None
-    kw = dict(axis=axis, rounding=fmt.rounding, scale_rule=fmt.scale_rule, prescale=fmt.prescale_factor)
-    amax_kw = {"amax": amax} if _tensor_level(name) and amax is not None else {}
+    kw = dict(axis=axis, rounding=fmt.rounding, scale_rule=fmt.scale_rule, prescale=fmt.prescale_factor, sr=key)
+    if _tensor_level(name) and amax is not None:
+        kw["amax"] = amax
     if impl == "triton":
-        from kernels.fused import _sr_uniforms
         from kernels.triton_quant import quantize_triton
 
-        u = None
-        if gen is not None:  # the emulated backend's draws, in its order
-            u = (_sr_uniforms(t, axis, spec.block, gen) if spec.scaling == "block"
-                 else torch.rand(t.shape, generator=gen, device=t.device))
-        k = t.shape[axis]
-        packed = spec.bits == 4 and k % 32 == 0
-        r = quantize_triton(t, name, uniforms=u, layout="contraction_last", pack=packed,
-                            dequantize=state.collect_stats, **kw, **amax_kw)
+        packed = spec.bits == 4 and t.shape[axis] % 32 == 0
+        r = quantize_triton(t, name, layout="contraction_last", pack=packed, dequantize=state.collect_stats, **kw)
         return {"values": r.dequantized, "codes": r.codes, "scales": r.scales, "tensor_scale": r.tensor_scale,
                 "amax": r.amax, "num_clipped": r.num_clipped, "packed": packed}
     if impl == "reference" or codes:
-        q = reference_quantize(t, name, generator=gen, **kw, **amax_kw)
+        q = reference_quantize(t, name, **kw)
         out = {"amax": q.amax, "num_clipped": q.num_clipped, "tensor_scale": q.tensor_scale}
         if not codes or state.collect_stats:
             out["values"] = q.dequantize(torch.float32)
@@ -285,7 +276,7 @@ def _quantize(t, axis, fmt, impl, codes, key, amax, rotation, state, gemm, opera
         return out
     from kernels.fused import fake_quantize
 
-    values, stats = fake_quantize(t, name, impl=impl, rotation=rotation, generator=gen, **kw, **amax_kw)
+    values, stats = fake_quantize(t, name, impl=impl, rotation=rotation, **kw)
     return {"values": values, **stats}
 
 

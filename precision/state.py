@@ -107,6 +107,7 @@ class StepAmaxHistory:
     """
 
     def __init__(self, algo: str = "max", history_len: int = 64, ema_decay: float = 0.9):
+        algo = str(getattr(algo, "value", algo))  # a plain str in checkpoints (AmaxAlgo is a str enum)
         if algo not in ("most_recent", "max", "ema"):
             raise ValueError(f"amax algorithm: unknown {algo!r}; valid: most_recent, max, ema")
         if history_len < 1:
@@ -170,7 +171,8 @@ class StepAmaxHistory:
 
     def load_state_dict(self, sd: dict) -> None:
         """Histories saved as tensors, or (older checkpoints) as lists of floats."""
-        self.algo, self.history_len, self.ema_decay = sd["algo"], sd["history_len"], sd["ema_decay"]
+        self.algo = str(getattr(sd["algo"], "value", sd["algo"]))
+        self.history_len, self.ema_decay = int(sd["history_len"]), float(sd["ema_decay"])
         hist = sd["history"]
         values = (hist.detach().float().reshape(-1).clone() if isinstance(hist, torch.Tensor)
                   else torch.tensor([float(v) for v in hist], dtype=torch.float32))

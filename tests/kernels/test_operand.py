@@ -7,7 +7,6 @@ import logging
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernels.scaled_mm as sm
 from kernels.gemm import fp32_gemm, gemm
@@ -54,30 +53,22 @@ def test_qat_warmup_runs_bf16_on_hardware_backends(cap, backend, spec, g):
 
 
 # ------------------------------------------------------------------ TF32 never leaks into the emulated GEMM
-class _MatmulPrecision(TorchDispatchMode):
-    """Records the cuBLAS FP32 matmul precision in force at every aten matmul."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
-            self.seen.append(torch.backends.cuda.matmul.fp32_precision)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("backend", ["emulated", "reference"])
-def test_emulated_gemm_is_ieee_fp32_even_when_the_user_allows_tf32(backend):
+def test_emulated_gemm_is_ieee_fp32_even_when_the_user_allows_tf32(backend, monkeypatch):
     a, b = operands()[Gemm.FPROP]
-    matmul = torch.backends.cuda.matmul
+    seen = []
+    matmul = torch.Tensor.__matmul__
+
+    def recording(x, y):  # the GEMM's product records the cuBLAS FP32 precision in force
+        seen.append(torch.backends.cuda.matmul.fp32_precision)
+        return matmul(x, y)
+
+    monkeypatch.setattr(torch.Tensor, "__matmul__", recording)
     torch.backends.cuda.matmul.allow_tf32 = True  # what a user's script may do
     try:
-        mode = _MatmulPrecision()
-        with mode:
-            gemm(Gemm.FPROP, a, b, parse_gemm("mxfp4", Gemm.FPROP), backend)
-        assert mode.seen and all(p == "ieee" for p in mode.seen), mode.seen
-        assert matmul.allow_tf32 is True  # the user's setting is back afterwards
+        gemm(Gemm.FPROP, a, b, parse_gemm("mxfp4", Gemm.FPROP), backend)
+        assert seen and all(p == "ieee" for p in seen), seen
+        assert torch.backends.cuda.matmul.allow_tf32 is True  # the user's setting is back afterwards
     finally:
         torch.backends.cuda.matmul.allow_tf32 = False
 

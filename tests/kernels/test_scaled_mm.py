@@ -27,6 +27,7 @@ from precision import Gemm, LayerQuantState, quantize  # noqa: E402
 from precision.quantize import FORMATS  # noqa: E402
 from precision.recipe import parse_gemm  # noqa: E402
 from precision.rotation import rotate, rotation_size  # noqa: E402
+from precision.srand import SRKey  # noqa: E402
 
 
 def _triton_problem() -> str | None:
@@ -99,8 +100,9 @@ def emulated_operands(g, a, b, recipe, seed=3):
         a, b = rotate(a, a_axis, n, signs), rotate(b, b_axis, n, signs)
     out = []
     for t, axis, fmt, name in ((a, a_axis, recipe.a, g.operands[0]), (b, b_axis, recipe.b, g.operands[1])):
-        gen = state.generator(g, name, 0) if fmt.rounding == "stochastic" else None
-        q = quantize(t, fmt.fmt, axis=axis, rounding=fmt.rounding, scale_rule=fmt.scale_rule, generator=gen,
+        # SR: counter-based uniforms keyed by (seed, layer, GEMM, operand, call) and the element index
+        sr = SRKey(state.sr_seed(g, name, 0)) if fmt.rounding == "stochastic" else None
+        q = quantize(t, fmt.fmt, axis=axis, rounding=fmt.rounding, scale_rule=fmt.scale_rule, sr=sr,
                      prescale=fmt.prescale_factor)
         out.append(q.dequantize().movedim(axis, -1))
     return out
