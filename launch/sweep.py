@@ -62,7 +62,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pretrain.evaluation.stats import Interval, paired_batch_se, paired_interval, spread  # noqa: E402
+from pretrain.evaluation.stats import Interval, paired_batch_se, paired_interval, spread
 
 GEMMS = ("fprop", "dgrad", "wgrad")
 SWEEP_KEYS = {"base", "grid", "baseline", "nproc-per-node", "name", "description", "seeds"}
@@ -656,25 +656,25 @@ def write_tables(out: Path, rows: list[dict], summary: list[dict], tuned: list[d
         for s in summary:
             w.writerow(_summary_csv_row(s) + [s.get(h) for h in hyper])
     seeds = max((s["seeds"] for s in summary), default=0)
-    lines = [f"# Sweep results ({len(rows)} runs, {len(summary)} grid points x {seeds} seed(s), "
-             f"baseline: {baseline or 'none'})", "",
+    lines = [(f"# Sweep results ({len(rows)} runs, {len(summary)} grid points x {seeds} seed(s), "
+              f"baseline: {baseline or 'none'})"), "",
              "## Per grid point (gaps paired by seed against the baseline at the same hyper-parameters)", ""]
     lines += summary_table(summary, hyper)
     if tuned:
-        lines += ["", f"## Each precision at its own best {', '.join(hyper)} (lowest mean val loss), "
-                  "paired with the baseline at its best", ""]
+        lines += ["", (f"## Each precision at its own best {', '.join(hyper)} (lowest mean val loss), "
+                       "paired with the baseline at its best"), ""]
         lines += summary_table(tuned, hyper)
     lines += ["", "## Runs", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in rows:
         lines.append("| " + " | ".join(_fmt(row[c]).replace("|", "/") for c in COLUMNS) + " |")
-    lines += ["", "gap: final validation loss minus the baseline's, per seed (same initialization and data "
+    lines += ["", ("gap: final validation loss minus the baseline's, per seed (same initialization and data "
               "order), mean over seeds ± the half-width of its 95% Student-t interval; *within noise*: the "
               "interval contains 0. val s.e.: standard error of the validation loss over its batches; gap s.e. "
               "(val batches): standard error of the gap from the choice of validation batches (paired "
               "per-batch differences). extra tokens: % more tokens than the baseline to reach the "
               "baseline's final smoothed training loss ('not reached' within the run), paired by seed. "
               "diverged: a NaN/Inf loss; spike: the smoothed loss rose above 1.5x its early minimum in the "
-              "second half."]
+              "second half.")]
     (out / "results.md").write_text("\n".join(lines) + "\n")
 
 

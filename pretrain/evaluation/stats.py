@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["Interval", "paired_interval", "spread", "paired_batch_se", "t_quantile"]
+__all__ = ["Interval", "paired_batch_se", "paired_interval", "spread", "t_quantile"]
 
 
 def t_quantile(confidence: float, df: int) -> float:
