@@ -21,7 +21,7 @@ TO_PRETRAIN = ("launch/pretrain.py", "launch/slurm/pretrain.sbatch")
 def commands() -> list[str]:
     """Every command line of the README's ``bash`` blocks (continuations joined, comments cut)."""
     out = []
-    for block in re.findall(r"```bash\n(.*?)```", TEXT, re.S):
+    for block in re.findall(r"```bash\n(.*?)```", TEXT, re.DOTALL):
         for line in block.replace("\\\n", " ").splitlines():
             line = re.sub(r"\s+#.*$", "", line).strip()
             if line and not line.startswith("#"):
@@ -44,7 +44,7 @@ def test_every_readme_command_runs_an_existing_script_with_flags_it_takes():
     for cmd in commands():
         tokens = shlex.split(cmd)
         if tokens[0] == "make":
-            assert re.search(rf"^{tokens[1]}:", makefile, re.M), cmd
+            assert re.search(rf"^{tokens[1]}:", makefile, re.MULTILINE), cmd
             continue
         scripts = [t for t in tokens if t.startswith("launch/")]
         if not scripts:
