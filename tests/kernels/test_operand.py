@@ -190,3 +190,27 @@ def test_amax_histories_save_as_tensors_and_old_lists_still_load(tmp_path):
     y_old = policy_linear(torch.ones(16, 64), w, p, state=st_old, backend="reference")  # it runs from there
     assert torch.isfinite(y_old).all() and st_old.stats["fprop/x"]["scale_amax"].item() == 3.0
 
+
+
+# ------------------------------------------------------------------ evaluation / generation read only
+def test_forwards_without_autograd_read_the_state_and_change_nothing():
+    p = presets.get("hif8_w8a8")
+    sr = presets.get("mxfp4_sr")
+    st = LayerQuantState(2, "l")
+    w = torch.randn(32, 64)
+    policy_linear(torch.randn(16, 64), w, p, state=st, backend="reference")
+    st.end_step()
+    before = (dict(st.calls), st.amax["fprop/x"].history, {k: dict(v) for k, v in st.stats.items()})
+    with torch.no_grad():  # evaluation, generation
+        y1 = policy_linear(torch.randn(16, 64) * 100, w, p, state=st, backend="reference")
+        policy_linear(torch.randn(16, 64), w, sr, state=st, backend="reference")
+    st.end_step()  # nothing was observed: no history entry
+    assert (dict(st.calls), st.amax["fprop/x"].history, {k: dict(v) for k, v in st.stats.items()}) == before
+    assert torch.isfinite(y1).all()
+    # the next training call draws exactly what it would have drawn without the evaluation
+    x = torch.randn(16, 64, requires_grad=True)
+    fresh = LayerQuantState(2, "l")
+    fresh.load_state_dict(st.state_dict())
+    a = policy_linear(x, w, sr, state=st, backend="reference")
+    b = policy_linear(x, w, sr, state=fresh, backend="reference")
+    assert torch.equal(a, b)
