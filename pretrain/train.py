@@ -328,9 +328,10 @@ class Trainer:
         self._write_layer_scalars(scalars)
 
     def log_delayed_scaling(self) -> None:
-        """Every iteration, for each per-tensor delayed-scaling operand (e.g. HiF8 QAT): the fraction
-        of values clipped by the delayed scale and current amax / the scale's amax -- the failures a
-        loss curve hides (``qat/<layer>/<gemm>/<operand>/...``)."""
+        """Every ``--log-interval`` iterations, for each per-tensor delayed-scaling operand (e.g. HiF8
+        QAT): the fraction of values clipped by the delayed scale and current amax / the scale's amax
+        of the iteration's last micro-batch -- the failures a loss curve hides
+        (``qat/<layer>/<gemm>/<operand>/...``)."""
         scalars = []
         for name, m in self.policy_linears():
             st = m.quant_state
@@ -779,7 +780,8 @@ def train(trainer: Trainer, sigterm: _SigtermFlag) -> int:
         trainer.consumed_samples += args.global_batch_size
         if collect and args.tensorboard_dir:
             trainer.log_numerics()
-        if not warm and trainer.delayed_scaling and args.tensorboard_dir:
+        logs = trainer.iteration % args.log_interval == 0  # device telemetry is read at log intervals only
+        if not warm and trainer.delayed_scaling and args.tensorboard_dir and logs:
             trainer.log_delayed_scaling()
         trainer.set_telemetry(False, False)
         progress.iteration(loss, norm, lr, time.perf_counter() - t0, outcome)
