@@ -25,7 +25,7 @@ import torch
 
 from precision import blocks
 from precision.elements import round_to_grid
-from precision.quantize import FORMATS
+from precision.formats import Scaling, get_format
 from precision.rotation import rotate
 from precision.srand import SRKey, uniforms_from_params
 from precision.tensorwise import scale_from_amax
@@ -50,7 +50,7 @@ def _key_uniforms(x, srp, axis, block):
 
 
 def _mx_fn(x, u, signs, srp, *, fmt, axis, scale_rule, rounding, prescale, rot_n):
-    spec = FORMATS[fmt]
+    spec = get_format(fmt)
     x = _rotated(x, signs, axis, rot_n)
     n = x.shape[axis]
     if srp is not None:
@@ -61,21 +61,22 @@ def _mx_fn(x, u, signs, srp, *, fmt, axis, scale_rule, rounding, prescale, rot_n
 
 
 def _nvfp4_fn(x, u, signs, srp, amax_used, *, fmt, axis, scale_rule, rounding, prescale, rot_n):
+    block = get_format(fmt).block
     x = _rotated(x, signs, axis, rot_n)
     n = x.shape[axis]
     if srp is not None:
-        u = _key_uniforms(x, srp, axis, 16)
+        u = _key_uniforms(x, srp, axis, block)
     amax_cur = torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x)).amax()
     amax_t = torch.where(amax_used < 0, amax_cur, amax_used)  # amax_used < 0: this tensor's own
     g_enc = blocks.nvfp4_tensor_scale(amax_t)
-    xb = _to_blocks_padded(x, axis, 16)
+    xb = _to_blocks_padded(x, axis, block)
     q = blocks.nvfp4_fake_quantize_blocks(xb, g_enc, rounding, u)
     return blocks.from_blocks(q, axis, n).contiguous()
 
 
 def _tensor_fn(x, u, signs, srp, amax_used, *, fmt, rounding, axis, rot_n):
     """Per-tensor FP8: returns (dequantized, current amax, number clipped)."""
-    spec = FORMATS[fmt]
+    spec = get_format(fmt)
     xf = _rotated(x, signs, axis, rot_n)
     if srp is not None:
         u = _key_uniforms(xf, srp, axis, 0)
@@ -86,9 +87,9 @@ def _tensor_fn(x, u, signs, srp, amax_used, *, fmt, rounding, axis, rot_n):
     v = xf * scale
     clipped = ((v.abs() > spec.max_normal) & finite).sum()
     q = round_to_grid(v, spec.element, rounding, u=u)
-    if spec.element.name == "e4m3":
+    if spec.element.nonfinite == "nan":  # E4M3: every non-finite value is NaN
         q = torch.where(finite, q, torch.full_like(q, float("nan")))
-    else:
+    else:  # E5M2 keeps +-Inf and NaN
         q = torch.where(finite, q, xf)
     return q * (1.0 / scale), amax_cur, clipped
 
@@ -163,38 +164,38 @@ def fake_quantize(
     float32 tensor, no host read): the amax of the tensor-level scale -- per-tensor formats and
     NVFP4's FP32 tensor scale -- instead of this tensor's own. ``sr``: stochastic rounding's
     counter-based key (``precision.srand``), else ``generator``. Returns ``(values, stats)``;
-    per-tensor formats report ``amax`` (this tensor's) and ``num_clipped`` in ``stats``. HiF8,
-    BF16 and FP32 go through the reference directly.
+    per-tensor formats report ``amax`` (this tensor's) and ``num_clipped`` in ``stats``. ``fmt``: a
+    registered name or ``Format``; the formats without a fused expression (FP32, BF16, HiF8) go
+    through the reference directly.
     """
     from precision.quantize import quantize  # the reference, for formats without a fused kernel
 
-    spec = FORMATS[fmt]
+    spec = get_format(fmt)
+    fmt = spec.name
+    rounding, scale_rule = (str(v) for v in spec.check(rounding, scale_rule))  # plain strings: cache keys
     axis = axis % x.dim()
     if impl not in ("auto", "compiled", "eager"):
         raise ValueError(f"impl: unknown {impl!r}; valid: auto, compiled, eager")
     compiled = impl == "compiled" or (impl == "auto" and compile_available())
     rot_n, signs = rotation if rotation is not None else (1, None)
-    if rot_n > 1 and fmt in ("fp32", "bf16", "hif8"):
-        x = rotate(x, axis, rot_n, signs)
-    if fmt == "fp32":
-        return x.float(), {}
-    if fmt == "bf16":
-        return x.to(torch.bfloat16).float(), {}
-    if fmt == "hif8":
-        q = quantize(x, fmt, axis=axis, amax=amax)
-        return q.dequantize(torch.float32), {"amax": q.amax, "num_clipped": q.num_clipped}
+    if spec.kind == Scaling.NONE or spec.element is None:  # fp32, bf16, hif8: the reference itself
+        if rot_n > 1:
+            x = rotate(x, axis, rot_n, signs)
+        q = quantize(x, fmt, axis=axis, amax=amax if spec.tensor_scaled else None)
+        stats = {"amax": q.amax, "num_clipped": q.num_clipped} if spec.kind == Scaling.TENSOR else {}
+        return q.dequantize(torch.float32), stats
     stochastic = rounding == "stochastic"
     srp = sr.params(x.shape, x.device) if stochastic and sr is not None else None
     draw = stochastic and sr is None  # the older API: eager draws from ``generator``
     used = (torch.full((), -1.0, device=x.device) if amax is None
             else torch.as_tensor(amax, dtype=torch.float32, device=x.device).reshape(()))
-    if spec.scaling == "tensor":
+    if spec.kind == Scaling.TENSOR:
         u = torch.rand(x.shape, generator=generator, device=x.device) if draw else None
         k = _kernel("tensor", compiled, fmt=fmt, rounding=rounding, axis=axis, rot_n=rot_n)
         out, amax_cur, clipped = k(x, u, signs, srp, used)
         return out, {"amax": amax_cur, "num_clipped": clipped}
     u = _sr_uniforms(x, axis, spec.block, generator) if draw else None
-    kind = "nvfp4" if fmt == "nvfp4" else "mx"
+    kind = "nvfp4" if spec.kind == Scaling.TWO_LEVEL else "mx"
     k = _kernel(kind, compiled, fmt=fmt, axis=axis, scale_rule=scale_rule, rounding=rounding,
                 prescale=prescale, rot_n=rot_n)
     extra = (used,) if kind == "nvfp4" else ()

@@ -24,7 +24,7 @@ import importlib.util
 
 import torch
 
-from precision.quantize import FORMATS, QuantizedTensor
+from precision.formats import QuantizedTensor, Rounding, Scaling, format_names, get_format
 from precision.quantize import quantize as reference_quantize
 from precision.rotation import rotate, rotation_size
 from precision.srand import SRKey
@@ -32,7 +32,9 @@ from precision.srand import SRKey
 __all__ = ["quantize", "QUANTIZE_BACKENDS", "triton_importable", "triton_missing_reason"]
 
 QUANTIZE_BACKENDS = ("auto", "reference", "triton")
-TRITON_FORMATS = ("mxfp4", "mxfp8_e4m3", "mxfp8_e5m2", "nvfp4", "fp8_e4m3", "fp8_e5m2")
+# The fused Triton kernel handles every format with a sign-exponent-mantissa element under per-tensor,
+# block or two-level scaling (not fp32/bf16, which do not round through a grid, nor HiF8's tapered code).
+TRITON_FORMATS = format_names(lambda f: f.element is not None and f.kind != Scaling.NONE)
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,8 +84,7 @@ def quantize(
     ``precision.quantize`` (3/4 SR pre-scale; the amax of a tensor-level scale); so is ``sr``
     (stochastic rounding's counter-based key).
     """
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown format {fmt!r}; valid: {', '.join(FORMATS)}")
+    fmt = get_format(fmt).name  # a one-line error listing the registry's formats
     if backend not in QUANTIZE_BACKENDS:
         raise ValueError(f"quantize backend: unknown {backend!r}; valid: {', '.join(QUANTIZE_BACKENDS)}")
     rot = None if rotation in (None, "none") else rotation
@@ -105,15 +106,15 @@ def quantize(
     from kernels.triton_quant import quantize_triton
 
     seed = None
-    if rounding == "stochastic" and sr is None:
+    if rounding == Rounding.STOCHASTIC and sr is None:
         dev = generator.device if generator is not None else x.device
         seed = torch.randint(0, 2**62, (1,), generator=generator, device=dev, dtype=torch.int64)
     r = quantize_triton(x, fmt, axis=axis, rounding=rounding, scale_rule=scale_rule, rotation=rot,
                         signs=signs if rot is not None and rot.startswith("rht") else None,
                         seed=seed, sr=sr, prescale=prescale, amax=amax)
-    spec = FORMATS[fmt]
-    if spec.scaling == "tensor":
+    kind = get_format(fmt).kind
+    if kind == Scaling.TENSOR:
         return QuantizedTensor(fmt, r.codes, r.scales, r.axis, num_clipped=r.num_clipped, amax=r.amax)
-    if fmt == "nvfp4":
+    if kind == Scaling.TWO_LEVEL:
         return QuantizedTensor(fmt, r.codes, r.scales, r.axis, tensor_scale=r.tensor_scale)
     return QuantizedTensor(fmt, r.codes, r.scales, r.axis, prescale=prescale)

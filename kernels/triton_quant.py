@@ -57,8 +57,8 @@ import triton.language as tl
 
 from kernels.quantizer import TRITON_FORMATS
 from precision import blocks
-from precision.elements import E2M1, fdiv
-from precision.quantize import FORMATS, ROUNDINGS, SCALE_RULES
+from precision.elements import fdiv
+from precision.formats import Rounding, ScaleRule, Scaling, get_format
 from precision.rotation import hadamard_matrix, rotation_size
 from precision.srand import SRKey
 from precision.tensorwise import scale_from_amax
@@ -67,9 +67,9 @@ __all__ = ["TRITON_FORMATS", "TritonQuantResult", "interpreter_problem", "interp
 
 
 MODE_MX, MODE_NVFP4, MODE_TENSOR = 0, 1, 2
-ELEM_E2M1, ELEM_E4M3, ELEM_E5M2 = 0, 1, 2
-_ELEM_ID = {"e2m1": ELEM_E2M1, "e4m3": ELEM_E4M3, "e5m2": ELEM_E5M2}
-_BIAS = {"e2m1": 1, "e4m3": 7, "e5m2": 15}
+_MODE = {Scaling.BLOCK: MODE_MX, Scaling.TWO_LEVEL: MODE_NVFP4, Scaling.TENSOR: MODE_TENSOR}
+# ELEM constexpr: how the element codes non-finite values (finite-only; E4M3 NaN; E5M2 Inf and NaN)
+_NONFINITE = {"none": 0, "nan": 1, "inf_nan": 2}
 FP32_MAX = tl.constexpr(torch.finfo(torch.float32).max)  # a constexpr: visible inside @jit
 
 
@@ -471,13 +471,12 @@ def quantize_triton(
     ``contraction_last``; ``pack``: FP4 codes two per byte along the block axis
     (``contraction_last`` only).
     """
-    if fmt not in TRITON_FORMATS:
+    if getattr(fmt, "name", fmt) not in TRITON_FORMATS:
         raise ValueError(f"triton quantizer: no kernel for format {fmt!r}; "
                          f"valid: {', '.join(TRITON_FORMATS)}")
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"rounding: unknown mode {rounding!r}; valid: {', '.join(ROUNDINGS)}")
-    if scale_rule not in SCALE_RULES:
-        raise ValueError(f"scale_rule: unknown rule {scale_rule!r}; valid: {', '.join(SCALE_RULES)}")
+    spec = get_format(fmt)
+    fmt = spec.name
+    rounding, scale_rule = spec.check(rounding, scale_rule)
     if layout not in ("input", "contraction_last"):
         raise ValueError(f"layout: unknown {layout!r}; valid: input, contraction_last")
     if x.dim() == 0:
@@ -490,10 +489,9 @@ def quantize_triton(
                            "TRITON_INTERPRET=1 set before importing triton for the CPU interpreter")
     if x.device.type != "cuda" and (why := interpreter_problem()):
         raise RuntimeError(f"triton quantizer: {why}")
-    spec = FORMATS[fmt]
     axis = axis % x.dim()
     n = x.shape[axis]
-    sr_key, sr = sr, rounding == "stochastic"
+    sr_key, sr = sr, rounding == Rounding.STOCHASTIC
     rot = 0 if rotation in (None, "none") else rotation_size(rotation)
     if rot and n % rot:
         raise ValueError(f"rotation {rotation}: axis {axis} has length {n}, not a multiple of {rot}; "
@@ -501,7 +499,9 @@ def quantize_triton(
     if rotation is not None and rotation.startswith("rht") and signs is None:
         raise ValueError(f"rotation {rotation}: needs signs= (the +-1 vector of length {rot})")
     if pack and (spec.bits != 4 or layout != "contraction_last" or n % 2):
-        raise ValueError("pack=True: 4-bit formats, layout='contraction_last' and an even axis length only")
+        raise ValueError("pack=True: 4-bit formats "
+                         f"({', '.join(n for n in TRITON_FORMATS if get_format(n).bits == 4)}), "
+                         "layout='contraction_last' and an even axis length only")
     key = sr_key if sr else None
     if sr and uniforms is None and seed is None and key is None:
         raise ValueError("stochastic rounding: give sr= (an SRKey), uniforms= or seed=")
@@ -514,20 +514,20 @@ def quantize_triton(
     outer, inner, sx_o, sx_i, sx_k = ois
     R = outer * inner
 
-    block = spec.block if spec.scaling == "block" else 64
+    block = spec.block if spec.blocked else 64
     tk = max(block, rot, 2)
     nb = tk // block
-    npad = -(-n // block) * block if spec.scaling == "block" else n
-    nblk = -(-n // block) if spec.scaling == "block" else 0
+    npad = -(-n // block) * block if spec.blocked else n
+    nblk = -(-n // block) if spec.blocked else 0
     # GPU: a fixed tile; interpreter: few, large programs (each is a numpy pass)
     cpu_tile = max(16, min(256, triton.next_power_of_2(R)))
     tile_r = tile_rows or (_TILE_R_GPU if dev.type == "cuda" else cpu_tile)
     grid = (triton.cdiv(R, tile_r), triton.cdiv(n, tk))
 
     elem = spec.element
-    ekw = dict(ELEM=_ELEM_ID[elem.name], EMIN=elem.emin, EMAX=elem.emax, MBITS=elem.mbits,
-               BIAS=_BIAS[elem.name], MAXN=float(elem.max_normal),
-               SUBSCALE=float(2.0 ** (elem.mbits - elem.emin)), SIGN_SHIFT=3 if elem is E2M1 else 7)
+    ekw = dict(ELEM=_NONFINITE[elem.nonfinite], EMIN=elem.emin, EMAX=elem.emax, MBITS=elem.mbits,
+               BIAS=elem.bias, MAXN=float(elem.max_normal),
+               SUBSCALE=float(2.0 ** (elem.mbits - elem.emin)), SIGN_SHIFT=elem.sign_shift)
     rot_c = float(hadamard_matrix(rot)[0, 0]) if rot else 1.0
     signs_t = (signs.to(device=dev, dtype=torch.float32).contiguous() if signs is not None
                else torch.empty(1, device=dev))
@@ -548,14 +548,14 @@ def quantize_triton(
                 codes_t if codes_t is not None else dummy_f, scales_t if scales_t is not None else dummy_f,
                 dq_t if dq_t is not None else dummy_f, aux if aux is not None else dummy_f,
                 R, n, inner, npad, nblk, ncols, sx_o, sx_i, sx_k, *sc, *ss, *sd, *su, float(prescale))
-        meta = dict(MODE=mode, RCEIL=scale_rule == "rceil", SR=sr, U_GIVEN=uniforms is not None,
+        meta = dict(MODE=mode, RCEIL=scale_rule == ScaleRule.RCEIL, SR=sr, U_GIVEN=uniforms is not None,
                     KEYED=uniforms is None and key is not None, NAT=nat,
                     PRESCALE=prescale != 1.0, WRITE_CODES=write_codes, WRITE_DQ=write_dq, PACK=pack, **launch)
         _launch(_quant_kernel, grid, args, meta)
 
     # ---- tensor-wide numbers: amax pass (NVFP4 with a given amax needs none) ----------------------
     amax_cur = None
-    if spec.scaling == "tensor" or (fmt == "nvfp4" and amax is None):
+    if spec.kind == Scaling.TENSOR or (spec.tensor_scaled and amax is None):
         bits = torch.zeros(1, dtype=torch.int32, device=dev)
         _launch(_amax_kernel, grid, (x, signs_t, bits, R, n, inner, sx_o, sx_i, sx_k),
                 dict(TILE_R=tile_r, TK=tk, ROT=rot, LOG_ROT=launch["LOG_ROT"], ROT_C=rot_c,
@@ -569,7 +569,7 @@ def quantize_triton(
             srp_t = key.params(x.shape, dev)
         elif uniforms is not None:
             u_t = _uniforms_view(uniforms.to(dev, torch.float32), x.shape, axis, npad,
-                                 spec.scaling == "block")
+                                 spec.blocked)
         else:
             seed_t = (seed.reshape(1).to(device=dev, dtype=torch.int64) if isinstance(seed, torch.Tensor)
                       else torch.tensor([int(seed)], dtype=torch.int64, device=dev))
@@ -584,7 +584,7 @@ def quantize_triton(
             codes_t = _alloc(shape, axis, n, torch.uint8, dev, layout)
     dq_t = torch.empty(shape, dtype=torch.float32, device=dev) if dequantize else None
 
-    if spec.scaling == "tensor":
+    if spec.kind == Scaling.TENSOR:
         used = (amax_cur if amax is None
                 else torch.as_tensor(amax, dtype=torch.float32, device=dev).reshape(()))
         scale = scale_from_amax(used, spec.max_normal)           # the reference's own expression
@@ -596,20 +596,19 @@ def quantize_triton(
     else:
         scales_t = _alloc(shape, axis, nblk, torch.uint8, dev, layout)
         gs, g_enc = None, None
-        if fmt == "nvfp4":
+        if spec.kind == Scaling.TWO_LEVEL:
             used = (amax_cur if amax is None
                     else torch.as_tensor(amax, dtype=torch.float32, device=dev).reshape(()))
             g_enc = blocks.nvfp4_tensor_scale(used)              # the reference's own expression
-            gs = torch.stack([fdiv(g_enc, E2M1.max_normal), 1.0 / g_enc]).float().contiguous()
-        run(MODE_NVFP4 if fmt == "nvfp4" else MODE_MX, gs, codes_t, scales_t, dq_t, None, u_t, seed_t,
-            codes, dequantize)
+            gs = torch.stack([fdiv(g_enc, spec.max_normal), 1.0 / g_enc]).float().contiguous()
+        run(_MODE[spec.kind], gs, codes_t, scales_t, dq_t, None, u_t, seed_t, codes, dequantize)
         res = TritonQuantResult(fmt, axis, codes_t, scales_t, dq_t, tensor_scale=g_enc,
-                                prescale=prescale if fmt != "nvfp4" else 1.0)
+                                prescale=prescale if spec.has_scale_rules else 1.0)
     if layout == "contraction_last":
         # hand back the contiguous K-last tensors themselves
         if res.codes is not None:
             res.codes = res.codes.movedim(axis, -1)
-        if spec.scaling == "block":
+        if spec.blocked:
             res.scales = res.scales.movedim(axis, -1)
     return res
 

@@ -2,16 +2,19 @@
 
 Public API::
 
-    precision.quantize(x, fmt, *, axis=-1, rounding="nearest", scale_rule="floor", generator=None)
+    precision.quantize(x, fmt, *, axis=-1, rounding="nearest", scale_rule="floor", generator=None, sr=None)
+    precision.FORMATS (name -> Format), Rounding, ScaleRule, AmaxAlgo, Scaling, SRKey
     precision.Gemm, OperandFormat, GemmRecipe, LinearPrecision
     precision.presets.get(name), precision.presets.names()
     precision.PrecisionPolicy, PrecisionPlan, Rule, parse_precision
 """
 
 from precision import presets
+from precision.formats import FORMATS, AmaxAlgo, Format, QuantizedTensor, Rounding, ScaleRule, Scaling
 from precision.policy import PrecisionPlan, PrecisionPolicy, Rule, parse_precision
-from precision.quantize import FORMATS, QuantizedTensor, fake_quantize, quantize
+from precision.quantize import fake_quantize, quantize
 from precision.recipe import Gemm, GemmRecipe, LinearPrecision, OperandFormat, SpecError
+from precision.srand import SRKey
 from precision.state import LayerQuantState
 
 __all__ = [
@@ -19,6 +22,12 @@ __all__ = [
     "fake_quantize",
     "QuantizedTensor",
     "FORMATS",
+    "Format",
+    "Rounding",
+    "ScaleRule",
+    "AmaxAlgo",
+    "Scaling",
+    "SRKey",
     "Gemm",
     "OperandFormat",
     "GemmRecipe",

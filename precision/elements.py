@@ -59,6 +59,7 @@ class ElementSpec:
     emax: int  # exponent of the largest power of two
     max_normal: float
     torch_dtype: torch.dtype | None  # torch storage dtype, where one exists
+    nonfinite: str = "none"  # codes for non-finite values: "none" (finite-only), "nan", "inf_nan"
 
     @property
     def bits(self) -> int:
@@ -82,8 +83,10 @@ class ElementSpec:
 E2M1 = ElementSpec("e2m1", ebits=2, mbits=1, emin=0, emax=2, max_normal=6.0, torch_dtype=None)
 E2M3 = ElementSpec("e2m3", ebits=2, mbits=3, emin=0, emax=2, max_normal=7.5, torch_dtype=None)
 E3M2 = ElementSpec("e3m2", ebits=3, mbits=2, emin=-2, emax=4, max_normal=28.0, torch_dtype=None)
-E4M3 = ElementSpec("e4m3", ebits=4, mbits=3, emin=-6, emax=8, max_normal=448.0, torch_dtype=torch.float8_e4m3fn)
-E5M2 = ElementSpec("e5m2", ebits=5, mbits=2, emin=-14, emax=15, max_normal=57344.0, torch_dtype=torch.float8_e5m2)
+E4M3 = ElementSpec("e4m3", ebits=4, mbits=3, emin=-6, emax=8, max_normal=448.0, torch_dtype=torch.float8_e4m3fn,
+                   nonfinite="nan")
+E5M2 = ElementSpec("e5m2", ebits=5, mbits=2, emin=-14, emax=15, max_normal=57344.0, torch_dtype=torch.float8_e5m2,
+                   nonfinite="inf_nan")
 ELEMENTS = {e.name: e for e in (E2M1, E2M3, E3M2, E4M3, E5M2)}
 
 

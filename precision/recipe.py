@@ -31,9 +31,8 @@ import enum
 import re
 from dataclasses import dataclass
 
-from precision.quantize import FORMATS
+from precision.formats import FORMATS, AmaxAlgo, Format, Rounding, ScaleRule, Scaling, format_names
 from precision.rotation import ROTATIONS
-from precision.tensorwise import AMAX_ALGOS
 
 __all__ = ["Gemm", "OperandFormat", "GemmRecipe", "LinearPrecision", "SpecError"]
 
@@ -63,42 +62,53 @@ class Gemm(str, enum.Enum):
 
 @dataclass(frozen=True)
 class OperandFormat:
-    """How one GEMM operand is quantized."""
+    """How one GEMM operand is quantized. String values are accepted for the enum fields (and
+    stored as the enum member, which equals and prints as the same string)."""
 
     fmt: str = "bf16"
-    rounding: str = "nearest"  # nearest | stochastic
-    scale_rule: str = "floor"  # MX only: floor | rceil
-    prescale: bool = False  # MX, stochastic: multiply by 3/4 before rounding (2502.20586)
-    amax_algo: str = "current"  # per-tensor formats: current | most_recent | max | ema
+    """A registered format name (``precision.formats.FORMATS``)."""
+    rounding: Rounding = Rounding.NEAREST
+    """``nearest`` or ``stochastic`` (formats whose ``supports_sr``)."""
+    scale_rule: ScaleRule = ScaleRule.FLOOR
+    """MX formats only: ``floor`` (OCP) or ``rceil``."""
+    prescale: bool = False
+    """MX, stochastic: multiply by 3/4 before rounding (arXiv 2502.20586)."""
+    amax_algo: AmaxAlgo = AmaxAlgo.CURRENT
+    """Formats with delayed scaling (per-tensor): ``current`` or a history algorithm."""
     amax_history_len: int = 1
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
             raise SpecError(f"unknown format {self.fmt!r}; valid: {', '.join(FORMATS)}")
         spec = FORMATS[self.fmt]
-        if self.rounding not in ("nearest", "stochastic"):
-            raise SpecError(f"{self.fmt}: unknown rounding {self.rounding!r}; valid: nearest, stochastic")
-        if self.rounding == "stochastic" and self.fmt in ("fp32", "bf16", "hif8"):
-            raise SpecError(f"{self.fmt}: stochastic rounding is not supported; valid with: "
-                            "fp8_e4m3, fp8_e5m2, mxfp8_e4m3, mxfp8_e5m2, mxfp4, nvfp4")
-        if self.scale_rule not in ("floor", "rceil"):
-            raise SpecError(f"{self.fmt}: unknown scale rule {self.scale_rule!r}; valid: floor, rceil")
-        if self.scale_rule != "floor" and not spec.is_mx:
-            raise SpecError(f"{self.fmt}: scale rule {self.scale_rule!r} applies to MX formats only")
-        if self.prescale and not (spec.is_mx and self.rounding == "stochastic"):
+        for field, enum_type, what in (("rounding", Rounding, "rounding"), ("scale_rule", ScaleRule, "scale rule"),
+                                       ("amax_algo", AmaxAlgo, "amax algorithm")):
+            value = getattr(self, field)
+            if value not in enum_type.values():
+                raise SpecError(f"{self.fmt}: unknown {what} {value!r}; valid: {', '.join(enum_type.values())}")
+            object.__setattr__(self, field, enum_type(value))  # the same value, typed
+        if self.rounding not in spec.roundings:
+            raise SpecError(f"{self.fmt}: {self.rounding} rounding is not supported; valid with: "
+                            f"{', '.join(format_names(lambda f: f.supports_sr))}")
+        if self.scale_rule not in spec.scale_rules:
+            raise SpecError(f"{self.fmt}: scale rule {str(self.scale_rule)!r} applies to MX formats only "
+                            f"({', '.join(format_names(lambda f: f.has_scale_rules))})")
+        if self.prescale and not (spec.has_scale_rules and self.rounding == Rounding.STOCHASTIC):
             raise SpecError(f"{self.fmt}: prescale (3/4) needs an MX format with stochastic rounding")
-        if self.amax_algo not in AMAX_ALGOS:
-            raise SpecError(f"{self.fmt}: unknown amax algorithm {self.amax_algo!r}; "
-                            f"valid: {', '.join(AMAX_ALGOS)}")
-        if self.amax_algo != "current" and spec.scaling != "tensor":
+        if self.amax_algo != AmaxAlgo.CURRENT and not spec.delayed:
             raise SpecError(f"{self.fmt}: delayed scaling applies to per-tensor formats only "
-                            "(fp8_e4m3, fp8_e5m2, hif8)")
+                            f"({', '.join(format_names(lambda f: f.delayed))})")
         if self.amax_history_len < 1:
             raise SpecError(f"{self.fmt}: amax history length must be >= 1, got {self.amax_history_len}")
 
     @property
+    def format(self) -> Format:
+        """The registry entry of ``fmt``."""
+        return FORMATS[self.fmt]
+
+    @property
     def is_high_precision(self) -> bool:
-        return self.fmt in ("fp32", "bf16")
+        return self.format.kind == Scaling.NONE
 
     @property
     def prescale_factor(self) -> float:
@@ -106,13 +116,13 @@ class OperandFormat:
 
     def modifiers(self) -> list[str]:
         mods = []
-        if self.rounding == "stochastic":
+        if self.rounding == Rounding.STOCHASTIC:
             mods.append("sr")
         if self.prescale:
             mods.append("prescale")
-        if self.scale_rule != "floor":
+        if self.scale_rule != ScaleRule.FLOOR:
             mods.append(self.scale_rule)
-        if self.amax_algo != "current":
+        if self.amax_algo != AmaxAlgo.CURRENT:
             mods.append(f"delayed({self.amax_algo},{self.amax_history_len})")
         return mods
 
@@ -159,19 +169,19 @@ _MOD_RE = re.compile(r"^delayed\((\w+)(?:,(\d+))?\)$")
 def _apply_modifier(fields: dict, mod: str) -> None:
     """Record one modifier in ``fields`` (OperandFormat keyword arguments)."""
     if mod == "sr":
-        fields["rounding"] = "stochastic"
+        fields["rounding"] = Rounding.STOCHASTIC
     elif mod == "prescale":
         fields["prescale"] = True
-    elif mod in ("floor", "rceil"):
+    elif mod in ScaleRule.values():
         fields["scale_rule"] = mod
-    elif mod == "current":
-        fields.update(amax_algo="current", amax_history_len=1)
+    elif mod == AmaxAlgo.CURRENT:
+        fields.update(amax_algo=AmaxAlgo.CURRENT, amax_history_len=1)
     elif m := _MOD_RE.match(mod):
         algo, n = m.group(1), int(m.group(2) or (64 if m.group(1) == "max" else 1))
         fields.update(amax_algo=algo, amax_history_len=n)
     else:
-        raise SpecError(f"unknown modifier {mod!r}; valid: sr, prescale, floor, rceil, current, "
-                        f"delayed(ALGO[,N]) with ALGO in {', '.join(AMAX_ALGOS[1:])}, or a rotation "
+        raise SpecError(f"unknown modifier {mod!r}; valid: sr, prescale, {', '.join(ScaleRule.values())}, "
+                        f"current, delayed(ALGO[,N]) with ALGO in {', '.join(AmaxAlgo.values()[1:])}, or a rotation "
                         f"({', '.join(ROTATIONS[1:])})")
 
 

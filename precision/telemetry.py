@@ -6,8 +6,9 @@ rotation: what the quantizer actually saw) with its dequantized value:
 =============  ==================================================================================
 ``sqnr_db``    10·log10(Σ hp² / Σ (hp − deq)²); 200 dB when exact (e.g. an all-zero tensor)
 ``clipped``    fraction of finite values whose magnitude exceeded the largest value their scale
-               can represent (per block for MX / NVFP4; per tensor -- from the amax the scale was
-               *computed from*, which lags under delayed scaling -- for FP8 / HiF8)
+               can represent (per block for MX -- MXFP8/6/4, FLOOR scales -- and NVFP4; per tensor
+               -- from the amax the scale was *computed from*, which lags under delayed scaling --
+               for FP8 / HiF8)
 ``flushed``    fraction of non-zero values that quantized to zero (underflow)
 ``amax``       max |hp| over finite values
 ``amax_ratio`` this tensor's amax / the amax its scale came from (> 1: delayed scaling lagged)
@@ -24,8 +25,8 @@ import math
 import torch
 
 from precision import blocks
-from precision.elements import fdiv
-from precision.quantize import FORMATS
+from precision.elements import E4M3, fdiv
+from precision.formats import Format, ScaleRule, Scaling, get_format
 
 __all__ = ["operand_stats", "METRICS"]
 
@@ -33,19 +34,21 @@ METRICS = ("sqnr_db", "clipped", "flushed", "amax", "amax_ratio")
 _MAX_DB = 200.0
 
 
-def _block_limits(hp: torch.Tensor, fmt: str, axis: int) -> torch.Tensor:
-    """Largest representable magnitude of each element's block, shaped like ``hp``."""
-    spec = FORMATS[fmt]
+def _block_limits(hp: torch.Tensor, spec: Format, axis: int, tensor_amax: float | None) -> torch.Tensor:
+    """Largest representable magnitude of each element's block (FLOOR scales), shaped like ``hp``.
+    Two-level formats (NVFP4) take their FP32 tensor scale from ``tensor_amax`` (the amax the
+    quantizer's tensor scale came from) or else this tensor's own."""
     n = hp.shape[axis]
     xb = blocks.to_blocks(hp, axis, spec.block)
     amax = xb.abs().amax(-1, keepdim=True)
     amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
-    if fmt == "nvfp4":
-        g_enc = blocks.nvfp4_tensor_scale(amax.amax())
-        s_dec = torch.clamp(amax * fdiv(g_enc, 6.0), max=448.0).to(torch.float8_e4m3fn).float()
-        limit = 6.0 * s_dec * (1.0 / g_enc)
+    if spec.kind == Scaling.TWO_LEVEL:
+        whole = amax.amax() if tensor_amax is None else torch.tensor(float(tensor_amax), device=hp.device)
+        g_enc = blocks.nvfp4_tensor_scale(whole)
+        s_dec = torch.clamp(amax * fdiv(g_enc, spec.max_normal), max=E4M3.max_normal)
+        limit = spec.max_normal * s_dec.to(torch.float8_e4m3fn).float() * (1.0 / g_enc)
     else:
-        sbyte = blocks.mx_scale_bytes(amax, spec.element, "floor")
+        sbyte = blocks.mx_scale_bytes(amax, spec.element, ScaleRule.FLOOR)
         limit = spec.max_normal * blocks.pow2(sbyte - 127)
     return blocks.from_blocks(limit.expand_as(xb), axis, n)
 
@@ -62,13 +65,14 @@ def operand_stats(hp: torch.Tensor, deq: torch.Tensor, fmt: str, axis: int = -1,
     amax = hpf.abs().amax().item() if hp.numel() else 0.0
     numel = max(hp.numel(), 1)
     flushed = ((hpf != 0) & (deq == 0)).sum().item() / numel
-    spec = FORMATS[fmt]
-    if spec.scaling == "tensor":
+    spec = get_format(fmt)
+    if spec.kind == Scaling.TENSOR:
         ref = amax if scale_amax is None else scale_amax
         clipped = ((hpf.abs() > ref) & finite).sum().item() / numel if ref > 0 else 0.0
-    elif spec.scaling == "block" and scale_rule == "floor":
-        clipped = ((hpf.abs() > _block_limits(hpf, fmt, axis)) & finite).sum().item() / numel
-    else:  # bf16; RCEIL scales never clip
+    elif spec.blocked and scale_rule == ScaleRule.FLOOR:
+        limits = _block_limits(hpf, spec, axis, scale_amax if spec.tensor_scaled else None)
+        clipped = ((hpf.abs() > limits) & finite).sum().item() / numel
+    else:  # fp32 / bf16 (no scale); RCEIL scales never clip
         clipped = 0.0
     ref_amax = amax if scale_amax is None else scale_amax
     ratio = amax / ref_amax if ref_amax > 0 else 1.0

@@ -19,9 +19,16 @@ import torch
 
 from precision.elements import fdiv
 
-__all__ = ["AMAX_ALGOS", "AmaxHistory", "tensor_amax", "scale_from_amax"]
+__all__ = ["AmaxHistory", "tensor_amax", "scale_from_amax"]  # AMAX_ALGOS: see __getattr__
 
-AMAX_ALGOS = ("current", "most_recent", "max", "ema")
+
+
+def __getattr__(name: str):
+    if name == "AMAX_ALGOS":  # the registry's names (precision.formats.AmaxAlgo imports this module)
+        from precision.formats import AmaxAlgo
+
+        return AmaxAlgo.values()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
@@ -52,8 +59,9 @@ class AmaxHistory:
     """
 
     def __init__(self, algo: str = "max", history_len: int = 64, ema_decay: float = 0.9):
-        if algo not in AMAX_ALGOS:
-            raise ValueError(f"amax algorithm: unknown {algo!r}; valid: {', '.join(AMAX_ALGOS)}")
+        from precision.formats import AmaxAlgo
+
+        algo = str(AmaxAlgo.parse(algo, "amax algorithm"))
         if history_len < 1:
             raise ValueError(f"amax history length: must be >= 1, got {history_len}")
         self.algo, self.history_len, self.ema_decay = algo, history_len, ema_decay

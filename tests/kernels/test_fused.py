@@ -131,3 +131,15 @@ def test_nvfp4_external_amax_and_defect_vectors(impl):
     z[0, :3] = torch.tensor([-0.0, -1e-40, 1e-40])
     out, _ = fake_quantize(z, "mxfp4", impl=impl)
     assert torch.signbit(out[0, :3]).tolist() == [True, True, False]
+
+
+@pytest.mark.parametrize("impl", ["eager", pytest.param("compiled", marks=pytest.mark.skipif(
+    not compile_available(), reason="torch.compile has no working backend here"))])
+@pytest.mark.parametrize("fmt,axis,rule,rounding", [("mxfp6_e2m3", 0, "rceil", "nearest"),
+                                                    ("mxfp6_e3m2", 1, "floor", "stochastic")])
+def test_mxfp6_equals_reference(fmt, axis, rule, rounding, impl):
+    from precision.srand import SRKey
+
+    x = data()
+    kw = dict(axis=axis, scale_rule=rule, rounding=rounding, sr=SRKey(77) if rounding == "stochastic" else None)
+    assert bits_equal(quantize(x, fmt, **kw).dequantize(), fake_quantize(x, fmt, impl=impl, **kw)[0])

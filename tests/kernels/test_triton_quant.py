@@ -294,3 +294,17 @@ def test_zero_blocks_keep_their_sign_and_nvfp4_zero_scales_store_zero_codes():
     assert torch.signbit(mx.dequantized.cpu()[0, :4]).tolist() == [True, False, True, False]
     nv = quantize_triton(x[1:].to(DEV), "nvfp4", dequantize=True)
     assert nv.scales.cpu()[0, 1].item() == 0 and nv.codes.cpu()[0, 16:20].tolist() == [0, 0x8, 0, 0x8]
+
+
+# ------------------------------------------------------------------ MXFP6 (registry entries only)
+@pytest.mark.parametrize("fmt,axis,rule", [("mxfp6_e2m3", 0, "floor"), ("mxfp6_e2m3", 1, "rceil"),
+                                           ("mxfp6_e3m2", 1, "floor"), ("mxfp6_e3m2", 0, "rceil")])
+def test_mxfp6_nearest_and_sr_key_bit_exact(fmt, axis, rule):
+    from precision.srand import SRKey
+
+    x = data(24, 80)
+    assert_same(ref_quantize(x, fmt, axis=axis, scale_rule=rule),
+                quantize_triton(x, fmt, axis=axis, scale_rule=rule, dequantize=True))
+    ref = ref_quantize(x, fmt, axis=axis, scale_rule=rule, rounding="stochastic", sr=SRKey(31))
+    assert_same(ref, quantize_triton(x, fmt, axis=axis, scale_rule=rule, rounding="stochastic", sr=SRKey(31),
+                                     dequantize=True))

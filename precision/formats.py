@@ -1,0 +1,438 @@
+"""The format registry: every number format is one object that carries its behaviour.
+
+A format knows its scaling kind, block size, element, bits per element (scale overhead included),
+which roundings and scale rules apply, whether delayed scaling applies, and how to quantize,
+dequantize and pack -- TransformerEngine's "one quantizer interface, one ``quantize_impl`` per
+format". Adding a format is one entry in :data:`FORMATS` (plus its element in
+``precision.elements`` if the element is new); every list of valid values -- errors, CLI choices,
+the spec grammar, README tables -- is read from here.
+
+>>> FORMATS["mxfp6_e2m3"].bits_per_element, FORMATS["nvfp4"].kind
+(6.25, <Scaling.TWO_LEVEL: 'two_level'>)
+
+Roundings, scale rules, amax algorithms and scaling kinds are ``str`` enums: a member equals,
+hashes, prints, JSON-encodes and pickles as its plain string value (``"nearest"``), so specs,
+logs and checkpoints read as they did when these were strings.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from precision import blocks
+from precision.elements import (
+    E2M1,
+    E2M3,
+    E3M2,
+    E4M3,
+    E5M2,
+    ElementSpec,
+    decode_element,
+    encode_element,
+)
+from precision.hif8 import HIF8_MAX, hif8_decode, hif8_encode
+from precision.srand import SRKey
+from precision.tensorwise import scale_from_amax, tensor_amax
+
+__all__ = ["Rounding", "ScaleRule", "AmaxAlgo", "Scaling", "Format", "QuantizedTensor", "FORMATS",
+           "get_format", "format_names", "pack_codes", "unpack_codes"]
+
+
+# ====================================================================== typed vocabularies
+class _StrEnum(str, enum.Enum):
+    """A ``str`` enum that behaves as its value: ``==``/hash/``str``/f-strings/JSON, and pickles as
+    a plain ``str`` (checkpoints stay loadable with ``weights_only=True`` and by older code)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    def __hash__(self) -> int:
+        return str.__hash__(self)
+
+    def __reduce_ex__(self, protocol):
+        return str, (self.value,)
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        return tuple(m.value for m in cls)
+
+    @classmethod
+    def parse(cls, value, what: str):
+        """``value`` as a member; a one-line error naming ``what`` and the valid values otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"{what}: unknown {value!r}; valid: {', '.join(cls.values())}") from None
+
+
+class Rounding(_StrEnum):
+    NEAREST = "nearest"  # round half to even (HiF8: half away from zero)
+    STOCHASTIC = "stochastic"
+
+
+class ScaleRule(_StrEnum):
+    FLOOR = "floor"  # OCP MX: exponent = floor(log2 amax) - emax_elem (the block maximum may clip)
+    RCEIL = "rceil"  # NVIDIA hardware: 2^ceil(log2(amax / max_normal)) (never clips)
+
+
+class AmaxAlgo(_StrEnum):
+    CURRENT = "current"  # this tensor's own amax
+    MOST_RECENT = "most_recent"
+    MAX = "max"
+    EMA = "ema"
+
+
+class Scaling(_StrEnum):
+    NONE = "none"
+    TENSOR = "tensor"  # one FP32 scale per tensor
+    BLOCK = "block"  # one scale per block along the contraction axis
+    TWO_LEVEL = "two_level"  # block scales under an FP32 tensor scale (NVFP4)
+
+
+# ====================================================================== quantized tensors
+@dataclass
+class QuantizedTensor:
+    """The result of ``precision.quantize``.
+
+    ``codes``: one code per element, shaped like the input (uint8; fp32 / bf16: the int32 / int16
+    bit patterns). ``scales``: block formats -- uint8 scale bytes (E8M0 for MX, E4M3 for NVFP4)
+    shaped like the input with the block axis shrunk to ceil(n / block); per-tensor formats --
+    the float32 encode scale (0-d). ``tensor_scale``: NVFP4's FP32 encode scale ``g_enc``.
+    ``num_clipped``: per-tensor formats, how many finite values saturated (0-d int64 tensor).
+    """
+
+    fmt: str
+    codes: torch.Tensor
+    scales: torch.Tensor | None
+    axis: int
+    tensor_scale: torch.Tensor | None = None
+    prescale: float = 1.0
+    num_clipped: torch.Tensor | None = None
+    amax: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    @property
+    def format(self) -> Format:
+        return FORMATS[self.fmt]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.format.dequantize(self).to(dtype)
+
+    def packed(self) -> torch.Tensor:
+        """The codes in packed storage along the last axis (``Format.pack``)."""
+        return self.format.pack(self.codes)
+
+
+# ====================================================================== packing
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Sub-byte codes packed along the last axis, lowest index in the lowest bits:
+    4-bit -- two per byte (low nibble = even index); 6-bit -- four in three bytes."""
+    per, nbytes = {4: (2, 1), 6: (4, 3)}[bits]
+    n = codes.shape[-1]
+    if n % per:
+        raise ValueError(f"pack: last dimension must be a multiple of {per} for {bits}-bit codes, got {n}")
+    c = codes.to(torch.int32).reshape(*codes.shape[:-1], n // per, per) & ((1 << bits) - 1)
+    word = sum(c[..., i] << (bits * i) for i in range(per))
+    out = torch.stack([(word >> (8 * j)) & 0xFF for j in range(nbytes)], dim=-1)
+    return out.reshape(*codes.shape[:-1], n // per * nbytes).to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`."""
+    per, nbytes = {4: (2, 1), 6: (4, 3)}[bits]
+    p = packed.view(torch.uint8).to(torch.int32)
+    if p.shape[-1] % nbytes:
+        raise ValueError(f"unpack: last dimension must be a multiple of {nbytes} for {bits}-bit codes")
+    b = p.reshape(*p.shape[:-1], -1, nbytes)
+    word = sum(b[..., j] << (8 * j) for j in range(nbytes))
+    out = torch.stack([(word >> (bits * i)) & ((1 << bits) - 1) for i in range(per)], dim=-1)
+    return out.reshape(*p.shape[:-1], -1).to(torch.uint8)
+
+
+# ====================================================================== the formats
+@dataclass(frozen=True)
+class Format:
+    """One number format. Subclasses implement ``_quantize`` and ``dequantize``."""
+
+    name: str
+    kind: Scaling
+    description: str  # one phrase for tables and --help
+    element: ElementSpec | None = None
+    block: int = 0
+    code_bits: int = 8  # bits of one element code
+    scale_bits: int = 0  # bits of one block scale (block formats)
+    roundings: tuple[Rounding, ...] = (Rounding.NEAREST, Rounding.STOCHASTIC)
+    scale_rules: tuple[ScaleRule, ...] = (ScaleRule.FLOOR,)  # more than FLOOR: MX
+    delayed: bool = False  # delayed scaling (an amax history) applies
+    max_normal: float = 0.0
+
+    # ---------------------------------------------------------------- properties
+    @property
+    def scaling(self) -> Scaling:
+        """Where the element scales live: ``none``, ``tensor`` or ``block`` (NVFP4's block scales
+        included; ``kind`` tells two-level apart). Prefer ``blocked`` / ``tensor_scaled`` / ``kind``."""
+        return Scaling.BLOCK if self.kind == Scaling.TWO_LEVEL else self.kind
+
+    @property
+    def bits(self) -> int:
+        """Bits of one element code (4 for FP4 formats)."""
+        return self.code_bits
+
+    @property
+    def bits_per_element(self) -> float:
+        """Storage per element including the block-scale overhead (tensor scales are amortized)."""
+        return self.code_bits + (self.scale_bits / self.block if self.block else 0)
+
+    @property
+    def supports_sr(self) -> bool:
+        return Rounding.STOCHASTIC in self.roundings
+
+    @property
+    def has_scale_rules(self) -> bool:
+        """Whether the MX scale rules (floor / rceil) apply."""
+        return len(self.scale_rules) > 1
+
+    is_mx = has_scale_rules
+
+    @property
+    def blocked(self) -> bool:
+        """Per-block scales (MX, NVFP4)."""
+        return self.kind in (Scaling.BLOCK, Scaling.TWO_LEVEL)
+
+    @property
+    def tensor_scaled(self) -> bool:
+        """A tensor-level scale from the tensor's amax (per-tensor formats, NVFP4's FP32 scale):
+        under tensor parallelism its amax is the whole tensor's."""
+        return self.kind in (Scaling.TENSOR, Scaling.TWO_LEVEL)
+
+    @property
+    def rounds(self) -> bool:
+        """False only for the identity (fp32)."""
+        return True
+
+    @property
+    def packable(self) -> bool:
+        return self.code_bits in (4, 6)
+
+    # ---------------------------------------------------------------- behaviour
+    def check(self, rounding, scale_rule) -> tuple[Rounding, ScaleRule]:
+        """Validated rounding and scale rule for this format (one-line errors naming the format)."""
+        r = Rounding.parse(rounding, f"{self.name}: rounding")
+        s = ScaleRule.parse(scale_rule, f"{self.name}: scale rule")
+        if r not in self.roundings:
+            raise ValueError(f"{self.name}: {r} rounding is not supported; valid: {', '.join(self.roundings)}")
+        if s not in self.scale_rules:
+            raise ValueError(f"{self.name}: scale rule {s} does not apply; valid: {', '.join(self.scale_rules)}"
+                             + ("" if self.has_scale_rules else f" (scale rules {', '.join(ScaleRule.values())}"
+                                " apply to MX formats only)"))
+        return r, s
+
+    def quantize(self, x: torch.Tensor, *, axis: int = -1, rounding=Rounding.NEAREST, scale_rule=ScaleRule.FLOOR,
+                 generator: torch.Generator | None = None, prescale: float = 1.0,
+                 amax: torch.Tensor | float | None = None, sr: SRKey | None = None) -> QuantizedTensor:
+        """Quantize ``x`` (blocks along ``axis``); see ``precision.quantize``."""
+        r, s = self.check(rounding, scale_rule)
+        if prescale != 1.0 and not (self.has_scale_rules and r is Rounding.STOCHASTIC):
+            raise ValueError(f"{self.name}: prescale needs an MX format with stochastic rounding")
+        if x.dim() == 0:
+            raise ValueError("quantize: x must have at least one dimension")
+        axis = axis % x.dim()
+        u = None
+        if r is Rounding.STOCHASTIC and sr is not None:  # natural layout, blocked like x below
+            u = sr.uniforms(x.shape, x.device)
+        return self._quantize(x.float(), axis, r, s, generator, prescale, amax, u)
+
+    def _quantize(self, xf, axis, rounding, scale_rule, generator, prescale, amax, u) -> QuantizedTensor:
+        raise NotImplementedError
+
+    def dequantize(self, q: QuantizedTensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def fake_quantize(self, x: torch.Tensor, **kw) -> torch.Tensor:
+        """quantize -> dequantize to float32 (the emulated operand)."""
+        return self.dequantize(self.quantize(x, **kw)).float()
+
+    def pack(self, codes: torch.Tensor) -> torch.Tensor:
+        """Packed storage along the last axis (4-bit: 2 per byte; 6-bit: 4 in 3 bytes)."""
+        if not self.packable:
+            raise ValueError(f"packed(): {self.name} has {self.code_bits}-bit codes, stored one per element; "
+                             f"packed formats: {', '.join(n for n, f in FORMATS.items() if f.packable)}")
+        return pack_codes(codes, self.code_bits)
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        if not self.packable:
+            raise ValueError(f"unpack: {self.name} codes are not packed")
+        return unpack_codes(packed, self.code_bits)
+
+
+@dataclass(frozen=True)
+class IdentityFormat(Format):
+    """FP32: not rounded at all; codes are the float32 bit patterns."""
+
+    @property
+    def rounds(self) -> bool:
+        return False
+
+    def _quantize(self, xf, axis, rounding, scale_rule, generator, prescale, amax, u):
+        return QuantizedTensor(self.name, xf.clone().view(torch.int32), None, axis)
+
+    def dequantize(self, q):
+        return q.codes.view(torch.float32)
+
+
+@dataclass(frozen=True)
+class CastFormat(Format):
+    """A plain RNE cast to a torch dtype (bf16); codes are its bit patterns."""
+
+    dtype: torch.dtype = torch.bfloat16
+    code_dtype: torch.dtype = torch.int16
+
+    def _quantize(self, xf, axis, rounding, scale_rule, generator, prescale, amax, u):
+        return QuantizedTensor(self.name, xf.to(self.dtype).view(self.code_dtype), None, axis)
+
+    def dequantize(self, q):
+        return q.codes.view(self.dtype).float()
+
+
+@dataclass(frozen=True)
+class TensorFormat(Format):
+    """Per-tensor scaling: ``scale = max_normal / amax`` (current, or a given/delayed amax), values
+    beyond range saturate and are counted."""
+
+    def encode(self, v, rounding, generator, u):
+        return encode_element(v, self.element, rounding, generator, u)
+
+    def decode(self, codes):
+        return decode_element(codes, self.element)
+
+    def _quantize(self, xf, axis, rounding, scale_rule, generator, prescale, amax, u):
+        cur = tensor_amax(xf)
+        used = cur if amax is None else torch.as_tensor(amax, dtype=torch.float32, device=xf.device).reshape(())
+        scale = scale_from_amax(used, self.max_normal)
+        v = xf * scale
+        clipped = (v.abs() > self.max_normal) & torch.isfinite(v)
+        codes = self.encode(v, rounding, generator, u)
+        return QuantizedTensor(self.name, codes, scale, axis, num_clipped=clipped.sum(), amax=cur)
+
+    def dequantize(self, q):
+        return self.decode(q.codes) * (1.0 / q.scales)
+
+
+@dataclass(frozen=True)
+class HiF8Format(TensorFormat):
+    """HiFloat8 under a per-tensor scale (tapered precision, ties away, saturating at 2^15)."""
+
+    def encode(self, v, rounding, generator, u):
+        return hif8_encode(v, saturate=True)
+
+    def decode(self, codes):
+        return hif8_decode(codes)
+
+
+@dataclass(frozen=True)
+class MXFormat(Format):
+    """OCP MX: ``block`` consecutive elements along the contraction axis share an E8M0 scale."""
+
+    def _quantize(self, xf, axis, rounding, scale_rule, generator, prescale, amax, u):
+        n = xf.shape[axis]
+        xb = blocks.to_blocks(xf, axis, self.block)
+        ub = blocks.to_blocks(u, axis, self.block) if u is not None else None
+        codes, sbytes = blocks.mx_quantize_blocks(xb, self.element, scale_rule, rounding, generator, prescale, ub)
+        return QuantizedTensor(self.name, blocks.from_blocks(codes, axis, n), sbytes.movedim(-1, axis), axis,
+                               prescale=prescale)
+
+    def dequantize(self, q):
+        n = q.codes.shape[q.axis]
+        cb = blocks.to_blocks(q.codes, q.axis, self.block)
+        out = blocks.mx_dequantize_blocks(cb, q.scales.movedim(q.axis, -1), self.element, q.prescale)
+        return blocks.from_blocks(out, q.axis, n)
+
+
+@dataclass(frozen=True)
+class NVFP4Format(Format):
+    """NVFP4: 16-element blocks with E4M3 scales under an FP32 tensor scale from the tensor amax
+    (or a given one: the TP-reduced whole-tensor amax)."""
+
+    def _quantize(self, xf, axis, rounding, scale_rule, generator, prescale, amax, u):
+        n = xf.shape[axis]
+        xb = blocks.to_blocks(xf, axis, self.block)
+        ub = blocks.to_blocks(u, axis, self.block) if u is not None else None
+        used = tensor_amax(xf) if amax is None else torch.as_tensor(amax, dtype=torch.float32, device=xf.device)
+        g_enc = blocks.nvfp4_tensor_scale(used.reshape(()))
+        codes, sbytes = blocks.nvfp4_quantize_blocks(xb, g_enc, rounding, generator, ub)
+        return QuantizedTensor(self.name, blocks.from_blocks(codes, axis, n), sbytes.movedim(-1, axis), axis,
+                               tensor_scale=g_enc)
+
+    def dequantize(self, q):
+        n = q.codes.shape[q.axis]
+        cb = blocks.to_blocks(q.codes, q.axis, self.block)
+        out = blocks.nvfp4_dequantize_blocks(cb, q.scales.movedim(q.axis, -1), q.tensor_scale)
+        return blocks.from_blocks(out, q.axis, n)
+
+
+_NEAREST = (Rounding.NEAREST,)
+_MX_RULES = (ScaleRule.FLOOR, ScaleRule.RCEIL)
+
+
+def _mx(name: str, element: ElementSpec, what: str) -> MXFormat:
+    return MXFormat(name, Scaling.BLOCK, f"{what} + E8M0 scale per 32", element, block=32,
+                    code_bits=element.bits, scale_bits=8, scale_rules=_MX_RULES, max_normal=element.max_normal)
+
+
+FORMATS: dict[str, Format] = {
+    f.name: f
+    for f in (
+        IdentityFormat("fp32", Scaling.NONE, "float32, not rounded (exact FP32 GEMM)", code_bits=32,
+                       roundings=_NEAREST),
+        CastFormat("bf16", Scaling.NONE, "bfloat16 (RNE cast)", code_bits=16, roundings=_NEAREST),
+        TensorFormat("fp8_e4m3", Scaling.TENSOR, "E4M3, saturating", E4M3, delayed=True,
+                     max_normal=E4M3.max_normal),
+        TensorFormat("fp8_e5m2", Scaling.TENSOR, "E5M2, saturating", E5M2, delayed=True,
+                     max_normal=E5M2.max_normal),
+        HiF8Format("hif8", Scaling.TENSOR, "HiFloat8, ties away, saturating at 2^15", roundings=_NEAREST,
+                   delayed=True, max_normal=HIF8_MAX),
+        _mx("mxfp8_e4m3", E4M3, "E4M3"),
+        _mx("mxfp8_e5m2", E5M2, "E5M2"),
+        _mx("mxfp6_e2m3", E2M3, "E2M3 (FP6)"),
+        _mx("mxfp6_e3m2", E3M2, "E3M2 (FP6)"),
+        _mx("mxfp4", E2M1, "E2M1 (FP4)"),
+        NVFP4Format("nvfp4", Scaling.TWO_LEVEL, "E2M1 + E4M3 scale per 16 + FP32 tensor scale", E2M1, block=16,
+                    code_bits=4, scale_bits=8, max_normal=E2M1.max_normal),
+    )
+}
+
+
+def format_names(predicate=None) -> tuple[str, ...]:
+    """Registered format names, optionally those whose ``Format`` satisfies ``predicate``."""
+    return tuple(n for n, f in FORMATS.items() if predicate is None or predicate(f))
+
+
+def get_format(fmt) -> Format:
+    """The ``Format`` for a name (or a ``Format``); a one-line error listing the valid names."""
+    if isinstance(fmt, Format):
+        return fmt
+    try:
+        return FORMATS[fmt]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown format {fmt!r}; valid: {', '.join(FORMATS)}") from None
+
+
+def format_table() -> str:
+    """The README's format table, from the registry."""
+    rows = ["| format | scaling | block | bits/element | elements | SR | scale rules | delayed |",
+            "|---|---|---|---|---|---|---|---|"]
+    for f in FORMATS.values():
+        rows.append(f"| `{f.name}` | {f.kind} | {f.block or '-'} | {f.bits_per_element:g} | {f.description} "
+                    f"| {'yes' if f.supports_sr else 'no'} | {', '.join(f.scale_rules) if f.has_scale_rules else '-'} "
+                    f"| {'yes' if f.delayed else 'no'} |")
+    return "\n".join(rows)
+
