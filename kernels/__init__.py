@@ -1,6 +1,8 @@
 """Quantize/GEMM implementations behind one entry point (``kernels.gemm``).
 
-The emulated backend is the reference and runs anywhere; hardware backends plug into
+Every backend takes its operands from one pipeline, ``kernels.operand.gemm_operands`` (rotation,
+TP-reduced whole-tensor amax, current or delayed scale, quantization, telemetry). The emulated
+backend is the reference and runs anywhere; hardware backends plug into
 ``kernels.gemm.BACKENDS`` (``fp8_scaled_mm``, ``mx_scaled_mm``, and ``auto`` which picks per GEMM:
 see ``kernels.backends``). ``kernels.quantize`` quantizes one tensor with the reference or the
 fused Triton kernels (``kernels.triton_quant``, optional: ``pip install triton``).

@@ -19,7 +19,7 @@ operands in hardware form and must reproduce the emulated backend's quantized op
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -255,7 +255,8 @@ def _quantize(t, axis, fmt, impl, codes, key, amax, rotation, state) -> dict:
     """One quantizer call. Returns values (natural layout; None unless asked or telemetry), and in
     hardware form codes/scales (contraction-last), plus tensor_scale, amax, num_clipped."""
     name, spec = fmt.fmt, FORMATS[fmt.fmt]
-    kw = dict(axis=axis, rounding=fmt.rounding, scale_rule=fmt.scale_rule, prescale=fmt.prescale_factor, sr=key)
+    kw = {"axis": axis, "rounding": fmt.rounding, "scale_rule": fmt.scale_rule, "prescale": fmt.prescale_factor,
+          "sr": key}
     if _tensor_level(name) and amax is not None:
         kw["amax"] = amax
     if impl == "triton":

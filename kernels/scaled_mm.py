@@ -120,27 +120,27 @@ log = logging.getLogger(__name__)
 # Some block-scaled GEMMs refuse FP32 output ("Block-wise scaling only supports BFloat16 or Half
 # output types"): those formats run with BF16 output, decided once per format pair and said once.
 _OUT_DTYPE: dict[tuple[str, str], torch.dtype] = {}
-_OUT_DTYPE_REFUSAL = re.compile(r"(output|out_dtype)[^\n]*(bfloat16|bf16)|(bfloat16|bf16)[^\n]*output", re.I)
+_OUT_DTYPE_REFUSAL = re.compile(r"(output|out_dtype)[^\n]*(bfloat16|bf16)|(bfloat16|bf16)[^\n]*output",
+                                re.IGNORECASE)
 
 
-def torch_scaled_mm(a: HwOperand, b: HwOperand, call=None) -> torch.Tensor:
+def torch_scaled_mm(a: HwOperand, b: HwOperand) -> torch.Tensor:
     """``A_k @ B_k.t()`` through ``torch._scaled_mm`` (FP32 output where the library allows it).
 
     A refusal of FP32 output (and only that) is retried with BF16 output; that choice is cached per
-    format pair and logged once. Any other error propagates. ``call``: the GEMM call (tests).
+    format pair and logged once. Any other error propagates.
     """
-    call = call or _call_scaled_mm
     key = (a.fmt, b.fmt)
     dt = _OUT_DTYPE.get(key, torch.float32)
     try:
-        out = call(a, b, dt)
+        out = _call_scaled_mm(a, b, dt)
     except RuntimeError as e:
         if dt is not torch.float32 or not _OUT_DTYPE_REFUSAL.search(str(e)):
             raise
         log.warning("torch._scaled_mm refused FP32 output for %s x %s (%s); these GEMMs now run with "
                     "BF16 output", a.fmt, b.fmt, str(e).splitlines()[0])
         dt = torch.bfloat16
-        out = call(a, b, dt)
+        out = _call_scaled_mm(a, b, dt)
     _OUT_DTYPE[key] = dt
     out = out.float()
     if a.fmt == "nvfp4":  # NVFP4's FP32 tensor scales multiply the output (g_dec_a * g_dec_b)
