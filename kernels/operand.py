@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from precision.quantize import FORMATS
+from precision.formats import Scaling, get_format
 from precision.quantize import quantize as reference_quantize
 from precision.recipe import Gemm, GemmRecipe, OperandFormat
 from precision.rotation import rotate, rotation_size
@@ -74,12 +74,11 @@ class GemmOperands:
 
 def _tensor_level(fmt: str) -> bool:
     """Formats whose scale involves the whole tensor's amax (per-tensor FP8/HiF8, NVFP4's FP32 scale)."""
-    spec = FORMATS[fmt]
-    return spec.scaling == "tensor" or fmt == "nvfp4"
+    return get_format(fmt).tensor_scaled
 
 
 def _no_rounding(fmt: str) -> bool:
-    return FORMATS[fmt].scaling == "none"  # fp32 (identity) and bf16 (an RNE cast)
+    return get_format(fmt).kind == Scaling.NONE  # fp32 (identity) and bf16 (an RNE cast): no scale
 
 
 def finite_amax(t: torch.Tensor) -> torch.Tensor:
@@ -120,7 +119,7 @@ def pad_and_rotation(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmReci
     if recipe.rotation == "none":
         return a, b, None
     n = rotation_size(recipe.rotation)
-    multiple = math.lcm(n, *(FORMATS[f.fmt].block or 1 for f in (recipe.a, recipe.b)))
+    multiple = math.lcm(n, *(get_format(f.fmt).block or 1 for f in (recipe.a, recipe.b)))
     a_axis, b_axis = CONTRACTION_AXES[g]
     a, b = _pad_axis(a, a_axis, multiple), _pad_axis(b, b_axis, multiple)
     signs = None
@@ -207,7 +206,7 @@ def quantize_operand(
 
     # === 1. no rounding: fp32 / bf16
     if _no_rounding(name):
-        q = reference_quantize(t, name)
+        q = reference_quantize(t, fmt)
         out = QuantizedOperand(fmt, axis, values=q.dequantize(torch.float32))
         if codes:
             out.codes = q.codes.movedim(axis, -1)
@@ -234,7 +233,7 @@ def quantize_operand(
     res = parts[0] if len(parts) == 1 else _concat(parts, piece_axis, axis)
 
     # === 5. telemetry (device tensors; numerics only on telemetry steps)
-    if FORMATS[name].scaling == "tensor":
+    if get_format(name).kind == Scaling.TENSOR:  # per-tensor FP8 / HiF8: amax and clipped count
         cur = whole if whole is not None else res["amax"]
         if delayed:
             state.observe_amax(gemm, operand, fmt, cur)
@@ -254,26 +253,26 @@ def quantize_operand(
 def _quantize(t, axis, fmt, impl, codes, key, amax, rotation, state) -> dict:
     """One quantizer call. Returns values (natural layout; None unless asked or telemetry), and in
     hardware form codes/scales (contraction-last), plus tensor_scale, amax, num_clipped."""
-    name, spec = fmt.fmt, FORMATS[fmt.fmt]
+    name, spec = fmt.fmt, get_format(fmt.fmt)
+    given = {"sr": key} if amax is None or not spec.tensor_scaled else {"sr": key, "amax": amax}
+    # the fused and Triton quantizers take the operand's settings as keywords
     kw = {"axis": axis, "rounding": fmt.rounding, "scale_rule": fmt.scale_rule, "prescale": fmt.prescale_factor,
-          "sr": key}
-    if _tensor_level(name) and amax is not None:
-        kw["amax"] = amax
+          **given}
     if impl == "triton":
         from kernels.triton_quant import quantize_triton
 
-        packed = spec.bits == 4 and t.shape[axis] % 32 == 0
+        packed = spec.code_bits == 4 and t.shape[axis] % 32 == 0
         r = quantize_triton(t, name, layout="contraction_last", pack=packed, dequantize=state.collect_stats, **kw)
         return {"values": r.dequantized, "codes": r.codes, "scales": r.scales, "tensor_scale": r.tensor_scale,
                 "amax": r.amax, "num_clipped": r.num_clipped, "packed": packed}
     if impl == "reference" or codes:
-        q = reference_quantize(t, name, **kw)
+        q = reference_quantize(t, fmt, axis=axis, **given)  # the OperandFormat whole
         out = {"amax": q.amax, "num_clipped": q.num_clipped, "tensor_scale": q.tensor_scale}
         if not codes or state.collect_stats:
             out["values"] = q.dequantize(torch.float32)
         if codes:
             out["codes"] = q.codes.movedim(axis, -1)
-            out["scales"] = q.scales.movedim(axis, -1) if spec.scaling == "block" else q.scales
+            out["scales"] = q.scales.movedim(axis, -1) if spec.blocked else q.scales
         return out
     from kernels.fused import fake_quantize
 
