@@ -36,12 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import BACKENDS  # noqa: E402
 from kernels.fused import compile_available, fake_quantize  # noqa: E402
+from kernels.quantizer import TRITON_FORMATS  # noqa: E402
 from model.linear import policy_linear  # noqa: E402
 from precision import LayerQuantState, presets, quantize  # noqa: E402
 from precision.quantize import FORMATS  # noqa: E402
 from precision.rotation import rotate  # noqa: E402
 
-FORMAT_CHOICES = ("mxfp4", "mxfp8_e4m3", "mxfp8_e5m2", "nvfp4", "fp8_e4m3", "fp8_e5m2")
+FORMAT_CHOICES = TRITON_FORMATS  # the registry's formats with fused quantizers
 DEFAULT_PRESETS = ("bf16", "fp8", "mxfp4_fprop", "mxfp4", "mxfp4_sr", "wgrad_hadamard", "nvfp4")
 
 

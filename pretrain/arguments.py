@@ -54,6 +54,8 @@ def model_sizes() -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from precision.formats import AmaxAlgo  # valid values come from the format registry
+
     p = _Parser(
         prog=PROG,
         description="Pretrain a megatron-core GPT under a per-GEMM precision policy.",
@@ -130,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--amax-algo",
-        choices=["most_recent", "max", "ema", "current"],
+        choices=AmaxAlgo.values(),  # the registry's names (precision.formats)
         help="delayed-scaling amax algorithm for every per-tensor operand (FP8, HiF8) of the plan",
     )
     add("--amax-history-len", type=int, metavar="N", help="amax history window (steps) for --amax-algo")
