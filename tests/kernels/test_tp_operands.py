@@ -1,6 +1,7 @@
 """TP invariance at the operand level: under TP=2, every rank's quantized operands of all three GEMMs
-equal the matching slice of the TP=1 operands, bit for bit, for every preset -- column-parallel,
-column-parallel with partition stride 2 (SwiGLU's fc1) and row-parallel layers (``tp_operand_worker.py``).
+equal the matching slice of the TP=1 operands, bit for bit, for every preset and an MXFP6 spec --
+column-parallel, column-parallel with partition stride 2 (SwiGLU's fc1) and row-parallel layers
+(``tp_operand_worker.py``).
 
 This holds because every format with a tensor-level scale (FP8, HiF8, NVFP4's FP32 scale) takes the
 whole tensor's amax (the maximum over the TP group), delayed-scaling histories record those whole
@@ -19,7 +20,8 @@ from tests._dist import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SPECS = ["fp8", "fprop=fp8+delayed(max,4),dgrad=fp8+delayed(most_recent,1),wgrad=fp8", "mxfp4", "mxfp4_sr",
-         "mxfp4_rht", "wgrad_hadamard", "nvfp4", "hif8_w8a8"]
+         "mxfp4_rht", "wgrad_hadamard", "nvfp4", "hif8_w8a8",
+         "fprop=mxfp6_e2m3,dgrad=mxfp6_e3m2/sr@mxfp6_e2m3,wgrad=mxfp6_e2m3+sr+had16"]  # MXFP6, SR, rotation
 
 
 @pytest.fixture(scope="module")
