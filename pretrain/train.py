@@ -386,7 +386,7 @@ class Trainer:
                                           last_good_checkpoint=self.last_checkpoint, reason=reason)
                 where = f"; status in {status}"
             good = self.last_checkpoint or "none (nothing saved yet)"
-            resume = f", then resume with --load {a.save}" if a.save and self.last_checkpoint else ""
+            resume = f", then resume with --load {os.path.dirname(self.last_checkpoint)}" if self.last_checkpoint else ""
             print(f"{PROG}: error: diverged at iteration {self.iteration}: {reason} "
                   f"(--check-for-nan-in-loss-and-grad); last good checkpoint: {good}{where}; lower --lr or keep "
                   f"more layers in higher precision (--precision-rule){resume}", file=sys.stderr, flush=True)
