@@ -198,10 +198,13 @@ def quantize_operand(
     """
     name = fmt.fmt
     impl = _resolve_impl(impl, t, name, codes)
-    tensor_level = _tensor_level(name)
+    # stochastic rounding: one key per contiguous run of the shard in the whole tensor
+    sr = fmt.rounding == "stochastic"
+    piece_axis, keys = _sr_keys(state, gemm, operand, call, t.shape) if sr else (None, [(0, None, None)])
     sharded = state.amax_group is not None and state.tp.shard_axis(operand) is not None
+    needs_whole = _tensor_level(name) and (sharded or len(keys) > 1)  # one tensor-level amax for all runs
     if rotation is not None and (codes or impl == "reference" or _no_rounding(name) or state.collect_stats
-                                 or (tensor_level and sharded)):
+                                 or needs_whole):
         t, rotation = rotate(t, axis, *rotation), None
 
     # === 1. no rounding: fp32 / bf16
@@ -217,15 +220,13 @@ def quantize_operand(
         return out
 
     # === 2-3. whole-tensor amax; the amax the tensor-level scale comes from
-    whole = whole_tensor_amax(t, state, operand) if tensor_level and sharded else None
+    whole = whole_tensor_amax(t, state, operand) if needs_whole else None
     delayed = fmt.amax_algo != "current"
     scale_amax = state.amax_history(gemm, operand, fmt).amax(t.device) if delayed else None
     if scale_amax is None:
         scale_amax = whole  # current scaling (None: the quantizer takes the tensor's own amax)
 
-    # === 4. quantize (piece by piece when a strided TP shard needs several SR keys)
-    sr = fmt.rounding == "stochastic"
-    piece_axis, keys = _sr_keys(state, gemm, operand, call, t.shape) if sr else (None, [(0, None, None)])
+    # === 4. quantize (run by run when a strided TP shard has several SR keys)
     parts = []
     for start, length, key in keys:
         piece = t if length is None or piece_axis is None else t.narrow(piece_axis, start, length)
