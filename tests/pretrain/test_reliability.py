@@ -369,7 +369,8 @@ def test_corrupt_rank1_file_under_torchrun_is_one_line_and_its_advice_works(tmp_
 def test_kill_9_of_one_rank_ends_the_job_in_seconds_and_the_resume_is_exact(tmp_path, data_cache):
     """Twice, SIGKILL one rank at a random moment after some saved iterations (saving every
     iteration, so often mid-save): torchrun ends the job quickly; resuming from the last complete
-    checkpoint ends with the weights and optimizer state of an uninterrupted run, bit for bit."""
+    checkpoint ends with the weights and optimizer state of an uninterrupted run, bit for bit
+    (``--save-retain 2`` deleting old checkpoints meanwhile)."""
     argv = ["--train-iters", "12", *TINY, *COMMON, "--precision", "mxfp4_sr", "--tensor-model-parallel-size", "2",
             "--save-interval", "1", "--data-cache-dir", str(data_cache)]  # fmt: skip
     straight, killed = tmp_path / "straight", tmp_path / "killed"
@@ -377,7 +378,8 @@ def test_kill_9_of_one_rank_ends_the_job_in_seconds_and_the_resume_is_exact(tmp_
     rng = random.Random()
     for attempt, (after, victim) in enumerate(((2, 1), (5, 0))):
         log = tmp_path / f"log{attempt}.txt"
-        proc = start_pretrain([*argv, "--save", str(killed), "--load", str(killed)], nproc=2, log_path=log)
+        proc = start_pretrain([*argv, "--save", str(killed), "--load", str(killed), "--save-retain", "2"], nproc=2,
+                              log_path=log)
         delay = rng.uniform(0.0, 0.5)
         try:
             deadline = time.monotonic() + 240
@@ -395,7 +397,8 @@ def test_kill_9_of_one_rank_ends_the_job_in_seconds_and_the_resume_is_exact(tmp_
             if proc.poll() is None:
                 proc.kill()
         assert after <= read_tracker(str(killed)) < 12, f"killed {delay:.2f}s after iteration {after} was saved"
-    assert run([*argv, "--save", str(killed), "--load", str(killed)]).returncode == 0
+    assert run([*argv, "--save", str(killed), "--load", str(killed), "--save-retain", "2"]).returncode == 0
+    assert ckpt_mod.saved_iterations(str(killed)) == [11, 12]  # --save-retain 2, kills or not
     for rank in (0, 1):
         a = load_rank_checkpoint(straight / "iter_0000012", rank)
         b = load_rank_checkpoint(killed / "iter_0000012", rank)
