@@ -145,12 +145,12 @@ def _sr_uniforms(x: torch.Tensor, axis: int, block: int, generator) -> torch.Ten
 
 def fake_quantize(
     x: torch.Tensor,
-    fmt: str,
+    fmt,
     *,
     axis: int = -1,
-    rounding: str = "nearest",
-    scale_rule: str = "floor",
-    prescale: float = 1.0,
+    rounding: str | None = None,
+    scale_rule: str | None = None,
+    prescale: float | None = None,
     generator: torch.Generator | None = None,
     amax: torch.Tensor | float | None = None,
     rotation: tuple[int, torch.Tensor | None] | None = None,
@@ -165,12 +165,16 @@ def fake_quantize(
     NVFP4's FP32 tensor scale -- instead of this tensor's own. ``sr``: stochastic rounding's
     counter-based key (``precision.srand``), else ``generator``. Returns ``(values, stats)``;
     per-tensor formats report ``amax`` (this tensor's) and ``num_clipped`` in ``stats``. ``fmt``: a
-    registered name or ``Format``; the formats without a fused expression (FP32, BF16, HiF8) go
+    registered name or ``Format`` (rounding, scale rule, prescale default nearest, floor, 1), or an
+    ``OperandFormat``, which brings its own; the formats without a fused expression (FP32, BF16, HiF8) go
     through the reference directly.
     """
-    from precision.quantize import quantize  # the reference, for formats without a fused kernel
+    from precision.quantize import (  # the reference, for formats without a fused kernel
+        quantize,
+        resolve_format,
+    )
 
-    spec = get_format(fmt)
+    spec, rounding, scale_rule, prescale = resolve_format(fmt, rounding, scale_rule, prescale)
     fmt = spec.name
     rounding, scale_rule = (str(v) for v in spec.check(rounding, scale_rule))  # plain strings: cache keys
     axis = axis % x.dim()

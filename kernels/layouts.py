@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from precision.formats import pack_codes, unpack_codes
+
 __all__ = ["SCALE_LAYOUTS", "to_blocked", "from_blocked", "blocked_offsets", "pack_fp4", "unpack_fp4",
            "pad_rows"]
 
@@ -70,17 +72,16 @@ def from_blocked(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes (uint8, one per element) -> two per byte along the last axis, low nibble = even index."""
+    """E2M1 codes (uint8, one per element) -> two per byte along the last axis, low nibble = even index
+    (``precision.formats.pack_codes``, the registry's packing)."""
     if codes.shape[-1] % 2:
         raise ValueError(f"pack_fp4: last dimension must be even, got {codes.shape[-1]}")
-    c = codes.reshape(*codes.shape[:-1], -1, 2)
-    return (c[..., 0] & 0xF) | ((c[..., 1] & 0xF) << 4)
+    return pack_codes(codes, 4)
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_fp4`."""
-    p = packed.view(torch.uint8)
-    return torch.stack([p & 0xF, p >> 4], dim=-1).reshape(*p.shape[:-1], -1)
+    return unpack_codes(packed, 4)
 
 
 def pad_rows(t: torch.Tensor, multiple: int, dim: int = 0) -> torch.Tensor:

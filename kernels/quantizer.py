@@ -26,6 +26,7 @@ import torch
 
 from precision.formats import QuantizedTensor, Rounding, Scaling, format_names, get_format
 from precision.quantize import quantize as reference_quantize
+from precision.quantize import resolve_format
 from precision.rotation import rotate, rotation_size
 from precision.srand import SRKey
 
@@ -63,20 +64,22 @@ def triton_missing_reason(x: torch.Tensor | None = None, fmt: str | None = None)
 
 def quantize(
     x: torch.Tensor,
-    fmt: str,
+    fmt,
     *,
     axis: int = -1,
-    rounding: str = "nearest",
-    scale_rule: str = "floor",
+    rounding: str | None = None,
+    scale_rule: str | None = None,
     rotation: str | None = None,
     generator: torch.Generator | None = None,
     backend: str = "auto",
     signs: torch.Tensor | None = None,
-    prescale: float = 1.0,
+    prescale: float | None = None,
     amax: torch.Tensor | float | None = None,
     sr: SRKey | None = None,
 ) -> QuantizedTensor:
     """Quantize ``x`` to ``fmt`` with blocks along ``axis``; returns a ``precision.QuantizedTensor``.
+
+    ``fmt``: a format name or an ``OperandFormat`` (which brings its rounding, scale rule, prescale).
 
     ``rotation``: ``None``, ``had16``, ``had32`` or ``rht16`` (with ``signs``, the +-1 vector): the
     tensor is rotated by ``diag(signs)·H_n`` along ``axis`` first (whose length must be a multiple
@@ -84,7 +87,8 @@ def quantize(
     ``precision.quantize`` (3/4 SR pre-scale; the amax of a tensor-level scale); so is ``sr``
     (stochastic rounding's counter-based key).
     """
-    fmt = get_format(fmt).name  # a one-line error listing the registry's formats
+    spec, rounding, scale_rule, prescale = resolve_format(fmt, rounding, scale_rule, prescale)
+    fmt = spec.name  # (an unknown name: a one-line error listing the registry's formats)
     if backend not in QUANTIZE_BACKENDS:
         raise ValueError(f"quantize backend: unknown {backend!r}; valid: {', '.join(QUANTIZE_BACKENDS)}")
     rot = None if rotation in (None, "none") else rotation

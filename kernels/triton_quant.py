@@ -59,6 +59,7 @@ from kernels.quantizer import TRITON_FORMATS
 from precision import blocks
 from precision.elements import fdiv
 from precision.formats import Rounding, ScaleRule, Scaling, get_format
+from precision.quantize import resolve_format
 from precision.rotation import hadamard_matrix, rotation_size
 from precision.srand import SRKey
 from precision.tensorwise import scale_from_amax
@@ -441,17 +442,17 @@ _TILE_R_GPU = 64
 
 def quantize_triton(
     x: torch.Tensor,
-    fmt: str,
+    fmt,
     *,
     axis: int = -1,
-    rounding: str = "nearest",
-    scale_rule: str = "floor",
+    rounding: str | None = None,
+    scale_rule: str | None = None,
     rotation: str | None = None,
     signs: torch.Tensor | None = None,
     seed: int | torch.Tensor | None = None,
     uniforms: torch.Tensor | None = None,
     sr: SRKey | None = None,
-    prescale: float = 1.0,
+    prescale: float | None = None,
     amax: torch.Tensor | float | None = None,
     codes: bool = True,
     dequantize: bool = False,
@@ -460,6 +461,9 @@ def quantize_triton(
     tile_rows: int | None = None,
 ) -> TritonQuantResult:
     """Quantize ``x`` to ``fmt`` in one fused pass (two for per-tensor formats and NVFP4).
+
+    ``fmt``: a format name / ``Format`` with ``rounding`` (nearest), ``scale_rule`` (floor) and
+    ``prescale`` (1), or an ``OperandFormat``, which brings its own.
 
     ``rotation``: ``None``/"none", ``had16``, ``had32`` or ``rht16`` (``signs``: the +-1 vector,
     required for ``rht*``). Stochastic rounding's uniforms, one of: ``sr`` (a
@@ -471,10 +475,10 @@ def quantize_triton(
     ``contraction_last``; ``pack``: FP4 codes two per byte along the block axis
     (``contraction_last`` only).
     """
-    if getattr(fmt, "name", fmt) not in TRITON_FORMATS:
+    if getattr(fmt, "fmt", getattr(fmt, "name", fmt)) not in TRITON_FORMATS:  # OperandFormat, Format or name
         raise ValueError(f"triton quantizer: no kernel for format {fmt!r}; "
                          f"valid: {', '.join(TRITON_FORMATS)}")
-    spec = get_format(fmt)
+    spec, rounding, scale_rule, prescale = resolve_format(fmt, rounding, scale_rule, prescale)
     fmt = spec.name
     rounding, scale_rule = spec.check(rounding, scale_rule)
     if layout not in ("input", "contraction_last"):

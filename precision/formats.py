@@ -140,6 +140,9 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     n = codes.shape[-1]
     if n % per:
         raise ValueError(f"pack: last dimension must be a multiple of {per} for {bits}-bit codes, got {n}")
+    if bits == 4:  # byte arithmetic only (the hardware GEMM path packs every FP4 operand)
+        c = codes.view(torch.uint8).reshape(*codes.shape[:-1], n // 2, 2)
+        return (c[..., 0] & 0xF) | ((c[..., 1] & 0xF) << 4)
     c = codes.to(torch.int32).reshape(*codes.shape[:-1], n // per, per) & ((1 << bits) - 1)
     word = sum(c[..., i] << (bits * i) for i in range(per))
     out = torch.stack([(word >> (8 * j)) & 0xFF for j in range(nbytes)], dim=-1)
@@ -149,6 +152,9 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`."""
     per, nbytes = {4: (2, 1), 6: (4, 3)}[bits]
+    if bits == 4:
+        p = packed.view(torch.uint8)
+        return torch.stack([p & 0xF, p >> 4], dim=-1).reshape(*p.shape[:-1], -1)
     p = packed.view(torch.uint8).to(torch.int32)
     if p.shape[-1] % nbytes:
         raise ValueError(f"unpack: last dimension must be a multiple of {nbytes} for {bits}-bit codes")

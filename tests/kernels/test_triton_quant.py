@@ -308,3 +308,20 @@ def test_mxfp6_nearest_and_sr_key_bit_exact(fmt, axis, rule):
     ref = ref_quantize(x, fmt, axis=axis, scale_rule=rule, rounding="stochastic", sr=SRKey(31))
     assert_same(ref, quantize_triton(x, fmt, axis=axis, scale_rule=rule, rounding="stochastic", sr=SRKey(31),
                                      dequantize=True))
+
+
+def test_operand_format_travels_whole():
+    """An OperandFormat carries its rounding / scale rule / prescale into every quantizer."""
+    from kernels.fused import fake_quantize
+    from precision import OperandFormat
+    from precision.srand import SRKey
+
+    x = data(16, 64)
+    op = OperandFormat("mxfp6_e3m2", rounding="stochastic", scale_rule="rceil", prescale=True)
+    ref = ref_quantize(x, op, axis=0, sr=SRKey(4))
+    assert ref.prescale == 0.75
+    assert_same(ref, quantize_triton(x, op, axis=0, sr=SRKey(4), dequantize=True))
+    assert bits_equal(ref.dequantize(), fake_quantize(x.cpu(), op, axis=0, sr=SRKey(4), impl="eager")[0])
+    assert torch.equal(kernels.quantize(x, op, axis=0, sr=SRKey(4), backend="reference").codes.cpu(), ref.codes)
+    with pytest.raises(ValueError, match="carries its own rounding"):
+        quantize_triton(x, op, rounding="nearest")

@@ -148,3 +148,15 @@ def test_mxfp6_through_the_spec_grammar_policy_gemm_and_telemetry():
     assert stats["clipped"] == 2 / 32 and deq[0, 0].item() == 7.5
     assert operand_stats(blk, quantize(blk, "mxfp6_e2m3", scale_rule="rceil").dequantize(), "mxfp6_e2m3",
                          scale_rule="rceil")["clipped"] == 0
+
+
+def test_mxfp6_stays_emulated_on_every_device():
+    """No torch._scaled_mm path for MXFP6 here: auto picks the emulated backend on sm_100 and
+    gfx950, and asking for mx_scaled_mm is refused in one line naming the GEMM."""
+    from kernels.backends import BackendError, select_backend
+
+    lp = LinearPrecision.parse("fprop=mxfp6_e2m3,dgrad=mxfp6_e3m2,wgrad=mxfp6_e2m3/sr")
+    for cap in ((10, 0), "gfx950", (9, 0), None):
+        assert set(select_backend(lp, cap).values()) == {"emulated"}
+    with pytest.raises(BackendError, match="fprop: backend mx_scaled_mm cannot run mxfp6_e2m3"):
+        select_backend(lp.fprop, (10, 0), "mx_scaled_mm")
