@@ -12,7 +12,7 @@ import torch
 import pretrain.checkpointing as ckpt_mod
 from pretrain.checkpointing import CHECKSUMS, TRACKER, load_checkpoint, read_tracker, save_checkpoint
 
-from ._launch import (  # noqa: F401
+from ._launch import (
     TINY,
     load_rank_checkpoint,
     run_pretrain,
