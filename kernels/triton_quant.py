@@ -1,7 +1,9 @@
 """Fused Triton quantizers: one pass from a BF16/FP32 tensor to codes + scales (+ dequantized values).
 
-Formats: ``mxfp4``, ``mxfp8_e4m3``, ``mxfp8_e5m2`` (32-blocks, E8M0 scales, FLOOR or RCEIL),
-``nvfp4`` (16-blocks, E4M3 scales, FP32 tensor scale) and per-tensor ``fp8_e4m3`` / ``fp8_e5m2``.
+Formats: every registry entry with a sign-exponent-mantissa element (``kernels.quantizer.TRITON_FORMATS``):
+MX ``mxfp8_*``, ``mxfp6_*``, ``mxfp4`` (32-blocks, E8M0 scales, FLOOR or RCEIL), ``nvfp4`` (16-blocks,
+E4M3 scales, FP32 tensor scale) and per-tensor ``fp8_e4m3`` / ``fp8_e5m2``; the element's constants
+(bias, mantissa bits, sign position, which non-finite codes exist) come from its ``ElementSpec``.
 Formats with a tensor-wide number (NVFP4's tensor scale, FP8's amax) take two launches: an amax
 kernel (atomic max of the finite ``|x|``, rotated first if asked), a few 0-d torch ops that compute
 the scale exactly as ``precision`` does (no host sync), then the quantize kernel.

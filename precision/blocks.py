@@ -1,19 +1,22 @@
-"""Block-scaled formats: MX (MXFP4, MXFP8) and NVFP4.
+"""Block-scaled formats: MX (MXFP8, MXFP6, MXFP4: any element of ``precision.elements``) and NVFP4.
 
 Blocks are consecutive elements along one axis of the tensor -- for a GEMM operand, its
 contraction axis. A length that is not a multiple of the block size is **zero-padded** for the
 block computation only: padding never changes a block's amax, and the codes returned keep the
 input's shape.
 
-MX (OCP v1.0): 32 elements share an E8M0 scale byte ``s`` meaning ``2^(s-127)``.
+MX (OCP v1.0): 32 elements share an E8M0 scale byte ``s`` meaning ``2^(s-127)``; elements are
+``RNE(V / X)`` (or stochastic), saturating.
   * ``floor`` (OCP default): exponent = floor(log2(amax)) - emax_elem. The block maximum may clip.
   * ``rceil`` (NVIDIA hardware): scale = 2^ceil(log2(amax / max_normal)). Never clips.
-  Exponents clamp to [-127, 127]. A block of zeros/FP32 subnormals gets byte 0x00 and zero codes; a
-  block holding NaN or +-Inf gets byte 0xFF and decodes entirely to NaN.
+  Exponents clamp to [-127, 127]. A block of zeros/FP32 subnormals gets byte 0x00 and zero codes
+  with their sign (-0 stays -0); a block holding NaN or +-Inf gets byte 0xFF and decodes
+  entirely to NaN.
 
 NVFP4: 16 E2M1 elements share an E4M3 scale; an FP32 per-tensor scale maps the tensor amax onto
 the product of the element and scale ranges (TransformerEngine's order of operations, see
-NUMERICS.md).
+NUMERICS.md: every step one FP32 operation). A block whose E4M3 scale rounds to zero stores zero
+codes (with their sign).
 """
 
 from __future__ import annotations
@@ -71,7 +74,9 @@ def mx_scale_bytes(amax: torch.Tensor, spec: ElementSpec, scale_rule: str) -> to
         up = (r.view(torch.int32) & 0x7FFFFF) != 0
         e = exponent_floor(r) + up.to(torch.int32) - torch.where(tiny, 64, 0).to(torch.int32)
     else:
-        raise ValueError(f"scale_rule: unknown rule {scale_rule!r}; valid: floor, rceil")
+        from precision.formats import ScaleRule  # the registry's names (it imports this module)
+
+        raise ValueError(f"scale_rule: unknown rule {scale_rule!r}; valid: {', '.join(ScaleRule.values())}")
     e = e.clamp(-127, 127)
     zero = exponent_floor(amax) == -127  # amax is 0 or an FP32 subnormal
     return torch.where(zero, torch.zeros_like(e), e + 127)

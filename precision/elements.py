@@ -8,13 +8,17 @@ Every function here works on *already scaled* values: block and tensor scaling l
 element    bias  emax  max normal   min subnormal  Inf / NaN
 =========  ====  ====  ===========  =============  =============
 E2M1 (FP4)  1     2     6            0.5            none
+E2M3 (FP6)  1     2     7.5          0.125          none
+E3M2 (FP6)  3     4     28           0.0625         none
 E4M3        7     8     448          2^-9           NaN only (0x7F / 0xFF)
 E5M2       15    15     57344        2^-16          Inf and NaN
 =========  ====  ====  ===========  =============  =============
 
 Rounding is ``nearest`` (ties to even, saturating to the max normal) or ``stochastic``
 (round up with probability equal to the distance from the lower neighbour over the gap; unbiased
-for in-range values, reproducible from a ``torch.Generator``).
+for in-range values; uniforms from ``precision.srand`` or a ``torch.Generator``). Codes: E2M1 by
+bucketize, FP8 through the torch dtypes, any finite-only element (FP6) from the grid value's float32
+bits (``grid_encode`` / ``grid_decode``; ``encode_element`` / ``decode_element`` pick the path).
 """
 
 from __future__ import annotations
@@ -90,6 +94,12 @@ E5M2 = ElementSpec("e5m2", ebits=5, mbits=2, emin=-14, emax=15, max_normal=57344
 ELEMENTS = {e.name: e for e in (E2M1, E2M3, E3M2, E4M3, E5M2)}
 
 
+def _unknown_rounding(rounding) -> ValueError:
+    from precision.formats import Rounding  # the registry's names (it imports this module)
+
+    return ValueError(f"rounding: unknown mode {rounding!r}; valid: {', '.join(Rounding.values())}")
+
+
 def fdiv(a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor:
     """``a / b`` as one IEEE float32 division on every device.
 
@@ -146,7 +156,7 @@ def round_to_grid(
             u = torch.rand(a.shape, generator=generator, device=a.device, dtype=torch.float32)
         q = lo + (u < (steps - lo)).float()
     else:
-        raise ValueError(f"rounding: unknown mode {rounding!r}; valid: nearest, stochastic")
+        raise _unknown_rounding(rounding)
     q = torch.clamp(q * ulp, max=spec.max_normal)
     return torch.copysign(q, a)
 
@@ -163,7 +173,7 @@ def e2m1_round(v: torch.Tensor, rounding: str = "nearest", u: torch.Tensor | Non
         lo = torch.floor(steps)
         q = lo + (u < (steps - lo)).float()
     else:
-        raise ValueError(f"rounding: unknown mode {rounding!r}; valid: nearest, stochastic")
+        raise _unknown_rounding(rounding)
     return torch.copysign(torch.clamp(q * step, max=E2M1.max_normal), v)
 
 

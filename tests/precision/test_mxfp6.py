@@ -160,3 +160,15 @@ def test_mxfp6_stays_emulated_on_every_device():
         assert set(select_backend(lp, cap).values()) == {"emulated"}
     with pytest.raises(BackendError, match="fprop: backend mx_scaled_mm cannot run mxfp6_e2m3"):
         select_backend(lp.fprop, (10, 0), "mx_scaled_mm")
+
+
+def test_mxfp6_and_fp32_in_sweep_grids(monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "launch"))
+    import sweep
+
+    runs = sweep.expand_runs({"grid": {"wgrad": ["mxfp4", "mxfp6_e2m3", "mxfp6_e3m2/sr@mxfp6_e2m3"]}})
+    assert [LinearPrecision.parse(r.precision).wgrad.a.fmt for r in runs] == ["mxfp4", "mxfp6_e2m3", "mxfp6_e3m2"]
+    runs = sweep.expand_runs({"grid": {"presets": ["fp32", {"fp6_wgrad": "base=fp8,wgrad=mxfp6_e2m3"}]}})
+    assert [r.label for r in runs] == ["fp32", "fp6_wgrad"]
