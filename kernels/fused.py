@@ -7,8 +7,8 @@ with OpenMP on CPU, Triton on GPU. The eager reference ``precision.quantize(...)
 the specification; ``tests/kernels`` holds the two equal bit for bit.
 
 Stochastic rounding: with ``sr=SRKey(...)`` (what training uses) the counter-based uniforms of
-``precision.srand`` are computed inside the compiled kernel from the key (no uniform tensor is
-materialized eagerly); with the older ``generator=`` they are drawn eagerly from the caller's
+``precision.srand`` are computed by a compiled kernel from the key (the key's numbers are tensors,
+so a new seed is no recompile); with the older ``generator=`` they are drawn eagerly from the caller's
 ``torch.Generator`` in the same order and shape as the reference. Either way compiled and reference
 results are bit-identical for SR too.
 
@@ -43,29 +43,28 @@ def _rotated(x, signs, axis, rot_n):
     return rotate(x, axis, rot_n, signs) if rot_n > 1 else x.float()
 
 
-def _key_uniforms(x, srp, axis, block):
-    """SRKey uniforms of ``x``'s elements (natural layout), in the block layout when ``block``."""
-    u = uniforms_from_params(tuple(x.shape), srp)
+def _uniforms_fn(srp, *, shape, axis, block):
+    """SRKey uniforms of a tensor of ``shape`` (natural layout), in the block layout when ``block``.
+
+    Its own compiled kernel: fused into the quantizer's loops the int64 hash is recomputed per
+    loop and runs ~4x slower on CPU than this extra pass (measured, 2048x2048 MXFP4)."""
+    u = uniforms_from_params(shape, srp)
     return blocks.to_blocks(u, axis, block) if block else u
 
 
-def _mx_fn(x, u, signs, srp, *, fmt, axis, scale_rule, rounding, prescale, rot_n):
+def _mx_fn(x, u, signs, *, fmt, axis, scale_rule, rounding, prescale, rot_n):
     spec = get_format(fmt)
     x = _rotated(x, signs, axis, rot_n)
     n = x.shape[axis]
-    if srp is not None:
-        u = _key_uniforms(x, srp, axis, spec.block)
     xb = _to_blocks_padded(x, axis, spec.block)
     q = blocks.mx_fake_quantize_blocks(xb, spec.element, scale_rule, rounding, u, prescale)
     return blocks.from_blocks(q, axis, n).contiguous()
 
 
-def _nvfp4_fn(x, u, signs, srp, amax_used, *, fmt, axis, scale_rule, rounding, prescale, rot_n):
+def _nvfp4_fn(x, u, signs, amax_used, *, fmt, axis, scale_rule, rounding, prescale, rot_n):
     block = get_format(fmt).block
     x = _rotated(x, signs, axis, rot_n)
     n = x.shape[axis]
-    if srp is not None:
-        u = _key_uniforms(x, srp, axis, block)
     amax_cur = torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x)).amax()
     amax_t = torch.where(amax_used < 0, amax_cur, amax_used)  # amax_used < 0: this tensor's own
     g_enc = blocks.nvfp4_tensor_scale(amax_t)
@@ -74,12 +73,10 @@ def _nvfp4_fn(x, u, signs, srp, amax_used, *, fmt, axis, scale_rule, rounding, p
     return blocks.from_blocks(q, axis, n).contiguous()
 
 
-def _tensor_fn(x, u, signs, srp, amax_used, *, fmt, rounding, axis, rot_n):
+def _tensor_fn(x, u, signs, amax_used, *, fmt, rounding, axis, rot_n):
     """Per-tensor FP8: returns (dequantized, current amax, number clipped)."""
     spec = get_format(fmt)
     xf = _rotated(x, signs, axis, rot_n)
-    if srp is not None:
-        u = _key_uniforms(xf, srp, axis, 0)
     finite = torch.isfinite(xf)
     amax_cur = torch.where(finite, xf.abs(), torch.zeros_like(xf)).amax()
     amax = torch.where(amax_used < 0, amax_cur, amax_used)  # amax_used < 0: current scaling
@@ -107,7 +104,7 @@ def compile_available() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(kind: str, compiled: bool, **static):
-    fn = {"mx": _mx_fn, "nvfp4": _nvfp4_fn, "tensor": _tensor_fn}[kind]
+    fn = {"mx": _mx_fn, "nvfp4": _nvfp4_fn, "tensor": _tensor_fn, "uniforms": _uniforms_fn}[kind]
     bound = functools.partial(fn, **static)
     if not compiled:
         return bound
@@ -193,12 +190,21 @@ def fake_quantize(
     draw = stochastic and sr is None  # the older API: eager draws from ``generator``
     used = (torch.full((), -1.0, device=x.device) if amax is None
             else torch.as_tensor(amax, dtype=torch.float32, device=x.device).reshape(()))
+    def key_uniforms(shape, block):
+        return _kernel("uniforms", compiled, shape=tuple(shape), axis=axis, block=block)(srp)
+
     if spec.kind == Scaling.TENSOR:
         u = torch.rand(x.shape, generator=generator, device=x.device) if draw else None
+        if srp is not None:
+            u = key_uniforms(x.shape, 0)
         k = _kernel("tensor", compiled, fmt=fmt, rounding=rounding, axis=axis, rot_n=rot_n)
-        out, amax_cur, clipped = k(x, u, signs, srp, used)
+        out, amax_cur, clipped = k(x, u, signs, used)
         return out, {"amax": amax_cur, "num_clipped": clipped}
     u = _sr_uniforms(x, axis, spec.block, generator) if draw else None
+    if srp is not None:  # the padded shape: positions of real elements are unchanged by end padding
+        padded = list(x.shape)
+        padded[axis] = -(-padded[axis] // spec.block) * spec.block
+        u = key_uniforms(padded, spec.block)
     kind = "nvfp4" if spec.kind == Scaling.TWO_LEVEL else "mx"
     k = _kernel(kind, compiled, fmt=fmt, axis=axis, scale_rule=scale_rule, rounding=rounding,
                 prescale=prescale, rot_n=rot_n)
@@ -213,5 +219,5 @@ def fake_quantize(
         # padded last axis followed by the block reshape (reads garbage for the partial block).
         widths = [0, 0] * x.dim()
         widths[2 * (x.dim() - 1 - axis) + 1] = pad
-        return k(torch.nn.functional.pad(x, widths), u, signs, srp, *extra).narrow(axis, 0, n), {}
-    return k(x, u, signs, srp, *extra), {}
+        return k(torch.nn.functional.pad(x, widths), u, signs, *extra).narrow(axis, 0, n), {}
+    return k(x, u, signs, *extra), {}
