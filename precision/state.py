@@ -215,11 +215,6 @@ class LayerQuantState:
         """The seed of one operand's stochastic rounding in one call (element index comes on top)."""
         return derive_seed(self.seed, self.name, gemm.value, operand, call)
 
-    def generator(self, gemm: Gemm, operand: str, call: int, device=None) -> torch.Generator:
-        g = torch.Generator(device=device if device is not None and torch.device(device).type == "cuda" else "cpu")
-        g.manual_seed(self.sr_seed(gemm, operand, call))
-        return g
-
     def rotation_signs(self, gemm: Gemm, n: int, call: int | None) -> torch.Tensor:
         """Random +-1 signs: fixed per layer and GEMM (``call=None``) or per call."""
         g = torch.Generator().manual_seed(derive_seed(self.seed, self.name, gemm.value, "signs", n,
