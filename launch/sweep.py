@@ -430,7 +430,12 @@ def analyse(name: str, scalars: dict, window: int) -> dict:
     vals = [v for _, v in loss]
     finite = [v for v in vals if math.isfinite(v)]
     sm = smooth(finite, window) if finite else []
-    diverged = len(finite) < len(vals) or bool(scalars.get("train/nonfinite"))
+    # pretrain.py logs train/nonfinite_steps (a running count) every iteration; a diverging step's
+    # loss may be finite while its gradient norm is not
+    nonfinite = [v for _, v in scalars.get("train/nonfinite_steps", [])]
+    norms = [v for _, v in scalars.get("train/grad_norm", [])]
+    diverged = (len(finite) < len(vals) or (max(nonfinite) > 0 if nonfinite else False)
+                or not all(math.isfinite(v) for v in norms))
     spike = False
     if len(sm) > 2 * window:
         best = min(sm[: len(sm) // 2])
