@@ -8,11 +8,11 @@ format". Adding a format is one entry in :data:`FORMATS` (plus its element in
 the spec grammar, README tables -- is read from here.
 
 >>> FORMATS["mxfp6_e2m3"].bits_per_element, FORMATS["nvfp4"].kind
-(6.25, <Scaling.TWO_LEVEL: 'two_level'>)
+(6.25, 'two_level')
 
 Roundings, scale rules, amax algorithms and scaling kinds are ``str`` enums: a member equals,
-hashes, prints, JSON-encodes and pickles as its plain string value (``"nearest"``), so specs,
-logs and checkpoints read as they did when these were strings.
+hashes, prints (``str`` and ``repr``), JSON-encodes and pickles as its plain string value
+(``"nearest"``), so specs, logs and checkpoints read as they did when these were strings.
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ class _StrEnum(str, enum.Enum):
 
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
+
+    def __repr__(self) -> str:  # dataclass reprs (OperandFormat(...)) read as they did with strings
+        return repr(self.value)
 
     def __hash__(self) -> int:
         return str.__hash__(self)

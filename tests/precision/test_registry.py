@@ -22,7 +22,7 @@ def test_enums_read_write_and_pickle_as_plain_strings():
     assert hash(r) == hash("stochastic") and {"stochastic": 1}[r] == 1
     loaded = pickle.loads(pickle.dumps({"algo": AmaxAlgo.MAX}))
     assert type(loaded["algo"]) is str and loaded["algo"] == "max"  # checkpoints hold plain strings
-    assert ScaleRule("rceil") is ScaleRule.RCEIL
+    assert ScaleRule("rceil") is ScaleRule.RCEIL and repr(ScaleRule.RCEIL) == "'rceil'"
 
 
 def test_operand_format_takes_strings_and_stores_typed_values():
