@@ -7,7 +7,8 @@ import torch
 from kernels import gemm
 from kernels.fused import compile_available, fake_quantize
 from model.linear import policy_linear
-from precision import Gemm, LayerQuantState, presets, quantize
+from kernels.quantizer import TRITON_FORMATS
+from precision import FORMATS, Gemm, LayerQuantState, presets, quantize
 
 
 def bits_equal(a, b):
@@ -27,10 +28,11 @@ def data():
     return x
 
 
-CASES = [(f, axis, rule, rnd)
-         for f in ("mxfp4", "mxfp8_e4m3", "mxfp8_e5m2", "nvfp4", "fp8_e4m3", "fp8_e5m2")
+# every format with a fused expression (the registry's; MXFP6 included), each of its scale rules
+CASES = [(f, axis, str(rule), rnd)
+         for f in TRITON_FORMATS
          for axis in (0, 1)
-         for rule in (("floor", "rceil") if f.startswith("mx") else ("floor",))
+         for rule in FORMATS[f].scale_rules
          for rnd in ("nearest", "stochastic")]
 
 

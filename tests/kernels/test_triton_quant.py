@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 import kernels  # noqa: E402
 from kernels.fused import _sr_uniforms  # noqa: E402
 from kernels.triton_quant import interpreter_problem, interpreting, quantize_triton  # noqa: E402
-from precision import quantize  # noqa: E402
+from precision import FORMATS, quantize  # noqa: E402
 from precision.rotation import random_signs, rotate  # noqa: E402
 
 if not torch.cuda.is_available() and not interpreting():
@@ -30,8 +30,7 @@ if not torch.cuda.is_available() and interpreter_problem():
     pytest.skip(interpreter_problem(), allow_module_level=True)
 
 DEV = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
-BLOCK_FORMATS = ("mxfp4", "mxfp8_e4m3", "mxfp8_e5m2", "nvfp4")
-ALL_FORMATS = (*BLOCK_FORMATS, "fp8_e4m3", "fp8_e5m2")
+ALL_FORMATS = kernels.quantizer.TRITON_FORMATS  # the registry's formats with a Triton kernel (MXFP6 too)
 
 
 def bits_equal(a, b):
@@ -67,8 +66,7 @@ def assert_same(ref, out):
     assert bits_equal(ref.dequantize().cpu(), out.dequantized.cpu()), "dequantized values differ"
 
 
-CASES = [(f, axis, rule) for f in ALL_FORMATS for axis in (0, 1)
-         for rule in (("floor", "rceil") if f.startswith("mx") else ("floor",))]
+CASES = [(f, axis, str(rule)) for f in ALL_FORMATS for axis in (0, 1) for rule in FORMATS[f].scale_rules]
 
 
 @pytest.mark.parametrize("fmt,axis,rule", CASES)
@@ -167,7 +165,7 @@ def test_rotation_needs_whole_groups_and_signs():
 def test_sr_with_reference_draws_bit_exact(fmt, axis):
     """Given the reference's uniforms (what the hardware GEMM backends pass), SR is bit-exact too."""
     x = data()
-    prescale = 0.75 if fmt.startswith("mx") else 1.0
+    prescale = 0.75 if FORMATS[fmt].has_scale_rules else 1.0
     ref = quantize(x, fmt, axis=axis, rounding="stochastic", prescale=prescale,
                    generator=torch.Generator(DEV).manual_seed(5))
     gen = torch.Generator(DEV).manual_seed(5)
