@@ -6,8 +6,8 @@ import torch
 
 from kernels import gemm
 from kernels.fused import compile_available, fake_quantize
-from model.linear import policy_linear
 from kernels.quantizer import TRITON_FORMATS
+from model.linear import policy_linear
 from precision import FORMATS, Gemm, LayerQuantState, presets, quantize
 
 
