@@ -254,20 +254,20 @@ def quantize_operand(
 def _quantize(t, axis, fmt, impl, codes, key, amax, rotation, state) -> dict:
     """One quantizer call. Returns values (natural layout; None unless asked or telemetry), and in
     hardware form codes/scales (contraction-last), plus tensor_scale, amax, num_clipped."""
-    name, spec = fmt.fmt, get_format(fmt.fmt)
-    given = {"sr": key} if amax is None or not spec.tensor_scaled else {"sr": key, "amax": amax}
-    # the fused and Triton quantizers take the operand's settings as keywords
-    kw = {"axis": axis, "rounding": fmt.rounding, "scale_rule": fmt.scale_rule, "prescale": fmt.prescale_factor,
-          **given}
+    spec = get_format(fmt.fmt)
+    # every quantizer takes the OperandFormat whole (rounding, scale rule, prescale)
+    kw = {"axis": axis, "sr": key}
+    if amax is not None and spec.tensor_scaled:
+        kw["amax"] = amax
     if impl == "triton":
         from kernels.triton_quant import quantize_triton
 
         packed = spec.code_bits == 4 and t.shape[axis] % 32 == 0
-        r = quantize_triton(t, name, layout="contraction_last", pack=packed, dequantize=state.collect_stats, **kw)
+        r = quantize_triton(t, fmt, layout="contraction_last", pack=packed, dequantize=state.collect_stats, **kw)
         return {"values": r.dequantized, "codes": r.codes, "scales": r.scales, "tensor_scale": r.tensor_scale,
                 "amax": r.amax, "num_clipped": r.num_clipped, "packed": packed}
     if impl == "reference" or codes:
-        q = reference_quantize(t, fmt, axis=axis, **given)  # the OperandFormat whole
+        q = reference_quantize(t, fmt, **kw)
         out = {"amax": q.amax, "num_clipped": q.num_clipped, "tensor_scale": q.tensor_scale}
         if not codes or state.collect_stats:
             out["values"] = q.dequantize(torch.float32)
@@ -277,7 +277,7 @@ def _quantize(t, axis, fmt, impl, codes, key, amax, rotation, state) -> dict:
         return out
     from kernels.fused import fake_quantize
 
-    values, stats = fake_quantize(t, name, impl=impl, rotation=rotation, **kw)
+    values, stats = fake_quantize(t, fmt, impl=impl, rotation=rotation, **kw)
     return {"values": values, **stats}
 
 
