@@ -33,12 +33,12 @@ def test_tiny_sweep_end_to_end_and_resume(tmp_path, data_cache):
                        cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = (out / "results.csv").read_text().strip().splitlines()
-    assert len(rows) == 4 and rows[0].startswith("run,status,precision,iterations")
+    assert len(rows) == 4 and rows[0].startswith("run,status,precision,seed,iterations")
     for name in ("bf16", "mxfp4", "wgrad_hadamard"):
         assert json.loads((out / "runs" / name / "status.json").read_text())["state"] == "done"
         assert len(tb_scalars(out / "runs" / name / "tensorboard")["train/loss"]) == 4
     assert (out / "loss_curves.png").stat().st_size > 5000 and (out / "gap.png").stat().st_size > 5000
-    assert "| wgrad_hadamard | done | wgrad_hadamard | 4 |" in (out / "results.md").read_text()
+    assert "| wgrad_hadamard | done | wgrad_hadamard |  | 4 |" in (out / "results.md").read_text()  # no seed
 
     # Half-finished sweep: one run failed, one never started. Re-running redoes exactly those two.
     (out / "runs" / "mxfp4" / "status.json").write_text(json.dumps({"state": "failed"}))

@@ -207,9 +207,14 @@ def test_tp2_run_logs_tensorboard_and_checkpoints(tmp_path, data_cache):
 #                   and TP shards hold whole blocks, so each rank quantizes exactly what TP=1 does);
 #                   then a 1-ulp difference of the clip coefficient flips a rounding: loss 1.6e-5,
 #                   grad norm 1.2e-3 at iteration 6.
+# Re-measured on this session's 2-core machine (the same numbers at 22ca48a, before any change of
+# this session): bf16 grad norm 1.7e-5 at iteration 1; wgrad_hadamard bit-identical for iterations
+# 1-2, then the flipped roundings grow: grad norm 5e-4, 4.8e-3 and up to 2e-2 by iteration 6. The
+# losses stay within LOSS_RTOL; a rank quantizing with its shard's own scales or blocks cut by a
+# shard edge is off by percent from iteration 1 on.
 LOSS_RTOL = 1e-4  # train and val loss, every iteration
-GRAD_NORM_RTOL = 5e-3  # after the first update
-FIRST_ITERATION_RTOL = {"bf16": 1e-5, "wgrad_hadamard": 0.0}  # identical weights: loss and grad norm
+GRAD_NORM_RTOL = 3e-2  # after the first update
+FIRST_ITERATION_RTOL = {"bf16": 3e-5, "wgrad_hadamard": 0.0}  # identical weights: loss and grad norm
 
 
 @pytest.fixture(scope="module", params=["bf16", "wgrad_hadamard"])
