@@ -17,6 +17,7 @@ hashes, prints (``str`` and ``repr``), JSON-encodes and pickles as its plain str
 
 from __future__ import annotations
 
+import abc
 import enum
 from dataclasses import dataclass
 
@@ -169,7 +170,7 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 # ====================================================================== the formats
 @dataclass(frozen=True)
-class Format:
+class Format(abc.ABC):
     """One number format. Subclasses implement ``_quantize`` and ``dequantize``."""
 
     name: str
@@ -260,11 +261,13 @@ class Format:
             u = sr.uniforms(x.shape, x.device)
         return self._quantize(x.float(), axis, r, s, generator, prescale, amax, u)
 
+    @abc.abstractmethod
     def _quantize(self, xf, axis, rounding, scale_rule, generator, prescale, amax, u) -> QuantizedTensor:
-        raise NotImplementedError
+        """Quantize float32 ``xf`` (blocks along ``axis``; ``u``: SR uniforms shaped like ``xf``)."""
 
+    @abc.abstractmethod
     def dequantize(self, q: QuantizedTensor) -> torch.Tensor:
-        raise NotImplementedError
+        """float32 values of ``q``."""
 
     def fake_quantize(self, x: torch.Tensor, **kw) -> torch.Tensor:
         """quantize -> dequantize to float32 (the emulated operand)."""
