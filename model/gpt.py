@@ -30,7 +30,11 @@ CPU, as measured with megatron-core 0.16.1:
     TP-replicated activations and uses torch's default generator, identical across TP ranks, which
     is what it needs. Attention dropout: see ``model.attention``; dropout defaults to 0. On GPU also
     call ``model_parallel_cuda_manual_seed(seed)`` after ``initialize_model_parallel``.
-    Activation recomputation (``tensor_parallel.checkpoint``) saves CUDA RNG state: GPU only.
+    Activation recomputation: megatron's ``tensor_parallel.checkpoint`` saves CUDA RNG state (GPU
+    only); ``model.recompute`` checkpoints with torch's reentrant checkpoint on CPU (``recompute=``).
+  - BF16 (``params_dtype=torch.bfloat16``, ``--bf16``): parameters and activations in BF16 run on
+    CPU too; the policy linears quantize from the BF16 values and return BF16 (``model.linear``),
+    the loss is FP32. FP32 main weights live in the optimizer (``pretrain.optim``, ``pretrain.engine``).
   - RoPE. megatron's ``RotaryEmbedding.get_emb`` moves its frequencies to
     ``torch.cuda.current_device()``; ``PortableRotaryEmbedding`` does so only when CUDA exists.
   - Attention and norms: ``model.attention`` and ``model.spec``.
@@ -52,9 +56,11 @@ from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from model.layers import PolicyColumnParallelLinear, PolicyRowParallelLinear
+from model.recompute import RecomputeConfig, RecomputeTransformerBlock
 from model.spec import gpt_block_spec
 
 if TYPE_CHECKING:
@@ -200,10 +206,15 @@ def training_flops_per_token(cfg: ModelConfig, seq_length: int, vocab_size: int 
 
 
 def transformer_config(
-    cfg: ModelConfig, *, params_dtype: torch.dtype = torch.float32, sequence_parallel: bool = False
+    cfg: ModelConfig,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    sequence_parallel: bool = False,
+    recompute: RecomputeConfig | None = None,
 ) -> TransformerConfig:
     """The megatron ``TransformerConfig`` for ``cfg`` under the current parallel_state."""
     return TransformerConfig(
+        **(recompute.transformer_config_fields() if recompute is not None else {}),
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         ffn_hidden_size=cfg.ffn_hidden_size,
@@ -276,6 +287,8 @@ class PolicyGPTModel(GPTModel):
         **kwargs,
     ):
         super().__init__(config, transformer_layer_spec, vocab_size, max_sequence_length, **kwargs)
+        if type(self.decoder) is TransformerBlock:  # recomputation on CPU too; no new state
+            self.decoder.__class__ = RecomputeTransformerBlock
         if self.post_process:
             old = self.output_layer
             self.output_layer = PolicyColumnParallelLinear(
@@ -331,22 +344,27 @@ def build_gpt(
     params_dtype: torch.dtype = torch.float32,
     sequence_parallel: bool = False,
     seed: int = 0,
+    recompute: RecomputeConfig | None = None,
 ) -> PolicyGPTModel:
     """Build this rank's ``PolicyGPTModel`` for ``cfg``.
 
     Needs ``torch.distributed`` and ``megatron.core.parallel_state.initialize_model_parallel``;
     seed torch identically on all ranks first (see the module docstring). ``seed`` (``--seed``)
     seeds the linears' quantization random streams (stochastic rounding, random Hadamard signs);
-    it is the same on every TP rank.
+    it is the same on every TP rank. ``params_dtype``: ``torch.bfloat16`` for ``--bf16``.
+    ``recompute``: activation recomputation (``model.recompute``; None: none).
     """
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     validate_config(cfg, tp_size)
+    if recompute is not None:
+        recompute.check(cfg.num_layers // parallel_state.get_pipeline_model_parallel_world_size())
     if sequence_parallel and not torch.cuda.is_available():
         raise ValueError(
             "--sequence-parallel needs CUDA: megatron-core 0.16.1's sequence-parallel all-gather / "
             "reduce-scatter allocate on torch.cuda.current_device()"
         )
-    config = transformer_config(cfg, params_dtype=params_dtype, sequence_parallel=sequence_parallel)
+    config = transformer_config(cfg, params_dtype=params_dtype, sequence_parallel=sequence_parallel,
+                                recompute=recompute)
     return PolicyGPTModel(
         config,
         gpt_block_spec(config),

@@ -34,6 +34,9 @@ Each layer holds, as plain attributes:
                    whole-tensor amaxes are reduced over the TP group for sharded operands and
                    stochastic rounding draws, for each element, the number TP=1 draws for it;
   ``gemm_backend`` which ``kernels`` backend runs the GEMMs (``"emulated"`` by default).
+
+Under activation recomputation a layer's Fprop runs twice per micro-batch; both passes quantize
+at the same call index and only the second records anything (``model.recompute``).
 """
 
 from __future__ import annotations
@@ -47,7 +50,9 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
+from model import recompute
 from model.linear import policy_linear
+from precision.recipe import Gemm
 from precision.state import LayerQuantState, TPLayout
 
 if TYPE_CHECKING:
@@ -69,6 +74,7 @@ class _PolicyLinearMixin:
         self.layer_name = None
         self.quant_state = LayerQuantState()
         self.gemm_backend = "emulated"
+        self._awaiting_recompute = 0  # checkpointed first passes not yet recomputed (model.recompute)
         if config.gradient_accumulation_fusion:
             raise ValueError(
                 f"{type(self).__name__}: --gradient-accumulation-fusion is not supported; it fuses "
@@ -86,7 +92,20 @@ class _PolicyLinearMixin:
                 f"linear layer {name} has no precision recipe: call "
                 "model.gpt.apply_precision_plan(model, plan) before running the model"
             )
-        return policy_linear(x, w, self.precision, bias, state=self.quant_state, backend=self.gemm_backend)
+        # Activation recomputation (model.recompute): the first pass is read-only (no autograd) at
+        # the Fprop call index its recomputation will use -- the current one plus the first passes
+        # of this layer still waiting for theirs (pipelining keeps several micro-batches in flight).
+        ahead, where = 0, recompute.phase()
+        if where == "first":
+            ahead, self._awaiting_recompute = self._awaiting_recompute, self._awaiting_recompute + 1
+        elif where == "recompute":
+            self._awaiting_recompute = max(0, self._awaiting_recompute - 1)
+        calls = self.quant_state.calls
+        calls[Gemm.FPROP.value] += ahead
+        try:
+            return policy_linear(x, w, self.precision, bias, state=self.quant_state, backend=self.gemm_backend)
+        finally:
+            calls[Gemm.FPROP.value] -= ahead
 
     def set_layer_name(self, name: str, seed: int = 0) -> None:
         """Name the layer (for errors and logs) and start its quantization state from ``(seed, name)``.

@@ -6,8 +6,9 @@ Megatron-core assembles a transformer layer from a ``ModuleSpec`` whose leaves c
   column-parallel linear  ``PolicyColumnParallelLinear``   (linear_qkv, linear_fc1)
   row-parallel linear     ``PolicyRowParallelLinear``      (linear_proj, linear_fc2)
   core attention          ``SDPAttention``                 (CPU and GPU; megatron's local one is CUDA-only)
-  self attention          ``PortableSelfAttention``        (megatron's, KV-cache buffers on the
-                          weights' device instead of CUDA; see ``model.attention``)
+  self attention          ``RecomputeSelfAttention``       (megatron's, KV-cache buffers on the
+                          weights' device instead of CUDA, see ``model.attention``; selective
+                          recomputation on CPU too, see ``model.recompute``)
   norm                    ``TorchNorm`` -> ``LayerNorm`` / ``RMSNorm`` (torch's, chosen by
                           ``config.normalization``)
 
@@ -44,6 +45,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from model.attention import PortableSelfAttention, SDPAttention
 from model.layers import PolicyColumnParallelLinear, PolicyRowParallelLinear
+from model.recompute import checkpoint
 
 
 class LayerNorm(torch.nn.LayerNorm):
@@ -79,6 +81,23 @@ class TorchNorm:
         for p in norm.parameters():
             p.sequence_parallel = config.sequence_parallel
         return norm
+
+
+class RecomputeSelfAttention(PortableSelfAttention):
+    """``PortableSelfAttention`` whose selective recomputation (``--recompute-granularity
+    selective``: core attention) checkpoints through ``model.recompute.checkpoint``, which runs on
+    CPU too (megatron's ``tensor_parallel.checkpoint`` saves CUDA RNG states). Core attention holds
+    no policy linear, so no quantization state is involved."""
+
+    def _checkpointed_attention_forward(self, query, key, value, attention_mask, rotary_pos_emb=None,
+                                        attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+
+        def core_attention(query, key, value, attention_mask):
+            return self.core_attention(query, key, value, attention_mask, attn_mask_type=mask_type,
+                                       attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+
+        return checkpoint(core_attention, query, key, value, attention_mask)
 
 
 class PolicySpecProvider(BackendSpecProvider):
@@ -128,7 +147,7 @@ def gpt_layer_spec(
         submodules=TransformerLayerSubmodules(
             input_layernorm=norm,
             self_attention=ModuleSpec(
-                module=PortableSelfAttention,
+                module=RecomputeSelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=backend.column_parallel_linear(),
