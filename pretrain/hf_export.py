@@ -1,0 +1,326 @@
+"""Our megatron-core GPT -> a Hugging Face Llama / Qwen2 checkpoint, BF16 or FP4-packed.
+
+    state, cfg, tok_dir = load_tp1_weights("ckpt/")           # any TP size; hf_converted.pt; plain file
+    files = export_hf(state, cfg, "out/")                      # BF16 safetensors + config.json
+    files = export_hf(state, cfg, "out/", weight_format="nvfp4")  # compressed-tensors nvfp4-pack-quantized
+
+The reverse of ``pretrain.hf_convert`` (its module docstring has the name mapping and the layout
+facts): ``linear_qkv``'s per-group ``[q heads; k; v]`` rows split into ``q_proj`` / ``k_proj`` /
+``v_proj``, ``linear_fc1 = [gate; up]`` into ``gate_proj`` / ``up_proj``, the vocabulary cut back
+to the tokenizer's ``vocab_size`` rows (megatron pads it). Qwen2 when the model has ``linear_qkv``
+biases (``--add-qkv-bias``), Llama otherwise; other architectures (LayerNorm, GELU, learned
+positions, biases on every linear) have no HF Llama equivalent and are refused.
+
+FP4 export: compressed-tensors' ``nvfp4-pack-quantized`` / ``mxfp4-pack-quantized`` formats
+(what vLLM and SGLang load). Every decoder linear's weight is quantized **by our own quantizer**
+(``precision.quantize`` with the rollout's Fprop weight format, blocks along in-features) and
+stored as the format asks; embeddings, norms and ``lm_head`` stay BF16 (``ignore: [lm_head]``).
+Per linear ``L`` of the HF model:
+
+==========================  ==================================  ==========================================
+tensor                      compressed-tensors                   ours
+==========================  ==================================  ==========================================
+``L.weight_packed``         uint8 [out, in/2], two E2M1 codes   ``QuantizedTensor.packed()``: same code
+                            per byte, low nibble = even index   table (sign bit 3), same nibble order
+``L.weight_scale`` nvfp4    float8_e4m3fn [out, in/16]          our E4M3 block-scale bytes, viewed
+``L.weight_scale`` mxfp4    uint8 [out, in/32], E8M0 2^(b-127)  our E8M0 scale bytes as they are
+``L.weight_global_scale``   float32 [1] (nvfp4 only)            ``g_enc = 448*6 / amax`` (an *encode*
+                                                                scale, like theirs; not our ``g_dec``)
+==========================  ==================================  ==========================================
+
+Conventions that differ, and how the export maps them (tested against the real package):
+  - NVFP4 global scale: compressed-tensors dequantizes ``w = e2m1 * (s_block / global_scale)``
+    (a division), we compute ``e2m1 * (s_block * g_dec)`` with ``g_dec = 1/g_enc`` and on hardware
+    apply ``g_dec`` at the GEMM output (vLLM's FP4 kernels do the same with
+    ``alpha = 1/(g_w g_x)``). Storing ``global_scale = g_enc`` makes codes, block scales and the
+    tensor scale identical. Its CPU decompressor then rounds the weight to BF16 (an FP4 value x an
+    E4M3 scale x the FP32 tensor scale is not a BF16 value), which ours does not: its decompressed
+    weight equals ours rounded to BF16, bit for bit (tested; in FP32 ``fl(s/g_enc)`` and
+    ``fl(s * g_dec)`` may differ by one ulp, which the BF16 rounding absorbs in the tested model).
+  - Fused projections: vLLM fuses q/k/v and gate/up and needs one global scale per fused weight
+    (llm-compressor makes them equal on export). Ours *is* one tensor (``linear_qkv``,
+    ``linear_fc1``), so its ``g_enc`` is written for each part: the parts' codes are exactly the
+    fused tensor's rows (blocks run along in-features, inside a row).
+  - MXFP4 scale bytes: the E8M0 byte is stored as is; compressed-tensors decodes
+    ``2^(byte-127)``, ours too, so MXFP4 weights are bit-identical in any dtype.
+  - Activations: ``mxfp4`` rollouts (dynamic MXFP4 activations, block 32) map to
+    compressed-tensors' ``MXFP4`` scheme; an NVFP4 activation's FP32 tensor scale is per call (its
+    own amax), which compressed-tensors' ``NVFP4`` scheme cannot say (it wants a calibrated static
+    ``input_global_scale``), so NVFP4 exports are weight-only (``NVFP4A16``) and say so in
+    ``export_info.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+
+import torch
+
+from model.gpt import ModelConfig
+from pretrain.hf_convert import TOKENIZER_FILES
+
+__all__ = [
+    "EXPORT_FORMATS",
+    "HF_LINEARS",
+    "HFExportError",
+    "export_hf",
+    "hf_config",
+    "hf_state_dict",
+    "load_tp1_weights",
+    "quantization_config",
+    "quantize_weight",
+]
+
+EXPORT_FORMATS = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
+# HF module suffixes of the quantized linears (everything else stays BF16)
+HF_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+class HFExportError(ValueError):
+    """A model or checkpoint we cannot export; one line naming the flag or field."""
+
+
+# ================================================================================================
+# Reading our weights (TP=1, whatever TP they were saved at)
+# ================================================================================================
+
+
+def load_tp1_weights(path: str) -> tuple[dict[str, torch.Tensor], ModelConfig, str | None]:
+    """(TP=1 state dict without ``_extra_state``, ModelConfig, HF tokenizer dir or None) of a
+    training checkpoint directory (any TP size: shards merged by ``pretrain.reshard``), a
+    ``launch/convert_hf.py`` output, or a plain ``{"model", "model_config"}`` file. Training
+    checkpoints need torch.distributed set up (``pretrain.evaluation.loading.init_single_process``)."""
+    from pretrain import hf_convert
+    from pretrain.checkpointing import TRACKER
+
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, TRACKER)):
+        from pretrain.checkpointing import load_checkpoint
+
+        ckpt = load_checkpoint(path, tp_size=1, reshard_model=True)
+        if ckpt is None or not ckpt.get("model_config"):
+            raise HFExportError(f"--load {path}: no checkpoint with a model_config (saved by an older version)")
+        args = ckpt.get("args", {})
+        tok = args.get("tokenizer_model") if args.get("tokenizer_type") == "HuggingFaceTokenizer" else None
+        state = {k: v for k, v in ckpt["model"].items() if not k.endswith("._extra_state")}
+        return state, ModelConfig(**ckpt["model_config"]), tok if tok and os.path.isdir(tok) else None
+    file = os.path.join(path, hf_convert.FILE_NAME) if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise HFExportError(f"--load {path}: neither a training checkpoint ({TRACKER}) nor a "
+                            f"{hf_convert.FILE_NAME} / plain weights file")
+    payload = torch.load(file, map_location="cpu", weights_only=True)
+    if not isinstance(payload, dict) or "model" not in payload or "model_config" not in payload:
+        raise HFExportError(f"--load {file}: expected a dict with 'model' and 'model_config'")
+    state = {k: v for k, v in payload["model"].items() if not k.endswith("._extra_state")}
+    tok = hf_convert.converted_tokenizer_dir(payload, file) if payload.get("format") == hf_convert.FORMAT else None
+    return state, ModelConfig(**payload["model_config"]), tok
+
+
+# ================================================================================================
+# Names, layouts, config
+# ================================================================================================
+
+
+def _check_exportable(cfg: ModelConfig) -> None:
+    problems = [(cfg.normalization != "RMSNorm", f"--normalization {cfg.normalization}"),
+                (cfg.activation != "swiglu", f"--activation {cfg.activation}"),
+                (cfg.position_embedding != "rope", f"--position-embedding-type {cfg.position_embedding}"),
+                (cfg.add_bias_linear, "--add-bias-linear")]
+    bad = [what for cond, what in problems if cond]
+    if bad:
+        raise HFExportError(f"model: {', '.join(bad)} has no Hugging Face Llama/Qwen2 equivalent (needs RMSNorm, "
+                            f"swiglu, rope, no linear biases except --add-qkv-bias)")
+
+
+def _split_qkv(t: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """megatron's per-group ``[q heads of g; k_g; v_g]`` rows -> HF's q, k, v (inverse of
+    ``hf_convert._grouped_qkv``)."""
+    groups, head_dim = cfg.num_query_groups, cfg.hidden_size // cfg.num_attention_heads
+    per_group = cfg.num_attention_heads // groups
+    rest = t.shape[1:]
+    g = t.reshape(groups, (per_group + 2) * head_dim, *rest)
+    q, k, v = g.split([per_group * head_dim, head_dim, head_dim], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our TP=1 names -> HF names (dtype kept). Every tensor of ``state`` must be used."""
+    _check_exportable(cfg)
+    st = dict(state)
+
+    def take(name: str) -> torch.Tensor:
+        try:
+            return st.pop(name)
+        except KeyError:
+            raise HFExportError(f"checkpoint has no tensor {name!r}") from None
+
+    out = {"model.embed_tokens.weight": take("embedding.word_embeddings.weight")[: cfg.vocab_size]}
+    for i in range(cfg.num_layers):
+        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+        out[dst + "input_layernorm.weight"] = take(src + "input_layernorm.weight")
+        for p, t in zip("qkv", _split_qkv(take(src + "self_attention.linear_qkv.weight"), cfg)):
+            out[f"{dst}self_attn.{p}_proj.weight"] = t
+        if cfg.add_qkv_bias:
+            for p, t in zip("qkv", _split_qkv(take(src + "self_attention.linear_qkv.bias"), cfg)):
+                out[f"{dst}self_attn.{p}_proj.bias"] = t
+        out[dst + "self_attn.o_proj.weight"] = take(src + "self_attention.linear_proj.weight")
+        out[dst + "post_attention_layernorm.weight"] = take(src + "pre_mlp_layernorm.weight")
+        gate, up = take(src + "mlp.linear_fc1.weight").chunk(2, dim=0)
+        out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
+        out[dst + "mlp.down_proj.weight"] = take(src + "mlp.linear_fc2.weight")
+    out["model.norm.weight"] = take("decoder.final_layernorm.weight")
+    if cfg.untie_embeddings:
+        out["lm_head.weight"] = take("output_layer.weight")[: cfg.vocab_size]
+    else:
+        st.pop("output_layer.weight", None)  # a last pipeline stage's copy of the tied table
+    if st:
+        raise HFExportError(f"checkpoint has {len(st)} tensor(s) the export does not map, e.g. {min(st)!r}")
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def hf_config(cfg: ModelConfig, dtype: str = "bfloat16") -> dict:
+    """``config.json`` for ``cfg`` (the inverse of ``hf_convert.model_config_from_hf``)."""
+    _check_exportable(cfg)
+    qwen = cfg.add_qkv_bias
+    d = {
+        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+        "model_type": "qwen2" if qwen else "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.ffn_hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_query_groups,
+        "head_dim": cfg.hidden_size // cfg.num_attention_heads,
+        "max_position_embeddings": cfg.seq_length,
+        "vocab_size": cfg.vocab_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.layernorm_epsilon,
+        "rope_theta": float(cfg.rotary_base),
+        "tie_word_embeddings": not cfg.untie_embeddings,
+        "initializer_range": cfg.init_method_std,
+        "torch_dtype": dtype,
+        "use_cache": True,
+    }
+    if not qwen:
+        d.update(attention_bias=False, mlp_bias=False)
+    if cfg.rope_scaling_factor is not None:
+        from pretrain.hf_convert import _MEGATRON_ROPE_SCALING
+
+        d["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor, **_MEGATRON_ROPE_SCALING}
+    return d
+
+
+# ================================================================================================
+# FP4 weights in compressed-tensors' layout
+# ================================================================================================
+
+
+def quantize_weight(w: torch.Tensor, fmt, amax: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """``{"weight_packed", "weight_scale"[, "weight_global_scale"]}`` of one ``[out, in]`` weight,
+    quantized by ``precision.quantize`` along in-features (the Fprop contraction axis) in ``fmt``
+    (an ``OperandFormat`` or format name: nvfp4 / mxfp4). ``amax``: NVFP4's tensor amax (the fused
+    projection's, see the module docstring); default the weight's own."""
+    from precision.quantize import quantize
+
+    name = getattr(fmt, "fmt", fmt)
+    if name not in EXPORT_FORMATS:
+        raise HFExportError(f"--rollout-precision: weight format {name!r} has no compressed-tensors export; "
+                            f"valid: {', '.join(EXPORT_FORMATS)}")
+    q = quantize(w.float(), fmt, axis=1, amax=amax)
+    out = {"weight_packed": q.packed()}
+    if name == "nvfp4":
+        out["weight_scale"] = q.scales.view(torch.float8_e4m3fn)
+        out["weight_global_scale"] = q.tensor_scale.reshape(1).float()
+    else:
+        out["weight_scale"] = q.scales.clone()
+    return out
+
+
+def quantization_config(weight_format: str, activations: bool) -> dict:
+    """compressed-tensors' ``quantization_config`` for decoder linears in ``weight_format``;
+    ``activations``: dynamic MXFP4 activations too (mxfp4 only, see the module docstring)."""
+    group = 16 if weight_format == "nvfp4" else 32
+    weights = {"num_bits": 4, "type": "float", "symmetric": True, "dynamic": False, "group_size": group,
+               "strategy": "tensor_group" if weight_format == "nvfp4" else "group",
+               "scale_dtype": "torch.float8_e4m3fn" if weight_format == "nvfp4" else "torch.uint8",
+               "zp_dtype": "torch.float8_e4m3fn" if weight_format == "nvfp4" else "torch.uint8",
+               "observer": "memoryless_minmax"}
+    scheme = {"targets": ["Linear"], "weights": weights, "input_activations": None, "output_activations": None,
+              "format": EXPORT_FORMATS[weight_format]}
+    if activations:
+        scheme["input_activations"] = {**weights, "dynamic": True, "observer": None}
+    return {"quant_method": "compressed-tensors", "format": EXPORT_FORMATS[weight_format],
+            "quantization_status": "compressed", "config_groups": {"group_0": scheme}, "ignore": ["lm_head"],
+            "kv_cache_scheme": None}
+
+
+def _fused_amax(hf: dict[str, torch.Tensor], layer_prefix: str, parts: tuple[str, ...]) -> torch.Tensor:
+    return torch.stack([hf[f"{layer_prefix}{p}.weight"].float().abs().amax() for p in parts]).amax()
+
+
+def _quantize_linears(hf: dict[str, torch.Tensor], cfg: ModelConfig, fmt) -> dict[str, torch.Tensor]:
+    """Replace every decoder linear's ``weight`` with its packed form (biases stay BF16)."""
+    name = getattr(fmt, "fmt", fmt)
+    out = dict(hf)
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}."
+        fused = {"self_attn.q_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                 "mlp.gate_proj": ("mlp.gate_proj", "mlp.up_proj")}
+        group_of = {p: g for g in fused.values() for p in g}
+        for lin in HF_LINEARS:
+            w = out.pop(f"{pre}{lin}.weight")
+            amax = _fused_amax(hf, pre, group_of[lin]) if name == "nvfp4" and lin in group_of else None
+            for k, v in quantize_weight(w, fmt, amax).items():
+                out[f"{pre}{lin}.{k}"] = v
+    return out
+
+
+# ================================================================================================
+# Files
+# ================================================================================================
+
+
+def export_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str, *, weight_format=None,
+              activations: bool = False, tokenizer_dir: str | None = None, info: dict | None = None) -> list[str]:
+    """Write ``out_dir/{config.json, model.safetensors, export_info.json}`` (+ tokenizer files from
+    ``tokenizer_dir``). ``weight_format`` None: BF16; ``"nvfp4"`` / ``"mxfp4"`` (or an
+    ``OperandFormat`` of them): decoder linears packed in compressed-tensors' format (``activations``:
+    declare dynamic MXFP4 input activations, mxfp4 only). Returns the files written."""
+    from safetensors.torch import save_file
+
+    name = getattr(weight_format, "fmt", weight_format)
+    if name is not None and name not in EXPORT_FORMATS:
+        raise HFExportError(f"--rollout-precision: weight format {name!r} has no compressed-tensors export; "
+                            f"valid: {', '.join(EXPORT_FORMATS)}")
+    if activations and name != "mxfp4":
+        raise HFExportError(f"--rollout-precision: {name} activations cannot be declared in compressed-tensors' "
+                            f"format (only dynamic MXFP4 activations can); export the weights alone")
+    hf = {k: v.to(torch.bfloat16) for k, v in hf_state_dict(state, cfg).items()}
+    if name is not None:
+        fp32_weights = {k: v.float() for k, v in hf_state_dict(state, cfg).items()}
+        packed = _quantize_linears(fp32_weights, cfg, weight_format)
+        hf = {k: (v if k.rsplit(".", 1)[-1] in ("weight_packed", "weight_scale", "weight_global_scale")
+                  else v.to(torch.bfloat16)) for k, v in packed.items()}
+    os.makedirs(out_dir, exist_ok=True)
+    config = hf_config(cfg)
+    if name is not None:
+        config["quantization_config"] = quantization_config(name, activations)
+    files = [os.path.join(out_dir, "config.json"), os.path.join(out_dir, "model.safetensors"),
+             os.path.join(out_dir, "export_info.json")]
+    with open(files[0], "w") as f:
+        json.dump(config, f, indent=2)
+    save_file(hf, files[1], metadata={"format": "pt"})
+    meta = {"weights": name or "bf16", "activations": ("mxfp4 (dynamic, block 32)" if activations else
+                                                       "not quantized by the export (weight-only)"),
+            "model_config": dataclasses.asdict(cfg), **(info or {})}
+    with open(files[2], "w") as f:
+        json.dump(meta, f, indent=2)
+    if tokenizer_dir:
+        for fn in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(tokenizer_dir, fn)):
+                shutil.copy2(os.path.join(tokenizer_dir, fn), out_dir)
+                files.append(os.path.join(out_dir, fn))
+    return files
