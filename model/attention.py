@@ -28,6 +28,18 @@ cached key. Whenever ``sq != sk`` under a causal mask type, the queries are take
 ``sq`` positions (bottom-right aligned ``tril(diagonal=sk - sq)``), never SDPA's top-left
 ``is_causal``. ``PortableSelfAttention`` lets megatron allocate those buffers on CPU.
 
+Quantized keys and values (``model.kv_cache``). Three plain attributes, ``None`` by default:
+  ``kv_format``  a ``KVFormat``: keys and values are fake-quantized as the rollout's KV-cache stores
+                 them (quantize -> dequantize along the head dimension, straight-through gradient;
+                 ``--kv-quant``, set by :func:`set_kv_quant`), after RoPE, before attention;
+  ``kv_amax``    ``[2, ng]`` per-head amax of K and V for formats with a tensor-level scale (FP8,
+                 NVFP4): calibrated by ``model.generate.calibrate_kv``; without it (training) each
+                 call scales every head by its own current amax;
+  ``kv_cache``   a ``LayerKV`` while the generation engine runs: new keys and values are written to
+                 it (quantized in ``kv_format``) and attention reads every cached one back.
+A KV-cache call passes an explicit ``attention_mask`` ``[b, 1, sq, sk]`` (padding and causality);
+the queries are the last ``sq`` of the ``sk`` slots.
+
 Dropout on the attention probabilities is drawn from megatron's model-parallel RNG tracker when it
 has been seeded (``model_parallel_cuda_manual_seed``, GPU only), so each TP rank's heads get
 independent masks; on CPU it falls back to torch's default generator, which is seeded identically
@@ -49,6 +61,8 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from model.kv_cache import KVFormat, LayerKV, per_head_amax
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
 
@@ -84,9 +98,27 @@ class SDPAttention(MegatronModule):
         # apply_query_key_layer_scaling divides the scale by layer_number and multiplies it back
         # inside an FP32 softmax: a no-op mathematically, so it is ignored here.
         self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+        self.kv_format: KVFormat | None = None  # see the module docstring
+        self.kv_amax: torch.Tensor | None = None
+        self.kv_cache: LayerKV | None = None
+        self.kv_observed: torch.Tensor | None = None  # [2, ng] running amax while calibrating
 
     def extra_repr(self) -> str:
-        return f"mask={self.attn_mask_type.name}, scale={self.softmax_scale:.4g}, dropout={self.dropout_p}"
+        kv = f", kv={self.kv_format.fmt}" if self.kv_format is not None else ""
+        return f"mask={self.attn_mask_type.name}, scale={self.softmax_scale:.4g}, dropout={self.dropout_p}{kv}"
+
+    def _keys_values(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values attention reads: through the KV-cache when one is attached, else
+        fake-quantized in ``kv_format`` (or as they are). ``[s, b, ng, hn]``."""
+        if self.kv_observed is not None:  # calibration: per-head amax of what the cache would store
+            seen = torch.stack([per_head_amax(key), per_head_amax(value)])
+            self.kv_observed = torch.maximum(self.kv_observed, seen)
+        if self.kv_cache is not None:
+            return self.kv_cache.update(key, value)
+        if self.kv_format is not None:
+            amax = self.kv_amax if self.kv_amax is not None else (None, None)
+            return self.kv_format.fake_quantize(key, amax[0]), self.kv_format.fake_quantize(value, amax[1])
+        return key, value
 
     def forward(
         self,
@@ -103,6 +135,7 @@ class SDPAttention(MegatronModule):
         if attention_bias is not None:
             raise NotImplementedError("SDPAttention does not support attention_bias")
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        key, value = self._keys_values(key, value)
         sq, b, np_, hn = query.shape
         sk, ng = key.shape[0], key.shape[2]
         if np_ % ng:
@@ -138,6 +171,22 @@ class SDPAttention(MegatronModule):
             )
         # [b, np, sq, hn] -> [sq, b, np * hn]
         return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+
+def core_attentions(model: torch.nn.Module) -> list[SDPAttention]:
+    """Every ``SDPAttention`` of ``model`` in layer order."""
+    return [m for m in model.modules() if isinstance(m, SDPAttention)]
+
+
+def set_kv_quant(model: torch.nn.Module, fmt: KVFormat | str | None) -> None:
+    """Fake-quantize keys and values in every core attention of ``model`` as a KV-cache in ``fmt``
+    stores them (``--kv-quant``; None: off). Refuses a block format that does not divide the head
+    dimension, naming the flag."""
+    fmt = KVFormat.parse(fmt) if isinstance(fmt, str) else fmt
+    for attn in core_attentions(model):
+        if fmt is not None:
+            fmt.check_head_dim(attn.config.kv_channels, "--kv-quant")
+        attn.kv_format = fmt
 
 
 class PortableSelfAttention(SelfAttention):

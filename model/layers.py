@@ -33,7 +33,10 @@ Each layer holds, as plain attributes:
                    (``TPLayout``: column/row split, rank, megatron's ``partition_stride``), so that
                    whole-tensor amaxes are reduced over the TP group for sharded operands and
                    stochastic rounding draws, for each element, the number TP=1 draws for it;
-  ``gemm_backend`` which ``kernels`` backend runs the GEMMs (``"emulated"`` by default).
+  ``gemm_backend`` which ``kernels`` backend runs the GEMMs (``"emulated"`` by default);
+  ``rollout_weight`` None, or while the generation engine runs under a rollout plan the layer's
+                   weight quantized once into packed storage (``model.rollout.PackedWeight``):
+                   Fprop then reads it instead of quantizing ``weight`` at every call.
 
 Under activation recomputation a layer's Fprop runs twice per micro-batch; both passes quantize
 at the same call index and only the second records anything (``model.recompute``).
@@ -75,6 +78,7 @@ class _PolicyLinearMixin:
         self.quant_state = LayerQuantState()
         self.gemm_backend = "emulated"
         self._awaiting_recompute = 0  # checkpointed first passes not yet recomputed (model.recompute)
+        self.rollout_weight = None
         if config.gradient_accumulation_fusion:
             raise ValueError(
                 f"{type(self).__name__}: --gradient-accumulation-fusion is not supported; it fuses "
@@ -86,6 +90,8 @@ class _PolicyLinearMixin:
             )
 
     def _policy_gemm(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.rollout_weight is not None:  # generation under a rollout plan: packed weights, Fprop only
+            return self.rollout_weight.fprop(x, bias, self.quant_state, self.gemm_backend)
         if self.precision is None:
             name = self.layer_name or f"an unnamed {type(self).__name__}"
             raise RuntimeError(

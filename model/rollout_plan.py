@@ -1,0 +1,183 @@
+"""Rollout precision: what the generation engine's GEMMs and KV-cache consume.
+
+A rollout runs only Fprop, ``y = x · wᵀ``. So a rollout plan gives each linear layer one GEMM
+recipe -- the activation format (operand ``x``), the weight format (operand ``w``), an optional
+rotation along the in-features -- and the model one KV-cache format (``model.kv_cache``)::
+
+    preset        weights w         activations x     KV-cache            bits/weight
+    bf16          bf16              bf16              bf16 (reference)    16
+    fp8           fp8_e4m3 tensor   fp8_e4m3 tensor   fp8_e4m3 per head   8
+    mxfp4         mxfp4             mxfp4             mxfp4               4.25
+    nvfp4         nvfp4             nvfp4             nvfp4               4.5
+    mxfp4_w4a16   mxfp4             bf16              bf16                4.25
+
+``PRESET+had16`` / ``PRESET+had32`` adds a deterministic Hadamard on the activations along the
+in-features -- and on the weights, so that the exact product is unchanged (``H·Hᵀ = I``), exactly
+as a training Fprop recipe with that rotation does. Like every training preset, a rollout preset
+keeps the output layer in BF16 (rule ``kind:output=bf16``; a user rule comes first and wins).
+
+Compact spec (``--rollout-precision``)::
+
+    mxfp4                                 a preset
+    nvfp4+had16                           a preset with a Hadamard
+    base=mxfp4,kv=bf16                    a preset with another KV-cache format
+    linear=bf16@mxfp4+had16,kv=fp8        Fprop GEMM spec x@w (``precision.recipe`` grammar), KV format
+
+Per-layer rules (``--rollout-precision-rule SELECTOR=VALUE``) use ``--precision-rule``'s selectors
+(``first:N``, ``last:N``, ``layers:A-B``, ``kind:K``, globs; ``precision.policy``) with VALUE a
+rollout preset (its linear part) or a Fprop spec ``x@w[+rot]``: ``--rollout-precision-rule
+first:1=bf16``, ``--rollout-precision-rule 'kind:mlp=bf16@nvfp4'``.
+
+A rollout GEMM rounds to nearest, with current scaling and at most a deterministic Hadamard: it
+holds no state that changes between calls (no stochastic rounding, no amax history, no resampled
+signs), so a token's numbers never depend on when it was generated.
+
+The plan resolves to a ``PrecisionPlan`` whose entries are ``LinearPrecision`` values with the
+rollout recipe as Fprop (Dgrad/Wgrad BF16, unused): the trainer's forward under that plan
+(``model.gpt.apply_precision_plan``) runs exactly the rollout's Fprop -- the recompute oracle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from model.kv_cache import KVFormat
+from precision.formats import AmaxAlgo, Rounding, format_names
+from precision.policy import PrecisionPlan, PrecisionPolicy, Rule
+from precision.recipe import Gemm, GemmRecipe, LinearPrecision, SpecError, parse_gemm
+
+__all__ = ["ROLLOUT_PRESETS", "ROLLOUT_ROTATIONS", "RolloutPrecision", "RolloutPlan", "parse_rollout",
+           "resolve_rollout_plan"]
+
+# preset -> (Fprop spec x@w, KV-cache format)
+ROLLOUT_PRESETS: dict[str, tuple[str, str]] = {
+    "bf16": ("bf16@bf16", "bf16"),
+    "fp8": ("fp8_e4m3@fp8_e4m3", "fp8_e4m3"),
+    "mxfp4": ("mxfp4@mxfp4", "mxfp4"),
+    "nvfp4": ("nvfp4@nvfp4", "nvfp4"),
+    "mxfp4_w4a16": ("bf16@mxfp4", "bf16"),
+}
+ROLLOUT_ROTATIONS = ("none", "had16", "had32")
+_KEYS = ("base", "linear", "kv")
+
+
+def _valid() -> str:
+    return (f"a preset ({', '.join(ROLLOUT_PRESETS)}, optionally +had16 / +had32) or "
+            f"base=PRESET,linear=X@W[+had16],kv=FORMAT")
+
+
+def _check_recipe(recipe: GemmRecipe, where: str) -> GemmRecipe:
+    if recipe.rotation not in ROLLOUT_ROTATIONS:
+        raise SpecError(f"{where}: rotation {recipe.rotation} is not deterministic; valid: "
+                        f"{', '.join(ROLLOUT_ROTATIONS)}")
+    for role, op in zip(Gemm.FPROP.operands, (recipe.a, recipe.b)):
+        if op.rounding != Rounding.NEAREST or op.amax_algo != AmaxAlgo.CURRENT or op.prescale:
+            raise SpecError(f"{where}: operand {role} {op}: a rollout rounds to nearest with current "
+                            "scaling (no sr, prescale or delayed scaling)")
+    return recipe
+
+
+def _linear(value: str, where: str) -> GemmRecipe:
+    """A preset name (``mxfp4``, ``mxfp4+had16``) or a Fprop spec ``x@w[+rot]`` as a Fprop recipe."""
+    head, _, rot = value.partition("+")
+    if head in ROLLOUT_PRESETS:
+        value = ROLLOUT_PRESETS[head][0] + (f"+{rot}" if rot else "")
+    elif "@" not in head and head not in format_names():
+        raise SpecError(f"{where} {value!r}: unknown rollout preset; valid: {_valid()}")
+    try:
+        return _check_recipe(parse_gemm(value, Gemm.FPROP), f"{where} {value!r}")
+    except SpecError as e:
+        msg = str(e)
+        raise SpecError(msg if msg.startswith(where) else f"{where} {value!r}: {msg}") from None
+
+
+@dataclass(frozen=True)
+class RolloutPrecision:
+    """A parsed ``--rollout-precision``: the default Fprop recipe of every linear and the KV format."""
+
+    linear: GemmRecipe
+    kv: KVFormat
+    label: str
+
+    def __str__(self) -> str:
+        return f"linear={self.linear.spec()},kv={self.kv.fmt}"
+
+
+def parse_rollout(value: str, flag: str = "--rollout-precision") -> RolloutPrecision:
+    """``--rollout-precision``'s value (see the module docstring); one-line errors naming ``flag``."""
+    text = value.strip()
+    if "=" not in text:
+        head = text.partition("+")[0]
+        if head not in ROLLOUT_PRESETS:
+            raise SpecError(f"{flag} {value!r}: unknown rollout preset; valid: {_valid()}")
+        return RolloutPrecision(_linear(text, flag), KVFormat(ROLLOUT_PRESETS[head][1]), text)
+    items: dict[str, str] = {}
+    for part in text.split(","):
+        key, eq, val = (s.strip() for s in part.partition("="))
+        if not eq or key not in _KEYS:
+            raise SpecError(f"{flag} {value!r}: unknown key {key!r}; valid keys: {', '.join(_KEYS)} ({_valid()})")
+        if key in items:
+            raise SpecError(f"{flag} {value!r}: {key} given twice")
+        items[key] = val
+    base = parse_rollout(items["base"], f"{flag} base=") if "base" in items else None
+    if base is None and not {"linear", "kv"} <= set(items):
+        raise SpecError(f"{flag} {value!r}: give base=PRESET or both linear= and kv=")
+    linear = _linear(items["linear"], f"{flag} linear=") if "linear" in items else base.linear
+    try:
+        kv = KVFormat(items["kv"]) if "kv" in items else base.kv
+    except ValueError as e:
+        raise SpecError(f"{flag} {value!r}: {e}") from None
+    return RolloutPrecision(linear, kv, text)
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """The resolved rollout plan: a Fprop recipe per linear (as ``LinearPrecision.fprop`` entries of
+    ``linears``) and the KV-cache format."""
+
+    linears: PrecisionPlan
+    kv: KVFormat
+    label: str
+
+    def fprop(self, name: str) -> GemmRecipe:
+        return self.linears[name].fprop
+
+    def table(self) -> str:
+        width = max((len(n) for n in self.linears), default=5)
+        lines = [f"{'layer':<{width}}  {'fprop x@w':<28} rule"]
+        for name in self.linears:
+            lines.append(f"{name:<{width}}  {self.fprop(name).spec():<28} {self.linears.rule_for(name)}")
+        lines.append(f"{'kv-cache':<{width}}  {self.kv.fmt}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"rollout_precision": self.label, "kv_cache": self.kv.fmt,
+                "linears": {n: self.fprop(n).spec() for n in self.linears}}
+
+
+def resolve_rollout_plan(value: str, rules: Iterable[str], names: Iterable[str], num_layers: int,
+                         head_dim: int) -> RolloutPlan:
+    """Resolve ``--rollout-precision value`` and ``--rollout-precision-rule`` ``rules`` over the
+    model's linear ``names``; refuses a rule that selects nothing and a KV format whose block does
+    not divide ``head_dim`` (one line each, naming the flag)."""
+    rules = list(rules)
+    base = parse_rollout(value)
+    base.kv.check_head_dim(head_dim, "--rollout-precision kv")
+    user = []
+    for text in rules:
+        if "=" not in text:
+            raise SpecError(f"--rollout-precision-rule {text!r}: expected SELECTOR=PRESET_OR_SPEC, e.g. first:1=bf16")
+        selector, val = (s.strip() for s in text.split("=", 1))
+        recipe = _linear(val, f"--rollout-precision-rule {text!r}:")
+        user.append(Rule(selector, LinearPrecision(fprop=recipe), f"--rollout-precision-rule {text}"))
+    builtin = [Rule("kind:output", LinearPrecision(fprop=parse_gemm("bf16", Gemm.FPROP)), "rollout preset: kind:output=bf16")]
+    policy = PrecisionPolicy(LinearPrecision(fprop=base.linear), user + builtin,
+                             default_label=f"--rollout-precision {value}")
+    policy.checked = list(zip(rules, user))
+    names = list(names)
+    try:
+        policy.check_rules(num_layers, names)
+    except SpecError as e:
+        raise SpecError(str(e).replace("--precision-rule", "--rollout-precision-rule")) from None
+    return RolloutPlan(policy.resolve(names, num_layers), base.kv, str(base))
