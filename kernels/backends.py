@@ -9,11 +9,16 @@ backend            runs                                            where
                    E5M2) via ``torch._scaled_mm``                   Blackwell); gfx950
 ``mx_scaled_mm``   MXFP8 / MXFP4 / NVFP4 operands (both the same    CUDA sm_100 (blocked scales);
                    family) via ``torch._scaled_mm`` block scaling   gfx950 (MX only, row-major)
+``bf16_mm``        any recipe whose formats are ``bf16_exact``:     BF16 tensor cores: CUDA sm_80+,
+                   quantize -> BF16 operands -> BF16 GEMM, FP32     gfx90a, gfx942, gfx950
+                   accumulation and output (``kernels.bf16_mm``)
 =================  ==============================================  ===============================
 
-``select_backend(precision, device)`` picks, for each GEMM, the hardware backend that can run its
-recipe on this device, else ``emulated`` (so MXFP4 on Hopper is emulated and FP8 runs on its
-tensor cores). ``requested`` names one backend for every GEMM instead; asking for hardware the
+``select_backend(precision, device)`` picks, for each GEMM, the FP8/MX tensor-core backend that
+can run its recipe on this device, else ``bf16_mm`` where the device has BF16 tensor cores and both
+formats' values are exactly BF16 (``Format.bf16_exact``), else ``emulated`` (so on Hopper FP8 runs
+on FP8 tensor cores, MXFP4 and the ``bf16`` preset on BF16 tensor cores, FP32 operands and every
+GEMM on a CPU in FP32). ``requested`` names one backend for every GEMM instead; asking for hardware the
 device lacks, or for a backend that cannot run a GEMM's formats, raises a one-line error naming the
 GEMM, the layer and what the device supports. ``describe_backends(plan, device)`` is the start-up
 report of which GEMM of which layer runs on what. The ``auto`` GEMM backend (registered in
@@ -33,15 +38,25 @@ from collections.abc import Mapping
 
 import torch
 
-from precision.quantize import FORMATS
+from precision.elements import E5M2
+from precision.formats import Format, Scaling, get_format
 from precision.recipe import Gemm, GemmRecipe, LinearPrecision
 
-__all__ = ["HW_BACKENDS", "GEMM_BACKENDS", "device_capability", "capability_name",
-           "device_backends", "recipe_backend", "select_backend", "describe_backends", "BackendError"]
+__all__ = ["HW_BACKENDS", "GEMM_BACKENDS", "BACKEND_PATHS", "device_capability", "capability_name",
+           "device_backends", "recipe_backend", "bf16_exact_recipe", "select_backend", "describe_backends",
+           "BackendError"]
 
-HW_BACKENDS = ("fp8_scaled_mm", "mx_scaled_mm")
+HW_BACKENDS = ("fp8_scaled_mm", "mx_scaled_mm", "bf16_mm")
 GEMM_BACKENDS = ("auto", "emulated", "reference", *HW_BACKENDS)
-_MX_FAMILIES = {"mxfp4": "mxfp4", "nvfp4": "nvfp4", "mxfp8_e4m3": "mxfp8", "mxfp8_e5m2": "mxfp8"}
+_BF16_TENSOR_CORE_ARCHS = ("gfx90a", "gfx942", "gfx950")  # AMD: MI200, MI300, MI355X
+# What each backend is, for the start-up report
+BACKEND_PATHS = {
+    "emulated": "FP32 GEMM of FP32-dequantized operands (the specification)",
+    "reference": "the same with the eager reference quantizers",
+    "bf16_mm": "BF16 tensor-core GEMM of exactly-BF16 operands, FP32 accumulation and output",
+    "fp8_scaled_mm": "FP8 tensor cores (torch._scaled_mm, per-tensor scales)",
+    "mx_scaled_mm": "block-scaled tensor cores (torch._scaled_mm, MX/NVFP4 scales)",
+}
 
 
 class BackendError(RuntimeError):
@@ -85,28 +100,53 @@ def device_backends(cap) -> tuple[str, ...]:
         out.append("fp8_scaled_mm")
     if isinstance(cap, tuple) and cap[0] == 10 or cap == "gfx950":
         out.append("mx_scaled_mm")
+    if isinstance(cap, tuple) and cap >= (8, 0) or cap in _BF16_TENSOR_CORE_ARCHS:
+        out.append("bf16_mm")
     return tuple(out)
 
 
+def _fp8_tensor_core(spec: Format) -> bool:
+    """A per-tensor format whose element is a torch FP8 dtype (E4M3/E5M2; not HiF8)."""
+    return spec.kind == Scaling.TENSOR and spec.element is not None and spec.element.torch_dtype is not None
+
+
+def _block_family(spec: Format):
+    """The block-scaled GEMM family of a format (MXFP8, MXFP4, NVFP4), or None (MXFP6 has none)."""
+    if not spec.blocked or spec.code_bits not in (4, 8):
+        return None
+    return spec.kind, spec.block, spec.code_bits
+
+
+def _e5m2_pair(sa: Format, sb: Format) -> bool:
+    return sa.element is sb.element is E5M2
+
+
 def recipe_backend(recipe: GemmRecipe, cap=None) -> tuple[str | None, str]:
-    """The hardware backend that can run ``recipe``'s formats (or None), and why (one phrase)."""
+    """The FP8/MX tensor-core backend that can run ``recipe``'s formats (or None), and why (one
+    phrase); decided from registry properties (``precision.formats``), never format names."""
     fa, fb = recipe.a.fmt, recipe.b.fmt
-    sa, sb = FORMATS[fa], FORMATS[fb]
-    if fa in ("fp8_e4m3", "fp8_e5m2") and fb in ("fp8_e4m3", "fp8_e5m2"):
-        if fa == fb == "fp8_e5m2":
+    sa, sb = get_format(fa), get_format(fb)
+    if _fp8_tensor_core(sa) and _fp8_tensor_core(sb):
+        if _e5m2_pair(sa, sb):
             return None, "E5M2 x E5M2 has no FP8 tensor-core GEMM"
         return "fp8_scaled_mm", "per-tensor FP8"
-    if fa in _MX_FAMILIES and fb in _MX_FAMILIES:
-        if _MX_FAMILIES[fa] != _MX_FAMILIES[fb]:
+    fam_a, fam_b = _block_family(sa), _block_family(sb)
+    if fam_a is not None and fam_b is not None:
+        if fam_a != fam_b:
             return None, f"mixed block formats {fa} x {fb}"
-        if fa == fb == "mxfp8_e5m2":
+        if _e5m2_pair(sa, sb):
             return None, "MXFP8 E5M2 x E5M2 has no tensor-core GEMM"
-        if fa == "nvfp4" and cap == "gfx950":
+        if sa.kind == Scaling.TWO_LEVEL and cap == "gfx950":
             return None, "NVFP4 (E4M3 scales, 16-blocks) has no gfx950 GEMM"
         return "mx_scaled_mm", "block-scaled"
-    if sa.name == "bf16" and sb.name == "bf16":
-        return None, "BF16 operands"
+    if sa.kind == sb.kind == Scaling.NONE:
+        return None, "unscaled operands"
     return None, f"formats {fa} x {fb}"
+
+
+def bf16_exact_recipe(recipe: GemmRecipe) -> bool:
+    """Whether both operands' quantized values are exactly BF16 (``Format.bf16_exact``)."""
+    return get_format(recipe.a.fmt).bf16_exact and get_format(recipe.b.fmt).bf16_exact
 
 
 def _select_one(g: Gemm, recipe: GemmRecipe, cap, requested: str, layer: str | None) -> str:
@@ -115,19 +155,31 @@ def _select_one(g: Gemm, recipe: GemmRecipe, cap, requested: str, layer: str | N
         return requested
     hw, why = recipe_backend(recipe, cap)
     have = device_backends(cap)
+    bf16_ok = bf16_exact_recipe(recipe)
     if requested == "auto":
-        return hw if hw is not None and hw in have else "emulated"
+        if hw is not None and hw in have:
+            return hw
+        return "bf16_mm" if bf16_ok and "bf16_mm" in have else "emulated"
     if requested not in HW_BACKENDS:
         raise ValueError(f"{where}: unknown GEMM backend {requested!r}; valid: {', '.join(GEMM_BACKENDS)}")
     supported = ", ".join([*have, "emulated", "reference"])
     if requested not in have:
-        raise BackendError(f"{where}: backend {requested} needs "
-                           f"{'sm_89+ or gfx950' if requested == 'fp8_scaled_mm' else 'sm_100 or gfx950'}; "
+        raise BackendError(f"{where}: backend {requested} needs {_NEEDS[requested]}; "
                            f"this device is {capability_name(cap)}, which supports: {supported}")
+    if requested == "bf16_mm":
+        if not bf16_ok:
+            raise BackendError(f"{where}: backend bf16_mm cannot run {recipe.spec()} (values not exactly "
+                               f"BF16: Format.bf16_exact); on {capability_name(cap)} use one of: {supported} "
+                               "(or auto)")
+        return requested
     if hw != requested:
         raise BackendError(f"{where}: backend {requested} cannot run {recipe.spec()} ({why}); "
                            f"on {capability_name(cap)} use one of: {supported} (or auto)")
     return requested
+
+
+_NEEDS = {"fp8_scaled_mm": "sm_89+ or gfx950", "mx_scaled_mm": "sm_100 or gfx950",
+          "bf16_mm": f"sm_80+ or {', '.join(_BF16_TENSOR_CORE_ARCHS)}"}
 
 
 def select_backend(recipe_or_precision: GemmRecipe | LinearPrecision, device, requested: str = "auto",
@@ -164,4 +216,5 @@ def describe_backends(plan: Mapping[str, LinearPrecision] | LinearPrecision, dev
     for name, cells in rows:
         lines.append(f"{name:<{width}}  " + "  ".join(f"{c:<{cw[i]}}" for i, c in enumerate(cells)).rstrip())
     lines.append("GEMMs per backend: " + ", ".join(f"{k} {v}" for k, v in sorted(count.items())))
+    lines += [f"  {k}: {BACKEND_PATHS[k]}" for k in sorted(count)]
     return "\n".join(lines)

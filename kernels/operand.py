@@ -16,6 +16,8 @@ codes and scales it needs (``kernels.scaled_mm``). One operand's road, in order:
                    element's uniform from (seed, layer, GEMM, operand, call) and the element's index
                    in the whole TP=1 tensor (``precision.srand.SRKey``; offsets from ``state.tp``)
     5. telemetry   amax and clipped counts as device tensors; numerics on telemetry steps
+    6. form        FP32 ``values`` (emulated backends), the hardware form (``codes=True``) or the
+                   BF16 form (``bf16=True``: ``kernels.bf16_operand``, for the BF16 tensor-core GEMM)
 
 So "where is Wgrad's ``dy`` quantized" has one answer: :func:`quantize_operand` called from
 :func:`gemm_operands` with ``Gemm.WGRAD`` and ``"dy"``, whatever backend runs the GEMM. Nothing
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.bf16_operand import bf16_form
 from precision.formats import Scaling, get_format
 from precision.quantize import quantize as reference_quantize
 from precision.recipe import Gemm, GemmRecipe, OperandFormat
@@ -51,6 +54,8 @@ class QuantizedOperand:
     ``codes`` / ``scales``: the hardware form, contraction axis last -- ``codes`` uint8 ``[rows, K]``
     (FP4 two per byte, ``[rows, K/2]``, when ``packed``), ``scales`` uint8 ``[rows, K/block]`` for
     block formats or the float32 encode scale (0-d) per tensor; ``tensor_scale``: NVFP4's ``g_enc``.
+    ``bf16`` / ``out_scale``: the BF16 form, contraction axis last ``[rows, K]``, and the FP32 factor
+    that goes to the GEMM output (``kernels.bf16_operand``; the pre-scale is ``fmt.prescale_factor``).
     """
 
     fmt: OperandFormat
@@ -60,6 +65,8 @@ class QuantizedOperand:
     scales: torch.Tensor | None = None
     tensor_scale: torch.Tensor | None = None
     packed: bool = False
+    bf16: torch.Tensor | None = None
+    out_scale: torch.Tensor | None = None
 
 
 @dataclass
@@ -129,12 +136,13 @@ def pad_and_rotation(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmReci
 
 
 def gemm_operands(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe, state: LayerQuantState, *,
-                  impl: str = "auto", codes: bool = False) -> GemmOperands:
+                  impl: str = "auto", codes: bool = False, bf16: bool = False) -> GemmOperands:
     """Both operands of GEMM ``g`` (natural layouts, see ``CONTRACTION_AXES``), ready for its backend.
 
     ``codes=False``: dequantized float32 ``values`` (``impl``: ``reference``, or the fused
     quantizer's ``auto``/``compiled``/``eager``). ``codes=True``: the hardware form (``impl``:
     ``reference``, ``triton`` or ``auto`` = Triton on CUDA when it can run the format).
+    ``bf16=True``: the BF16 form (``bf16`` / ``out_scale``; quantized as for ``codes=True``).
     """
     call = state.next_call(g)
     names = g.operands
@@ -145,12 +153,16 @@ def gemm_operands(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe,
             if fmt.amax_algo != "current":
                 tr = rotate(t, axis, *rot) if rot is not None else t
                 state.observe_amax(g, name, fmt, whole_tensor_amax(tr, state, name))
-        bf16 = OperandFormat("bf16")
-        return GemmOperands(QuantizedOperand(bf16, a_axis, values=a.to(torch.bfloat16).float()),
-                            QuantizedOperand(bf16, b_axis, values=b.to(torch.bfloat16).float()), call, True)
+        fmt_bf16 = OperandFormat("bf16")
+        qa, qb = (QuantizedOperand(fmt_bf16, axis, values=t.to(torch.bfloat16).float()) for t, axis in
+                  ((a, a_axis), (b, b_axis)))
+        if bf16:
+            qa.bf16, qb.bf16 = a.to(torch.bfloat16).movedim(a_axis, -1), b.to(torch.bfloat16).movedim(b_axis, -1)
+        return GemmOperands(qa, qb, call, True)
     a, b, rot = pad_and_rotation(g, a, b, recipe, state, call)
-    qa = quantize_operand(a, a_axis, recipe.a, g, names[0], state, call, impl=impl, rotation=rot, codes=codes)
-    qb = quantize_operand(b, b_axis, recipe.b, g, names[1], state, call, impl=impl, rotation=rot, codes=codes)
+    kw = dict(impl=impl, rotation=rot, codes=codes, bf16=bf16)
+    qa = quantize_operand(a, a_axis, recipe.a, g, names[0], state, call, **kw)
+    qb = quantize_operand(b, b_axis, recipe.b, g, names[1], state, call, **kw)
     return GemmOperands(qa, qb, call)
 
 
@@ -188,15 +200,17 @@ def _resolve_impl(impl: str, t: torch.Tensor, fmt: str, codes: bool) -> str:
 def quantize_operand(
     t: torch.Tensor, axis: int, fmt: OperandFormat, gemm: Gemm, operand: str, state: LayerQuantState,
     call: int, *, impl: str = "auto", rotation: tuple[int, torch.Tensor | None] | None = None,
-    codes: bool = False,
+    codes: bool = False, bf16: bool = False,
 ) -> QuantizedOperand:
     """Steps 1-5 of the module docstring for one operand ``t`` (2-D, natural layout) along ``axis``.
 
     ``rotation=(n, signs)``: rotate first (``t`` already padded by :func:`pad_and_rotation`); the
     fused quantizer rotates inside its kernel unless the rotated tensor is needed here (its amax
-    under TP, the eager reference, the hardware form or telemetry).
+    under TP, the eager reference, the hardware form or telemetry). ``bf16=True``: quantized as
+    for the hardware form, handed back in the BF16 form instead (step 6).
     """
     name = fmt.fmt
+    want_bf16, codes = bf16, codes or bf16  # the BF16 form is decoded from the hardware form
     impl = _resolve_impl(impl, t, name, codes)
     # stochastic rounding: one key per contiguous run of the shard in the whole tensor
     sr = fmt.rounding == "stochastic"
@@ -209,10 +223,16 @@ def quantize_operand(
 
     # === 1. no rounding: fp32 / bf16
     if _no_rounding(name):
-        q = reference_quantize(t, fmt)
-        out = QuantizedOperand(fmt, axis, values=q.dequantize(torch.float32))
-        if codes:
-            out.codes = q.codes.movedim(axis, -1)
+        if want_bf16:  # the RNE cast is the BF16 form itself (a no-op for BF16 activations)
+            cast = t.to(torch.bfloat16)
+            out = QuantizedOperand(fmt, axis, bf16=cast.movedim(axis, -1))
+            if state.collect_stats:
+                out.values = cast.float()
+        else:
+            q = reference_quantize(t, fmt)
+            out = QuantizedOperand(fmt, axis, values=q.dequantize(torch.float32))
+            if codes:
+                out.codes = q.codes.movedim(axis, -1)
         if state.collect_stats:
             from precision.telemetry import operand_stats
 
@@ -230,7 +250,7 @@ def quantize_operand(
     parts = []
     for start, length, key in keys:
         piece = t if length is None or piece_axis is None else t.narrow(piece_axis, start, length)
-        parts.append(_quantize(piece, axis, fmt, impl, codes, key, scale_amax, rotation, state))
+        parts.append(_quantize(piece, axis, fmt, impl, codes, key, scale_amax, rotation, state, pack=not want_bf16))
     res = parts[0] if len(parts) == 1 else _concat(parts, piece_axis, axis)
 
     # === 5. telemetry (device tensors; numerics only on telemetry steps)
@@ -246,14 +266,18 @@ def quantize_operand(
         deq = res["values"]
         stats_amax = None if scale_amax is None else float(scale_amax)
         state.record(gemm, operand, **operand_stats(t, deq, name, axis, stats_amax, fmt.scale_rule))
-    return QuantizedOperand(fmt, axis, values=None if codes else res["values"], codes=res.get("codes"),
-                            scales=res.get("scales"), tensor_scale=res.get("tensor_scale"),
-                            packed=res.get("packed", False))
+    out = QuantizedOperand(fmt, axis, values=None if codes else res["values"], codes=res.get("codes"),
+                           scales=res.get("scales"), tensor_scale=res.get("tensor_scale"),
+                           packed=res.get("packed", False))
+    if want_bf16:  # === 6. the BF16 form (codes and scales stay for inspection)
+        out.bf16, out.out_scale = bf16_form(fmt, out.codes, out.scales, out.tensor_scale)
+    return out
 
 
-def _quantize(t, axis, fmt, impl, codes, key, amax, rotation, state) -> dict:
+def _quantize(t, axis, fmt, impl, codes, key, amax, rotation, state, pack=True) -> dict:
     """One quantizer call. Returns values (natural layout; None unless asked or telemetry), and in
-    hardware form codes/scales (contraction-last), plus tensor_scale, amax, num_clipped."""
+    hardware form codes/scales (contraction-last; FP4 packed two per byte where ``pack`` and K
+    allow), plus tensor_scale, amax, num_clipped."""
     spec = get_format(fmt.fmt)
     # every quantizer takes the OperandFormat whole (rounding, scale rule, prescale)
     kw = {"axis": axis, "sr": key}
@@ -262,7 +286,7 @@ def _quantize(t, axis, fmt, impl, codes, key, amax, rotation, state) -> dict:
     if impl == "triton":
         from kernels.triton_quant import quantize_triton
 
-        packed = spec.code_bits == 4 and t.shape[axis] % 32 == 0
+        packed = pack and spec.code_bits == 4 and t.shape[axis] % 32 == 0
         r = quantize_triton(t, fmt, layout="contraction_last", pack=packed, dequantize=state.collect_stats, **kw)
         return {"values": r.dequantized, "codes": r.codes, "scales": r.scales, "tensor_scale": r.tensor_scale,
                 "amax": r.amax, "num_clipped": r.num_clipped, "packed": packed}

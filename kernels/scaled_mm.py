@@ -34,6 +34,7 @@ from kernels.layouts import pack_fp4, to_blocked, unpack_fp4
 from kernels.operand import CONTRACTION_AXES, QuantizedOperand, gemm_operands
 from precision import blocks
 from precision.elements import fp8_decode
+from precision.formats import Scaling
 from precision.quantize import FORMATS
 from precision.recipe import Gemm, GemmRecipe
 from precision.state import LayerQuantState
@@ -70,7 +71,8 @@ class HwOperand:
         if self.scale_layout == "tensor":
             return (1.0 / self.scales).reshape(1).float()
         s = to_blocked(self.scales) if self.scale_layout == "blocked" else self.scales
-        return s.view(torch.float8_e4m3fn if self.fmt == "nvfp4" else torch.float8_e8m0fnu)
+        two_level = FORMATS[self.fmt].kind == Scaling.TWO_LEVEL  # NVFP4: E4M3 block scales
+        return s.view(torch.float8_e4m3fn if two_level else torch.float8_e8m0fnu)
 
     def decode(self) -> torch.Tensor:
         """float32 ``[rows, K]`` values, with the reference's dequantization expressions."""
@@ -79,7 +81,7 @@ class HwOperand:
             return fp8_decode(self.codes, spec.element) * (1.0 / self.scales)
         codes = unpack_fp4(self.codes) if spec.bits == 4 else self.codes
         cb = codes.reshape(self.rows, -1, spec.block)
-        if self.fmt == "nvfp4":
+        if spec.kind == Scaling.TWO_LEVEL:
             out = blocks.nvfp4_dequantize_blocks(cb, self.scales, self.tensor_scale)
         else:
             out = blocks.mx_dequantize_blocks(cb, self.scales, spec.element, self.prescale)
@@ -100,7 +102,7 @@ def hw_operand(q: QuantizedOperand, scale_layout: str = "blocked") -> HwOperand:
     (contraction axis to a multiple of 32, rows to a multiple of 32; +0.0 codes and all-zero blocks'
     scale bytes are 0 in MX and NVFP4 alike), FP4 packed two per byte."""
     spec = FORMATS[q.fmt.fmt]
-    block = spec.scaling == "block"
+    block = spec.blocked
     rows = q.codes.shape[0]
     k = q.codes.shape[1] * (2 if q.packed else 1)
     rows_p, k_p = -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE, -(-k // K_MULTIPLE) * K_MULTIPLE
@@ -111,7 +113,8 @@ def hw_operand(q: QuantizedOperand, scale_layout: str = "blocked") -> HwOperand:
         codes = pack_fp4(codes) if spec.bits == 4 else codes.contiguous()
     scales = _pad2(q.scales, rows_p, k_p // spec.block).contiguous() if block else q.scales
     return HwOperand(q.fmt.fmt, codes, scales, scale_layout if block else "tensor", rows_p, k_p,
-                     tensor_scale=q.tensor_scale, prescale=q.fmt.prescale_factor if q.fmt.fmt != "nvfp4" else 1.0)
+                     tensor_scale=q.tensor_scale,
+                     prescale=q.fmt.prescale_factor if spec.kind != Scaling.TWO_LEVEL else 1.0)
 
 
 # ============================================================================ the GEMM call
@@ -143,7 +146,7 @@ def torch_scaled_mm(a: HwOperand, b: HwOperand) -> torch.Tensor:
         out = _call_scaled_mm(a, b, dt)
     _OUT_DTYPE[key] = dt
     out = out.float()
-    if a.fmt == "nvfp4":  # NVFP4's FP32 tensor scales multiply the output (g_dec_a * g_dec_b)
+    if FORMATS[a.fmt].kind == Scaling.TWO_LEVEL:  # NVFP4's FP32 tensor scales multiply the output (g_dec_a * g_dec_b)
         out = out * ((1.0 / a.tensor_scale) * (1.0 / b.tensor_scale))
     if a.prescale != 1.0 or b.prescale != 1.0:  # undo the 3/4 SR pre-scale
         out = out / (a.prescale * b.prescale)
@@ -156,7 +159,7 @@ def _call_scaled_mm(a: HwOperand, b: HwOperand, out_dtype: torch.dtype) -> torch
         return torch._scaled_mm(A, B, scale_a=a.scale, scale_b=b.scale, out_dtype=out_dtype)
     F = torch.nn.functional
     if hasattr(F, "scaled_mm"):
-        rec = F.ScalingType.BlockWise1x16 if a.fmt == "nvfp4" else F.ScalingType.BlockWise1x32
+        rec = F.ScalingType.BlockWise1x16 if FORMATS[a.fmt].block == 16 else F.ScalingType.BlockWise1x32
         sw = F.SwizzleType.SWIZZLE_32_4_4 if a.scale_layout == "blocked" else F.SwizzleType.NO_SWIZZLE
         return F.scaled_mm(A, B, a.scale, rec, b.scale, rec, swizzle_a=sw, swizzle_b=sw,
                            output_dtype=out_dtype)

@@ -99,6 +99,11 @@ class Scaling(_StrEnum):
     TWO_LEVEL = "two_level"  # block scales under an FP32 tensor scale (NVFP4)
 
 
+# BF16 (``Format.bf16_exact``): 7 stored mantissa bits, FP32's exponent range, subnormals to 2^-133
+BF16_MANTISSA_BITS = 7
+BF16_MIN_SUBNORMAL_EXP = -133  # 2^-126 (smallest normal) x 2^-7
+
+
 # ====================================================================== quantized tensors
 @dataclass
 class QuantizedTensor:
@@ -233,6 +238,28 @@ class Format(abc.ABC):
     def packable(self) -> bool:
         return self.code_bits in (4, 6)
 
+    @property
+    def bf16_exact(self) -> bool:
+        """Whether BF16 holds every dequantized value exactly once the FP32 tensor-level factors --
+        a per-tensor decode scale, NVFP4's ``g_dec``, the 3/4 SR pre-scale -- are applied to the GEMM
+        output instead: then an emulated GEMM of this format can run on BF16 tensor cores with FP32
+        accumulation (``kernels.bf16_mm``). Element formats qualify when their mantissa fits BF16's 7
+        bits (block scales are powers of two, and NVFP4's E4M3 x E2M1 products have at most 6
+        significant bits); MX elements whose smallest value under the smallest scale 2^-127 lies
+        below BF16's smallest subnormal need a power-of-two shift (:attr:`bf16_shift`)."""
+        return self.element is not None and self.element.mbits <= BF16_MANTISSA_BITS
+
+    @property
+    def bf16_shift(self) -> int:
+        """Binades by which an MX element's least significant bit under the smallest scale (2^-127)
+        falls below BF16's smallest subnormal 2^-133: the power-of-two shift ``kernels.bf16_mm``
+        moves from the operand to the GEMM output (MXFP8 E4M3: 3, E5M2: 10; 0 for every other
+        format, whose values BF16 always spans)."""
+        if self.kind != Scaling.BLOCK or self.element is None:
+            return 0
+        lsb = self.element.emin - self.element.mbits - 127
+        return max(0, BF16_MIN_SUBNORMAL_EXP - lsb)
+
     # ---------------------------------------------------------------- behaviour
     def check(self, rounding, scale_rule) -> tuple[Rounding, ScaleRule]:
         """Validated rounding and scale rule for this format (one-line errors naming the format)."""
@@ -308,6 +335,10 @@ class CastFormat(Format):
     dtype: torch.dtype = torch.bfloat16
     code_dtype: torch.dtype = torch.int16
 
+    @property
+    def bf16_exact(self) -> bool:
+        return self.dtype == torch.bfloat16
+
     def _quantize(self, xf, axis, rounding, scale_rule, generator, prescale, amax, u):
         return QuantizedTensor(self.name, xf.to(self.dtype).view(self.code_dtype), None, axis)
 
@@ -342,6 +373,10 @@ class TensorFormat(Format):
 @dataclass(frozen=True)
 class HiF8Format(TensorFormat):
     """HiFloat8 under a per-tensor scale (tapered precision, ties away, saturating at 2^15)."""
+
+    @property
+    def bf16_exact(self) -> bool:
+        return True  # at most 3 mantissa bits, values 2^-22 .. 2^15 (and +-Inf, NaN)
 
     def encode(self, v, rounding, generator, u):
         return hif8_encode(v, saturate=True)

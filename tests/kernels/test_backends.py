@@ -22,30 +22,31 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_backends_registered():
-    assert {"emulated", "reference", "fp8_scaled_mm", "mx_scaled_mm", "auto"} <= set(BACKENDS)
+    assert {"emulated", "reference", "fp8_scaled_mm", "mx_scaled_mm", "bf16_mm", "auto"} <= set(BACKENDS)
 
 
 def test_device_capabilities():
     assert device_capability("cpu") is None and device_capability(torch.device("cpu")) is None
     assert device_capability(SM90) == SM90 and device_capability("gfx950") == "gfx950"
     assert [capability_name(c) for c in (None, SM90, SM100, "gfx950")] == ["cpu", "sm_90", "sm_100", "gfx950"]
-    assert device_backends(None) == () and device_backends(SM80) == ()
-    assert device_backends(SM89) == device_backends(SM90) == ("fp8_scaled_mm",)
-    assert device_backends(SM100) == device_backends("gfx950") == ("fp8_scaled_mm", "mx_scaled_mm")
+    assert device_backends(None) == () and device_backends((7, 5)) == () and device_backends(SM80) == ("bf16_mm",)
+    assert device_backends(SM89) == device_backends(SM90) == ("fp8_scaled_mm", "bf16_mm")
+    assert device_backends(SM100) == device_backends("gfx950") == ("fp8_scaled_mm", "mx_scaled_mm", "bf16_mm")
 
 
 @pytest.mark.parametrize("cap,preset,want", [
     (None, "mxfp4_fprop", ("emulated", "emulated", "emulated")),
-    (SM80, "fp8", ("emulated", "emulated", "emulated")),
+    ((7, 5), "fp8", ("emulated", "emulated", "emulated")),                   # no BF16 tensor cores
+    (SM80, "fp8", ("bf16_mm", "bf16_mm", "bf16_mm")),                        # FP8 emulated on BF16 ones
     (SM90, "fp8", ("fp8_scaled_mm",) * 3),
-    (SM90, "mxfp4_fprop", ("emulated", "fp8_scaled_mm", "fp8_scaled_mm")),   # MXFP4 emulated on Hopper
+    (SM90, "mxfp4_fprop", ("bf16_mm", "fp8_scaled_mm", "fp8_scaled_mm")),    # MXFP4 emulated on Hopper
     (SM100, "mxfp4_fprop", ("mx_scaled_mm", "fp8_scaled_mm", "fp8_scaled_mm")),
     (SM100, "wgrad_hadamard", ("mx_scaled_mm",) * 3),
     (SM100, "nvfp4", ("mx_scaled_mm",) * 3),
-    ("gfx950", "nvfp4", ("emulated",) * 3),                                  # no NVFP4 GEMM on gfx950
+    ("gfx950", "nvfp4", ("bf16_mm",) * 3),                                   # no NVFP4 GEMM on gfx950
     ("gfx950", "mxfp4", ("mx_scaled_mm",) * 3),
-    (SM100, "bf16", ("emulated",) * 3),
-    (SM100, "hif8_w8a8", ("emulated",) * 3),
+    (SM100, "bf16", ("bf16_mm",) * 3),                                       # plain cuBLAS BF16
+    (SM100, "hif8_w8a8", ("bf16_mm",) * 3),
 ])
 def test_auto_selection(cap, preset, want):
     chosen = select_backend(presets.get(preset), cap)
@@ -56,8 +57,9 @@ def test_selection_of_one_recipe_and_explicit_requests():
     rec = parse_gemm("fp8_e5m2@fp8_e4m3", Gemm.DGRAD)
     assert select_backend(rec, SM90) == "fp8_scaled_mm"
     assert select_backend(rec, SM90, "emulated") == "emulated"
-    assert select_backend(parse_gemm("fp8_e5m2", Gemm.DGRAD), SM90) == "emulated"  # E5M2 x E5M2
-    assert select_backend(parse_gemm("mxfp4@mxfp8_e4m3", Gemm.FPROP), SM100) == "emulated"  # mixed families
+    assert select_backend(parse_gemm("fp8_e5m2", Gemm.DGRAD), SM90) == "bf16_mm"  # E5M2 x E5M2: no FP8 GEMM
+    assert select_backend(parse_gemm("mxfp4@mxfp8_e4m3", Gemm.FPROP), SM100) == "bf16_mm"  # mixed families
+    assert select_backend(parse_gemm("fp8_e5m2", Gemm.DGRAD), (7, 5)) == "emulated"  # no BF16 tensor cores
 
 
 def test_errors_name_gemm_layer_and_what_the_device_supports():
@@ -67,7 +69,7 @@ def test_errors_name_gemm_layer_and_what_the_device_supports():
     msg = str(e.value)
     assert "\n" not in msg
     assert msg == (f"{layer} fprop: backend mx_scaled_mm needs sm_100 or gfx950; this device is sm_90, "
-                   "which supports: fp8_scaled_mm, emulated, reference")
+                   "which supports: fp8_scaled_mm, bf16_mm, emulated, reference")
     cpu_msg = "^fprop: backend mx_scaled_mm needs sm_100 or gfx950; this device is cpu, which supports: emulated, "
     with pytest.raises(BackendError, match=cpu_msg + "reference$"):
         select_backend(presets.get("mxfp4"), "cpu", "mx_scaled_mm")
@@ -84,11 +86,12 @@ def test_describe_backends_report():
             "output_layer": presets.get("bf16")}
     text = describe_backends(plan, SM90)
     lines = text.splitlines()
-    assert lines[0] == "GEMM backends on sm_90 (hardware GEMMs here: fp8_scaled_mm; requested: auto)"
+    assert lines[0] == "GEMM backends on sm_90 (hardware GEMMs here: fp8_scaled_mm, bf16_mm; requested: auto)"
     assert lines[1].split() == ["layer", "fprop", "dgrad", "wgrad"]
-    assert "mxfp4 -> emulated" in lines[2] and lines[2].count("-> fp8_scaled_mm") == 2
-    assert lines[3].split()[0] == "output_layer" and lines[3].count("bf16 -> emulated") == 3
-    assert lines[-1] == "GEMMs per backend: emulated 4, fp8_scaled_mm 2"
+    assert "mxfp4 -> bf16_mm" in lines[2] and lines[2].count("-> fp8_scaled_mm") == 2
+    assert lines[3].split()[0] == "output_layer" and lines[3].count("bf16 -> bf16_mm") == 3
+    assert lines[4] == "GEMMs per backend: bf16_mm 4, fp8_scaled_mm 2"
+    assert lines[5].startswith("  bf16_mm: BF16 tensor-core GEMM") and lines[6].startswith("  fp8_scaled_mm: FP8")
     assert "hardware GEMMs here: none" in describe_backends(presets.get("nvfp4"), "cpu")
 
 
