@@ -35,6 +35,10 @@ times the smaller adjacent grid step (in scaled units), replay reproduces every 
 (tested); identical inputs agree 100 % with or without replay. ``window = 0`` applies the
 recorded direction everywhere (pure direction replay).
 
+Measured (64x128 N(0,1) activations, trainer inputs perturbed by a relative 2e-3 / 1e-2 / 5e-2):
+the trainer's own rounding agrees with the rollout on 99.3 / 96.6 / 86.5 % of MXFP4 codes, replay
+on 100 / 100 / 99.2 % (``window = 0``: 100 / 98.3 / 92.0 %); NVFP4 within half a point of that.
+
 Codes are compared by their grid value (``code_agreement``), so ``+0`` and ``-0`` count as one.
 Only nearest-rounded block formats with a finite element grid are recorded (``mxfp4``, ``nvfp4``,
 ``mxfp6_*``); stochastic rounding has no nearest to replay against.
