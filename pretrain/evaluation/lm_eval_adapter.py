@@ -24,47 +24,20 @@ Logits beyond ``vocab_size`` (megatron's vocabulary padding) are dropped before 
 Scoring batches are right-padded (causal attention: padding never reaches earlier positions) and
 formed longest-first; so are generation batches.
 
-Generation with a KV cache (``use_cache=True``, the default) is megatron-core's static-batch
-inference: a ``StaticInferenceContext(batch, longest prompt + max_gen)`` passed to
-``GPTModel.forward`` as ``inference_context``. megatron's ``Attention`` writes the new keys and
-values into the context's ``[max_seq, batch, groups, head_dim]`` buffers (one pair per layer;
-grouped-query: ``num_query_groups`` heads, not ``num_attention_heads``) and hands our core
-attention (``model.attention.SDPAttention``) the keys and values of every position so far; with
-``materialize_only_last_token_logits`` only the last position reaches the output layer. The one
-CUDA-only piece on this path, megatron allocating those buffers on ``torch.cuda.current_device()``,
-is replaced by ``model.attention.PortableSelfAttention``. megatron's ``TextGenerationController``
-itself is not used (its constructor makes a CUDA generator, and it knows no ``until`` strings);
-the adapter drives the loop the way that controller does for a static batch of prompts of
-different lengths:
-
-  - prefill: one causal forward of every row's first ``min(prompt lengths)`` tokens, positions
-    ``0..n-1``; the context's ``sequence_len_offset`` then advances by ``n``;
-  - decode: one token per row and step, all rows at the same position ``p``: rows whose prompt is
-    longer than ``p`` feed their own next prompt token (its prediction is ignored), the others
-    their greedy token. Once every row is past its prompt the context is put in decode mode.
-
-So the cache never holds padding, every row's position ``t`` is its token ``t``, and no attention
-mask is needed: prefill is plain causal attention, and in a decode step megatron passes
-``no_mask`` (one query, the newest position, sees all cached keys). RoPE is applied at those
-shared positions: megatron builds the rotary table for ``max_sequence_length`` and, with ``o`` =
-``sequence_len_offset``, rotates the new queries by rows ``o..o+s-1`` and the cached keys (stored
-un-rotated) by rows ``0..o+s-1``; learned absolute positions come from ``position_ids``. The cost
-of this layout is that prompt tokens past the shortest prompt are read one step at a time;
-batches are formed longest-first, so prompts in a batch have similar lengths. (Left padding would
-need a padding mask, per-row RoPE offsets and care for fully masked padding queries; per-row
-generation gives up batching.) A row that stops (end of document, an ``until`` string,
-``max_gen_toks``) leaves the batch and the cache.
+Generation runs on the one generation engine, ``model.generate.Engine`` (greedy, the end-of-document
+token as stop token, ``until`` strings as a stop criterion): batched prefill of the left-padded
+prompts, then one token per step with the engine's KV-cache; each row's positions count its own
+tokens, padding is masked, and a row that stops leaves the batch and the cache. ``use_cache=False``
+(``launch/evaluate.py --no-use-cache``) recomputes the whole prefix at every step: the oracle for
+the cached path.
 
 Numerics: cached and uncached generation run the same per-position computations in different
-shapes (one prefill GEMM plus one-token GEMMs instead of the full prefix each step), so logits
-agree to float rounding and greedy tokens agree except at near-ties. Under the precision policy
-only Fprop runs: formats blocked along the contraction axis (MXFP4, MXFP8: blocks of 32
-in-features within one token's row) quantize each token exactly as the full recomputation does.
-Formats with a per-tensor scale (FP8 current scaling, NVFP4's global scale, HiF8 delayed scaling)
-scale a decode step by that step's tokens only, or by an amax history that generation itself
-updates, so there the cache legitimately changes the quantized numbers (recomputation already
-depends on the batch's other rows the same way). ``use_cache=False`` (``launch/evaluate.py
---no-use-cache``) recomputes the whole prefix at every step: the oracle for the cached path.
+shapes, so logits agree to float rounding and greedy tokens agree except at near-ties. Under the
+precision policy only Fprop runs: formats blocked along the contraction axis (MXFP4, MXFP8: blocks
+of 32 in-features within one token's row) quantize each token exactly as the full recomputation
+does. Formats with a per-tensor scale (FP8 current scaling, NVFP4's global scale, HiF8 delayed
+scaling) scale a decode step by that step's tokens only, so there the cache legitimately changes
+the quantized numbers (recomputation already depends on the batch's other rows the same way).
 """
 
 from __future__ import annotations
@@ -73,7 +46,8 @@ import torch
 import torch.nn.functional as F
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import LM
-from megatron.core.inference.contexts.static_context import StaticInferenceContext
+
+from model.generate import Engine, SamplingParams
 
 
 class MegatronLM(LM):
@@ -229,100 +203,27 @@ class MegatronLM(LM):
         return out
 
     # ============================================================================================
-    # Greedy generation: with megatron's static KV cache, or recomputing every prefix
+    # Greedy generation on the engine (model.generate)
     # ============================================================================================
 
     def _generate(
         self, prompts: list[list[int]], until: list[str], max_gen: int
     ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        """Greedy tokens generated after each (non-empty) prompt of one batch, and for each prompt the
-        [vocab_size] float32 logits of its last greedy step (None if no step ran)."""
+        """Greedy tokens generated after each (non-empty) prompt of one batch (the end-of-document
+        token not included), and for each prompt the [vocab_size] float32 logits of its last greedy
+        step (None if no step ran)."""
         if max_gen <= 0:
             return [[] for _ in prompts], [None] * len(prompts)
         if not all(prompts):
             raise ValueError("MegatronLM: generation needs a non-empty prompt (use [prefix_token_id])")
-        generate = self._generate_cached if self.use_cache else self._generate_recompute
-        return generate(prompts, until, max_gen)
+        engine = Engine(self.model, vocab_size=self.vocab_size, use_cache=self.use_cache)
+        stop = [s for s in until if s]
 
-    def _take(self, gen: list[int], tok: int, until: list[str], max_gen: int) -> bool:
-        """Append the greedy token ``tok`` to ``gen`` unless it ends the document; False once done."""
-        if tok == self.tokenizer.eod:
-            return False
-        gen.append(tok)
-        if len(gen) >= max_gen:
-            return False
-        text = self.tokenizer.detokenize(gen)
-        return not any(s and s in text for s in until)
+        def stop_at_until(_row: int, tokens: list[int]) -> bool:
+            text = self.tokenizer.detokenize(tokens)
+            return any(s in text for s in stop)
 
-    @torch.no_grad()
-    def _generate_recompute(self, prompts, until, max_gen):
-        """``_generate`` running the whole right-padded prefix through the model at every step."""
-        gens: list[list[int]] = [[] for _ in prompts]
-        last: list[torch.Tensor | None] = [None] * len(prompts)
-        active = list(range(len(prompts)))
-        while active:
-            logits = self._logits([prompts[r] + gens[r] for r in active])
-            ends = torch.tensor([len(prompts[r]) + len(gens[r]) - 1 for r in active], device=logits.device)
-            logits = logits[torch.arange(len(active), device=logits.device), ends]  # [b, vocab]
-            greedy = logits.argmax(-1).tolist()
-            still = []
-            for row, r in enumerate(active):
-                last[r] = logits[row]
-                if self._take(gens[r], greedy[row], until, max_gen):
-                    still.append(r)
-            active = still
-        return gens, last
-
-    @torch.no_grad()
-    def _generate_cached(self, prompts, until, max_gen):
-        """``_generate`` with megatron's static KV cache: prefill to the shortest prompt, then one
-        position per step for the whole batch (see the module docstring)."""
-        lengths = [len(p) for p in prompts]
-        context = StaticInferenceContext(len(prompts), max_sequence_length=max(lengths) + max_gen)
-        gens: list[list[int]] = [[] for _ in prompts]
-        last: list[torch.Tensor | None] = [None] * len(prompts)
-        rows = list(range(len(prompts)))  # batch row -> prompt
-        inputs = [p[: min(lengths)] for p in prompts]  # prefill: the part every prompt has
-        while True:
-            logits = self._last_logits(inputs, context)  # [b, vocab]: predicts position `pos`
-            greedy = logits.argmax(-1).tolist()
-            pos = context.sequence_len_offset
-            keep, inputs = [], []
-            for row, r in enumerate(rows):
-                if pos < lengths[r]:  # still reading its prompt: feed the prompt's own next token
-                    keep.append(row)
-                    inputs.append([prompts[r][pos]])
-                    continue
-                last[r] = logits[row]
-                if self._take(gens[r], greedy[row], until, max_gen):
-                    keep.append(row)
-                    inputs.append([gens[r][-1]])
-            if not keep:
-                return gens, last
-            if len(keep) < len(rows):
-                rows = [rows[k] for k in keep]
-                _keep_cache_rows(context, keep)
-            if all(pos >= lengths[r] for r in rows):
-                context.enable_decode_mode()  # megatron's flag: every row is generating
-
-    def _last_logits(self, rows: list[list[int]], context: StaticInferenceContext) -> torch.Tensor:
-        """[b, vocab_size] float32 logits at the last position of the equal-length ``rows``, which
-        continue the positions cached in ``context``; advances ``context`` past them."""
-        tokens = torch.tensor(rows, dtype=torch.long, device=self._device)
-        offset = context.sequence_len_offset
-        position_ids = torch.arange(offset, offset + tokens.shape[1], device=self._device).expand_as(tokens)
-        # materialize_only_last_token_logits: the output layer sees the last position only
-        logits = self.model(tokens, position_ids, None, inference_context=context, runtime_gather_output=True)
-        context.increment_sequence_len_offset(tokens.shape[1])
-        return logits[:, -1, : self.vocab_size].float()
-
-
-def _keep_cache_rows(context: StaticInferenceContext, rows: list[int]) -> None:
-    """Keep only batch ``rows`` of every layer's cached keys and values, in that order.
-
-    megatron's ``StaticInferenceContext.swap_key_value_dict`` does this for a reordering but
-    asserts the batch size is unchanged; here finished rows leave the batch.
-    """
-    for layer, (keys, values) in context.key_value_memory_dict.items():
-        index = torch.tensor(rows, dtype=torch.long, device=keys.device)
-        context.key_value_memory_dict[layer] = (keys[:, index], values[:, index])
+        out = engine.generate(prompts, SamplingParams(max_new_tokens=max_gen, stop_tokens=(self.tokenizer.eod,)),
+                              stop_criteria=stop_at_until if stop else None)
+        gens = [t[:-1] if reason == "stop" else t for t, reason in zip(out.tokens, out.finish_reasons)]
+        return gens, out.last_logits

@@ -1,8 +1,8 @@
 """KV-cache greedy generation in the lm-eval adapter against full recomputation.
 
-``MegatronLM(use_cache=True)`` generates with megatron's ``StaticInferenceContext`` (prefill to the
-shortest prompt, then one position per step); ``use_cache=False`` recomputes every prefix and is
-the oracle. Two tiny models, both from test_evaluate.py's fixtures (tokenizer, large init std):
+``MegatronLM(use_cache=True)`` generates on the engine (``model.generate``: left-padded batched
+prefill, then one position per step with the KV-cache); ``use_cache=False`` recomputes every prefix
+and is the oracle. Two tiny models, both from test_evaluate.py's fixtures (tokenizer, large init std):
 Llama style (RoPE, RMSNorm, SwiGLU, 4 heads in 2 query groups) and GPT-2 style (learned absolute
 positions, LayerNorm, GeLU, tied embeddings, biases). Prompts of different lengths share a batch.
 
