@@ -99,6 +99,7 @@ class ModelConfig:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     make_vocab_size_divisible_by: int = 128
+    kv_quant: str | None = None  # --kv-quant: K and V fake-quantized as the rollout's KV-cache stores them
 
     def __post_init__(self):
         choices = {
@@ -365,7 +366,7 @@ def build_gpt(
         )
     config = transformer_config(cfg, params_dtype=params_dtype, sequence_parallel=sequence_parallel,
                                 recompute=recompute)
-    return PolicyGPTModel(
+    model = PolicyGPTModel(
         config,
         gpt_block_spec(config),
         vocab_size=padded_vocab_size(cfg, tp_size),
@@ -379,6 +380,11 @@ def build_gpt(
         rope_scaling_factor=cfg.rope_scaling_factor or 8.0,
         quant_seed=seed,
     )
+    if cfg.kv_quant is not None:
+        from model.attention import set_kv_quant
+
+        set_kv_quant(model, cfg.kv_quant)
+    return model
 
 
 # ============================================================================================
