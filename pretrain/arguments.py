@@ -144,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="train the first N iterations in BF16 while the amax histories fill, then switch to the "
         "quantized plan (HiF8 QAT recipe: 500)",
     )
+    add(
+        "--kv-quant",
+        metavar="FORMAT",
+        help="fake-quantize K and V in the training forward exactly as a rollout KV-cache in FORMAT "
+        "stores them (along the head dimension, straight-through gradient; model.kv_cache), e.g. "
+        "mxfp4, nvfp4, fp8; default: off",
+    )
 
     g = p.add_argument_group("parallelism")
     add = g.add_argument
@@ -425,6 +432,13 @@ def _check_precision(args) -> None:
             raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 0")
     if args.amax_history_len is not None and args.amax_history_len < 1:
         raise ConfigError(f"--amax-history-len {args.amax_history_len}: must be >= 1")
+    if args.kv_quant is not None and args.num_attention_heads:
+        from model.kv_cache import KVFormat
+
+        try:
+            KVFormat.parse(args.kv_quant).check_head_dim(args.hidden_size // args.num_attention_heads)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def data_prefixes(paths: list[str]) -> list[str]:
@@ -652,4 +666,5 @@ def model_config(args: argparse.Namespace, vocab_size: int):
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        kv_quant=args.kv_quant,
     )
