@@ -250,7 +250,7 @@ def quantize_operand(
     parts = []
     for start, length, key in keys:
         piece = t if length is None or piece_axis is None else t.narrow(piece_axis, start, length)
-        parts.append(_quantize(piece, axis, fmt, impl, codes, key, scale_amax, rotation, state, pack=not want_bf16))
+        parts.append(_quantize(piece, axis, fmt, impl, codes, key, scale_amax, rotation, state, bf16=want_bf16))
     res = parts[0] if len(parts) == 1 else _concat(parts, piece_axis, axis)
 
     # === 5. telemetry (device tensors; numerics only on telemetry steps)
@@ -269,15 +269,18 @@ def quantize_operand(
     out = QuantizedOperand(fmt, axis, values=None if codes else res["values"], codes=res.get("codes"),
                            scales=res.get("scales"), tensor_scale=res.get("tensor_scale"),
                            packed=res.get("packed", False))
-    if want_bf16:  # === 6. the BF16 form (codes and scales stay for inspection)
+    if want_bf16 and res.get("bf16") is not None:  # === 6. the BF16 form, written by the Triton kernel
+        out.bf16, out.out_scale = res["bf16"], res["out_scale"]
+    elif want_bf16:  # === 6. the BF16 form, decoded from the codes (which stay for inspection)
         out.bf16, out.out_scale = bf16_form(fmt, out.codes, out.scales, out.tensor_scale)
     return out
 
 
-def _quantize(t, axis, fmt, impl, codes, key, amax, rotation, state, pack=True) -> dict:
+def _quantize(t, axis, fmt, impl, codes, key, amax, rotation, state, bf16=False) -> dict:
     """One quantizer call. Returns values (natural layout; None unless asked or telemetry), and in
-    hardware form codes/scales (contraction-last; FP4 packed two per byte where ``pack`` and K
-    allow), plus tensor_scale, amax, num_clipped."""
+    hardware form codes/scales (contraction-last; FP4 packed two per byte unless ``bf16``), plus
+    tensor_scale, amax, num_clipped. ``bf16`` on Triton: the kernel writes the BF16 form itself
+    (``bf16`` / ``out_scale``, no codes) where the format allows (no ``Format.bf16_shift``)."""
     spec = get_format(fmt.fmt)
     # every quantizer takes the OperandFormat whole (rounding, scale rule, prescale)
     kw = {"axis": axis, "sr": key}
@@ -286,7 +289,11 @@ def _quantize(t, axis, fmt, impl, codes, key, amax, rotation, state, pack=True) 
     if impl == "triton":
         from kernels.triton_quant import quantize_triton
 
-        packed = pack and spec.code_bits == 4 and t.shape[axis] % 32 == 0
+        if bf16 and not spec.bf16_shift and not state.collect_stats:  # === BF16 operand, one pass
+            r = quantize_triton(t, fmt, layout="contraction_last", codes=False, bf16_form=True, **kw)
+            return {"bf16": r.bf16, "out_scale": r.out_scale, "scales": r.scales, "tensor_scale": r.tensor_scale,
+                    "amax": r.amax, "num_clipped": r.num_clipped}
+        packed = not bf16 and spec.code_bits == 4 and t.shape[axis] % 32 == 0
         r = quantize_triton(t, fmt, layout="contraction_last", pack=packed, dequantize=state.collect_stats, **kw)
         return {"values": r.dequantized, "codes": r.codes, "scales": r.scales, "tensor_scale": r.tensor_scale,
                 "amax": r.amax, "num_clipped": r.num_clipped, "packed": packed}
@@ -309,13 +316,14 @@ def _concat(parts: list[dict], piece_axis: int, axis: int) -> dict:
     """Join the results of a strided shard's runs (along ``piece_axis`` of the natural layout)."""
     hw_dim = 1 if piece_axis == axis else 0  # the contraction axis is last in the hardware form
     out = {}
-    for field in ("values", "codes", "scales"):
+    for field in ("values", "codes", "scales", "bf16"):
         vals = [p.get(field) for p in parts]
         if vals[0] is None or (field == "scales" and vals[0].dim() == 0):
             out[field] = vals[0]
         else:
             out[field] = torch.cat(vals, dim=piece_axis if field == "values" else hw_dim)
     out["tensor_scale"], out["amax"] = parts[0].get("tensor_scale"), parts[0].get("amax")
+    out["out_scale"] = parts[0].get("out_scale")  # a tensor-level factor: the same for every run
     if parts[0].get("num_clipped") is not None:
         out["num_clipped"] = sum(p["num_clipped"] for p in parts)
     out["packed"] = parts[0].get("packed", False)

@@ -248,9 +248,13 @@ def _quant_kernel(
     MAXN: tl.constexpr, SUBSCALE: tl.constexpr, SIGN_SHIFT: tl.constexpr,
     RCEIL: tl.constexpr, SR: tl.constexpr, U_GIVEN: tl.constexpr, KEYED: tl.constexpr, NAT: tl.constexpr,
     PRESCALE: tl.constexpr,
-    WRITE_CODES: tl.constexpr, WRITE_DQ: tl.constexpr, PACK: tl.constexpr,
+    WRITE_CODES: tl.constexpr, WRITE_DQ: tl.constexpr, PACK: tl.constexpr, BF16_FORM: tl.constexpr,
 ):
-    """MODE 0: MX, 1: NVFP4, 2: per-tensor FP8 (scales from ``gs_ptr``; clip counts to ``aux_ptr``)."""
+    """MODE 0: MX, 1: NVFP4, 2: per-tensor FP8 (scales from ``gs_ptr``; clip counts to ``aux_ptr``).
+
+    BF16_FORM: ``dq_ptr`` (bfloat16) receives the BF16 form (``kernels.bf16_operand``) instead of
+    the FP32 dequantization: the element value (per-tensor), element x 2^(byte-127) without the
+    pre-scale (MX), element x E4M3 block scale (NVFP4) -- exact in BF16."""
     TK: tl.constexpr = NB * BLOCK
     pid_r = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -291,7 +295,7 @@ def _quant_kernel(
             qv = tl.where(fin, qv, v)
         dq = qv * inv_scale
         c2 = code
-        d2 = dq
+        d2 = qv if BF16_FORM else dq
     else:
         # ================= block formats ===========================================
         xb = tl.reshape(x, [TILE_R, NB, BLOCK])
@@ -325,7 +329,7 @@ def _quant_kernel(
             code = tl.where(bad[:, :, None], 0, code)
             qv = tl.where(sb == 1, -qm, qm)
             dq = qv * _pow2(sbyte - 127)[:, :, None]
-            if PRESCALE:
+            if PRESCALE and not BF16_FORM:  # the BF16 form leaves the pre-scale to the GEMM output
                 dq = tl.math.div_rn(dq, tl.zeros_like(dq) + prescale)
             dq = tl.where(zero[:, :, None], (sb << 31).to(tl.float32, bitcast=True), dq)
             dq = tl.where(bad[:, :, None], float("nan"), dq)
@@ -345,7 +349,10 @@ def _quant_kernel(
             code = tl.where((s_dec == 0.0)[:, :, None], sb << 3, code)  # zero scale: signed zeros
             code = tl.where(bad[:, :, None], 0, code)
             qv = tl.where(_signbit(v) == 1, -qm, qm)
-            dq = qv * (s_dec * g_dec)[:, :, None]
+            if BF16_FORM:  # g_dec goes to the GEMM output
+                dq = qv * s_dec[:, :, None]
+            else:
+                dq = qv * (s_dec * g_dec)[:, :, None]
             dq = tl.where(bad[:, :, None], float("nan"), dq)
             sbyte = tl.where(bad, 0x7F, sbyte)
 
@@ -368,7 +375,7 @@ def _quant_kernel(
         else:
             tl.store(codes_ptr + o2 * sc_o + i2 * sc_i + k2 * sc_k, c2.to(tl.uint8), mask=valid)
     if WRITE_DQ:
-        tl.store(dq_ptr + o2 * sd_o + i2 * sd_i + k2 * sd_k, d2, mask=valid)
+        tl.store(dq_ptr + o2 * sd_o + i2 * sd_i + k2 * sd_k, d2.to(dq_ptr.dtype.element_ty), mask=valid)
 
 
 # ====================================================================== host side
@@ -378,7 +385,8 @@ class TritonQuantResult:
 
     ``codes`` / ``scales``: uint8, in the layout asked for (see the module docstring);
     per-tensor formats: ``scales`` is the float32 encode scale (0-d). ``dequantized``: float32,
-    shaped like the input. ``tensor_scale``: NVFP4's ``g_enc``. ``amax`` / ``num_clipped``:
+    shaped like the input. ``bf16`` / ``out_scale``: the BF16 form and its output factor
+    (``kernels.bf16_operand``). ``tensor_scale``: NVFP4's ``g_enc``. ``amax`` / ``num_clipped``:
     per-tensor formats (current amax of the finite values; saturated count).
     """
 
@@ -391,6 +399,8 @@ class TritonQuantResult:
     amax: torch.Tensor | None = None
     num_clipped: torch.Tensor | None = None
     prescale: float = 1.0
+    bf16: torch.Tensor | None = None  # the BF16 form (``bf16_form=True``), in the layout asked for
+    out_scale: torch.Tensor | None = None  # its FP32 factor for the GEMM output (None: none)
 
 
 def _collapse(shape, strides):
@@ -461,6 +471,7 @@ def quantize_triton(
     layout: str = "input",
     pack: bool = False,
     tile_rows: int | None = None,
+    bf16_form: bool = False,
 ) -> TritonQuantResult:
     """Quantize ``x`` to ``fmt`` in one fused pass (two for per-tensor formats and NVFP4).
 
@@ -475,7 +486,11 @@ def quantize_triton(
     ``amax`` (a float or a 0-d float32 tensor): the amax of the tensor-level scale (per-tensor
     formats; NVFP4's FP32 tensor scale) instead of this tensor's own. ``codes``/``dequantize``: which outputs to write. ``layout``: ``input`` or
     ``contraction_last``; ``pack``: FP4 codes two per byte along the block axis
-    (``contraction_last`` only).
+    (``contraction_last`` only). ``bf16_form``: write the BF16 operand of ``kernels.bf16_mm``
+    directly (in ``layout``), in place of ``dequantize`` -- element x power-of-two block scale (MX),
+    x E4M3 block scale (NVFP4), the element itself (per-tensor), with ``out_scale`` the factor the
+    GEMM output takes; formats with a ``Format.bf16_shift`` (MXFP8) need the whole tensor's largest
+    scale first and go through ``kernels.bf16_operand.bf16_form`` on the codes instead.
     """
     if getattr(fmt, "fmt", getattr(fmt, "name", fmt)) not in TRITON_FORMATS:  # OperandFormat, Format or name
         raise ValueError(f"triton quantizer: no kernel for format {fmt!r}; "
@@ -508,6 +523,9 @@ def quantize_triton(
         raise ValueError("pack=True: 4-bit formats "
                          f"({', '.join(n for n in TRITON_FORMATS if get_format(n).bits == 4)}), "
                          "layout='contraction_last' and an even axis length only")
+    if bf16_form and (dequantize or not spec.bf16_exact or spec.bf16_shift):
+        raise ValueError(f"bf16_form: {spec.name} needs " + ("dequantize=False" if dequantize else
+                         "a format with Format.bf16_exact and no bf16_shift") + " (see kernels.bf16_operand)")
     key = sr_key if sr else None
     if sr and uniforms is None and seed is None and key is None:
         raise ValueError("stochastic rounding: give sr= (an SRKey), uniforms= or seed=")
@@ -545,6 +563,7 @@ def quantize_triton(
                   ROT_C=rot_c, HAS_SIGNS=signs is not None and rot > 0, **ekw)
 
     def run(mode, gs, codes_t, scales_t, dq_t, aux, u_t, seed_t, write_codes, write_dq):
+        write_dq = write_dq or bf16_form
         sc = _strides(codes_t, axis) if codes_t is not None else (0, 0, 0)
         ss = _strides(scales_t, axis) if scales_t is not None and scales_t.dim() else (0, 0, 0)
         sd = _strides(dq_t, axis)
@@ -556,7 +575,8 @@ def quantize_triton(
                 R, n, inner, npad, nblk, ncols, sx_o, sx_i, sx_k, *sc, *ss, *sd, *su, float(prescale))
         meta = dict(MODE=mode, RCEIL=scale_rule == ScaleRule.RCEIL, SR=sr, U_GIVEN=uniforms is not None,
                     KEYED=uniforms is None and key is not None, NAT=nat,
-                    PRESCALE=prescale != 1.0, WRITE_CODES=write_codes, WRITE_DQ=write_dq, PACK=pack, **launch)
+                    PRESCALE=prescale != 1.0, WRITE_CODES=write_codes, WRITE_DQ=write_dq, PACK=pack,
+                    BF16_FORM=bf16_form, **launch)
         _launch(_quant_kernel, grid, args, meta)
 
     # ---- tensor-wide numbers: amax pass (NVFP4 with a given amax needs none) ----------------------
@@ -589,6 +609,8 @@ def quantize_triton(
         else:
             codes_t = _alloc(shape, axis, n, torch.uint8, dev, layout)
     dq_t = torch.empty(shape, dtype=torch.float32, device=dev) if dequantize else None
+    if bf16_form:
+        dq_t = _alloc(shape, axis, n, torch.bfloat16, dev, layout)
 
     if spec.kind == Scaling.TENSOR:
         used = (amax_cur if amax is None
@@ -597,8 +619,9 @@ def quantize_triton(
         gs = torch.stack([scale, 1.0 / scale]).float().contiguous()
         clips = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=dev)
         run(MODE_TENSOR, gs, codes_t, None, dq_t, clips, u_t, seed_t, codes, dequantize)
-        res = TritonQuantResult(fmt, axis, codes_t, scale, dq_t, amax=amax_cur,
+        res = TritonQuantResult(fmt, axis, codes_t, scale, None if bf16_form else dq_t, amax=amax_cur,
                                 num_clipped=clips.sum(dtype=torch.int64))
+        out_scale = 1.0 / scale  # the spec's dequantization: element * (1 / scale)
     else:
         scales_t = _alloc(shape, axis, nblk, torch.uint8, dev, layout)
         gs, g_enc = None, None
@@ -608,8 +631,11 @@ def quantize_triton(
             g_enc = blocks.nvfp4_tensor_scale(used)              # the reference's own expression
             gs = torch.stack([fdiv(g_enc, spec.max_normal), 1.0 / g_enc]).float().contiguous()
         run(_MODE[spec.kind], gs, codes_t, scales_t, dq_t, None, u_t, seed_t, codes, dequantize)
-        res = TritonQuantResult(fmt, axis, codes_t, scales_t, dq_t, tensor_scale=g_enc,
+        res = TritonQuantResult(fmt, axis, codes_t, scales_t, None if bf16_form else dq_t, tensor_scale=g_enc,
                                 prescale=prescale if spec.has_scale_rules else 1.0)
+        out_scale = 1.0 / g_enc if g_enc is not None else None
+    if bf16_form:
+        res.bf16, res.out_scale = (dq_t.movedim(axis, -1) if layout == "contraction_last" else dq_t), out_scale
     if layout == "contraction_last":
         # hand back the contiguous K-last tensors themselves
         if res.codes is not None:
