@@ -152,6 +152,35 @@ def build_parser() -> argparse.ArgumentParser:
         "mxfp4, nvfp4, fp8; default: off",
     )
 
+    g = p.add_argument_group("mixed precision and memory")
+    add = g.add_argument
+    add(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="BF16 parameters and activations with FP32 main parameters and gradients (megatron-core's "
+        "mixed-precision optimizer on the megatron engine, an FP32 main copy on the torch engine); "
+        "default: on with CUDA, off on CPU (--no-bf16: FP32 throughout)",
+    )
+    add(
+        "--recompute-granularity",
+        choices=["full", "selective"],
+        help="activation recomputation (megatron-core's TransformerBlock): full: whole transformer "
+        "layers (--recompute-method, --recompute-num-layers); selective: core attention only",
+    )
+    add(
+        "--recompute-method",
+        choices=["uniform", "block"],
+        help="with --recompute-granularity full: uniform (default): every layer, in chunks of "
+        "--recompute-num-layers; block: only the first --recompute-num-layers layers of each pipeline stage",
+    )
+    add(
+        "--recompute-num-layers",
+        type=int,
+        metavar="N",
+        help="layers per recomputed chunk (uniform) or recomputed layers per stage (block); default 1",
+    )
+
     g = p.add_argument_group("parallelism")
     add = g.add_argument
     add("--tensor-model-parallel-size", type=int, default=1)
@@ -228,6 +257,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="SentencePieceTokenizer",
         help="what --tokenizer-model is (default SentencePieceTokenizer; without --data-path, "
         "HuggingFaceTokenizer tokenizes the built-in corpus with it)",
+    )
+    add(
+        "--num-workers",
+        type=int,
+        metavar="N",
+        help="data-loader worker processes per rank (torch DataLoader; 0: load in the training process; "
+        "default: 2 with CUDA, 0 on CPU); batches go to pinned memory on CUDA",
     )
     add(
         "--data-cache-dir",
@@ -530,6 +566,29 @@ def _check_checkpoints(args) -> None:
             raise ConfigError(f"--ckpt-step {args.ckpt_step}: no checkpoint {step_dir}")
 
 
+def _check_mixed_precision_and_memory(args, cuda: bool) -> None:
+    """``--bf16`` / ``--num-workers`` defaults by device; ``--recompute-*`` combinations."""
+    if args.bf16 is None:
+        args.bf16 = cuda
+    if args.num_workers is None:
+        args.num_workers = 2 if cuda else 0
+    if args.num_workers < 0:
+        raise ConfigError(f"--num-workers {args.num_workers}: must be >= 0")
+    granularity, method, n = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
+    if granularity != "full" and (method is not None or n is not None):
+        flag = "--recompute-method" if method is not None else "--recompute-num-layers"
+        raise ConfigError(f"{flag} needs --recompute-granularity full (selective recomputes core attention "
+                          f"only; without the flag nothing is recomputed)")
+    if granularity == "full":
+        from model.gpt import RecomputeConfig
+
+        layers = args.num_layers // args.pipeline_model_parallel_size
+        try:
+            RecomputeConfig("full", method or "uniform", 1 if n is None else n).check(layers)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
 def _check_parallel(args, world_size: int, cuda: bool) -> None:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world_size % (tp * pp):
@@ -625,6 +684,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> None
             f"--lr-warmup-iters {args.lr_warmup_iters} exceeds --lr-decay-iters {args.lr_decay_iters}"
         )
     _check_parallel(args, world_size, cuda)
+    _check_mixed_precision_and_memory(args, cuda)
     _check_precision(args)
     _check_data(args)
     _check_checkpoints(args)
@@ -639,6 +699,18 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> None
         validate_plan_shapes(cfg, tp, plan)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def recompute_config(args: argparse.Namespace):
+    """The ``model.gpt.RecomputeConfig`` of ``--recompute-*`` (None: no recomputation)."""
+    from model.gpt import RecomputeConfig
+
+    if args.recompute_granularity is None:
+        return None
+    if args.recompute_granularity == "selective":
+        return RecomputeConfig("selective")
+    n = 1 if args.recompute_num_layers is None else args.recompute_num_layers
+    return RecomputeConfig("full", args.recompute_method or "uniform", n)
 
 
 def model_config(args: argparse.Namespace, vocab_size: int):

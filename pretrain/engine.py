@@ -6,9 +6,16 @@ Two engines behind one interface (``--ddp-impl``):
     torch ``DistributedDataParallel`` over the data-parallel group, AdamW and clipping from
     ``pretrain.optim``, a plain loop over the micro-batches (DDP all-reduces on the last one), then
     the TP-partial gradients (sequence parallelism) summed. Pipeline parallelism: no.
+    ``--bf16``: BF16 model, FP32 main parameters and gradients (``pretrain.optim.MainParams``); the
+    FP32 gradients are summed over data-parallel ranks here (no torch DDP: it would reduce BF16).
+    No host synchronisation: loss and gradient norm stay on the device (``train_step`` returns
+    0-d tensors), and the step is taken whatever they are unless ``check_finite`` is set (then
+    one read per step decides; ``pretrain.train`` sets it for ``--skip-nonfinite-steps`` and
+    ``--no-check-for-nan-in-loss-and-grad``, which need a non-finite step to leave the model alone).
 
 ``MegatronEngine`` (``megatron``; the default on CUDA)
-    megatron-core's ``DistributedDataParallel`` (contiguous FP32 gradient buckets),
+    megatron-core's ``DistributedDataParallel`` (contiguous FP32 gradient buckets; with ``--bf16``
+    megatron's mixed-precision optimizer keeps FP32 main parameters beside the BF16 model),
     ``get_megatron_optimizer`` (Adam with decoupled weight decay, no decay on biases and 1-D
     parameters, clipping by the global norm over the model-parallel group; with
     ``--use-distributed-optimizer`` the optimizer state is sharded over data-parallel ranks, ZeRO-1)
@@ -81,18 +88,20 @@ class TorchEngine:
     name = "torch"
 
     def __init__(self, model: torch.nn.Module, args, device: torch.device):
-        from pretrain.optim import build_optimizer
+        from pretrain.optim import MainParams, build_optimizer
 
         self.model, self.args, self.device = model, args, device
-        self.optimizer = build_optimizer(model, args)
-        self.ddp: torch.nn.Module = model  # wrap() replaces it when DP > 1
+        self.main = MainParams(model) if getattr(args, "bf16", False) else None  # --bf16: FP32 mains
+        self.optimizer = build_optimizer(model, args, self.main)
+        self.ddp: torch.nn.Module = model  # wrap() replaces it when DP > 1 (FP32 only)
         self.stepped = False  # whether the last train_step updated the parameters
+        self.check_finite = True  # read loss and norm each step; step only when finite (see above)
 
     def wrap(self) -> None:
         """torch DDP over the data-parallel group (after a checkpoint is loaded into the model)."""
         from torch.nn.parallel import DistributedDataParallel
 
-        if parallel_state.get_data_parallel_world_size() > 1:
+        if parallel_state.get_data_parallel_world_size() > 1 and self.main is None:
             self.ddp = DistributedDataParallel(
                 self.model,
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
@@ -104,12 +113,14 @@ class TorchEngine:
         per_token = module(tokens, position_ids, None, labels=labels)  # [b, s]
         return (per_token.float() * mask).sum(), mask.sum()
 
-    def train_step(self, micro: list[dict], schedule) -> tuple[float, float, float]:
+    def train_step(self, micro: list[dict], schedule) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """(loss, gradient norm before clipping, lr): loss and norm are 0-d device tensors."""
         from model.gpt import allreduce_tp_partial_grads
         from pretrain.optim import clip_grad_norm
 
         tokens = _dp_sum(torch.stack([mb["loss_mask"].sum() for mb in micro]).sum().float().to(self.device))
-        dp_size = parallel_state.get_data_parallel_world_size()
+        # torch DDP averages over data-parallel ranks: scale by dp so the result is sum / global tokens
+        dp_size = parallel_state.get_data_parallel_world_size() if self.ddp is not self.model else 1
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro):
@@ -117,18 +128,22 @@ class TorchEngine:
             sync = contextlib.nullcontext() if last or self.ddp is self.model else self.ddp.no_sync()
             with sync:
                 s, _ = self._loss_sum(self.ddp, mb)
-                # DDP averages over data-parallel ranks; scale by dp so the result is sum / global tokens
                 (s * (dp_size / tokens)).backward()
             loss_sum += s.detach()
-        loss = (_dp_sum(loss_sum) / tokens).item()
-        allreduce_tp_partial_grads(self.model)
-        norm = clip_grad_norm(
-            self.model.parameters(), self.args.clip_grad, parallel_state.get_tensor_model_parallel_group()
-        )
+        loss = _dp_sum(loss_sum) / tokens
+        params = self.main or self.model
+        if self.main is not None:  # --bf16: sum the FP32 gradients over data-parallel ranks
+            for p in self.main.parameters():
+                if p.grad is not None:
+                    _dp_sum(p.grad)
+        allreduce_tp_partial_grads(params)
+        norm = clip_grad_norm(params.parameters(), self.args.clip_grad, parallel_state.get_tensor_model_parallel_group())
         lr = schedule.step()
-        self.stepped = bool(torch.isfinite(torch.tensor([loss, norm])).all())
+        self.stepped = not self.check_finite or bool(torch.isfinite(torch.stack([loss, norm])).all())
         if self.stepped:
             self.optimizer.step()
+            if self.main is not None:
+                self.main.copy_to_model()
         return loss, norm, lr
 
     @torch.no_grad()
@@ -140,7 +155,11 @@ class TorchEngine:
         _dp_sum(sums)
         return (sums[0] / sums[1]).item() if sums[1] > 0 else None
 
-    # checkpoints: a plain torch optimizer state dict, nothing beside it
+    # checkpoints: the model with its FP32 mains (--bf16), a plain torch optimizer state dict
+    def model_state_dict(self) -> dict:
+        state = self.model.state_dict()
+        return state if self.main is None else self.main.state_dict_into(state)
+
     def optimizer_state_dict(self) -> dict:
         return self.optimizer.state_dict()
 
@@ -150,8 +169,11 @@ class TorchEngine:
     def load_optimizer(self, state: dict, rank_dir: str) -> None:
         self.optimizer.load_state_dict(state)
 
-    def weights_loaded(self) -> None:
-        pass
+    def weights_loaded(self, state: dict | None = None) -> None:
+        """After model weights were copied in: the FP32 mains (``--bf16``) from ``state`` (the
+        checkpoint's model entry, FP32) where given, else from the model."""
+        if self.main is not None:
+            self.main.load(state)
 
 
 # ================================================================================================
@@ -198,7 +220,7 @@ class MegatronEngine:
             adam_eps=args.adam_eps,
             clip_grad=args.clip_grad,
             params_dtype=config.params_dtype,
-            bf16=False,
+            bf16=config.params_dtype == torch.bfloat16,  # --bf16: FP32 main params in the optimizer
             fp16=False,
             use_distributed_optimizer=self.distributed_optimizer,
         )
@@ -248,6 +270,7 @@ class MegatronEngine:
         return (sums[0] / sums[1]).item() if sums[1] > 0 else None
 
     def train_step(self, micro: list[dict], schedule) -> tuple[float, float, float]:
+        """(loss, gradient norm, lr) as floats: megatron's optimizer reads its norm to the host."""
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         loss = self._run(micro, forward_only=False)
@@ -264,6 +287,11 @@ class MegatronEngine:
         return self._run(list(micro), forward_only=True)
 
     # ---------------------------------------------------------------- checkpoints
+    def model_state_dict(self) -> dict:
+        """The model; with ``--bf16`` its FP32 main parameters are in the optimizer's state
+        (megatron's ``fp32_from_fp16_params``, or ``distrib_optim.pt``), as in Megatron-LM."""
+        return self.model.state_dict()
+
     def optimizer_state_dict(self) -> dict:
         return self.optimizer.state_dict()
 
@@ -288,8 +316,9 @@ class MegatronEngine:
                 )
             self.optimizer.load_parameter_state(path)
 
-    def weights_loaded(self) -> None:
-        """After model weights were copied in: refresh the optimizer's main parameters."""
+    def weights_loaded(self, state: dict | None = None) -> None:
+        """After model weights were copied in: refresh the optimizer's main parameters (a resume
+        then restores the FP32 mains exactly from the optimizer state)."""
         self.optimizer.reload_model_params()
 
 

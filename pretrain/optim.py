@@ -7,6 +7,12 @@
   constant after. ``iteration`` is the 1-based number of the step being taken, so step 1 of a
   10-step warm-up uses ``lr / 10`` (Megatron's first warm-up step uses 0). The schedule is a pure
   function of the iteration; :class:`LRSchedule` keeps the step count for checkpoints.
+* ``MainParams`` (``--bf16`` on the torch engine): FP32 main copies of the BF16 parameters. Each
+  BF16 gradient is added into its main's FP32 ``grad`` as soon as backward produces it (a
+  post-accumulate-grad hook; the BF16 ``grad`` is then dropped), so gradients accumulate over
+  micro-batches in FP32; AdamW, clipping and weight decay act on the mains, and after each step
+  the BF16 parameters are the mains rounded to nearest. Checkpoints hold the mains
+  (``state_dict_into``), so a resumed run continues from the FP32 values, bit for bit.
 * ``clip_grad_norm``: the global L2 norm over all parameters of the *whole* model, summed over
   tensor-parallel ranks with each TP-sharded parameter counted once per shard and each replicated
   parameter once (on TP rank 0 only, megatron's ``param_is_not_tensor_parallel_duplicate``). Data
@@ -19,13 +25,74 @@ import math
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron.core.tensor_parallel import copy_tensor_model_parallel_attributes, param_is_not_tensor_parallel_duplicate
 
 
-def build_optimizer(model: torch.nn.Module, args) -> torch.optim.AdamW:
-    """AdamW over ``model``'s parameters, weight decay on matrices only; lr is set per step."""
+class MainParams:
+    """FP32 main copies of a (BF16) model's trainable parameters; see the module docstring.
+
+        main = MainParams(model)            # before the first backward
+        ... loss.backward() ...              # main.grad (FP32) accumulates, p.grad stays None
+        optimizer.step()                     # an optimizer over main.named_parameters()
+        main.copy_to_model()                 # p = bf16(main), round to nearest even
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model_params: list[torch.nn.Parameter] = []
+        self.named: list[tuple[str, torch.nn.Parameter]] = []
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            main = torch.nn.Parameter(p.detach().float().clone())
+            copy_tensor_model_parallel_attributes(main, p)
+            main.sequence_parallel = getattr(p, "sequence_parallel", False)
+            p.register_post_accumulate_grad_hook(self._accumulate_into(main))
+            self.model_params.append(p)
+            self.named.append((name, main))
+
+    @staticmethod
+    def _accumulate_into(main: torch.nn.Parameter):
+        def hook(p: torch.Tensor) -> None:
+            if main.grad is None:
+                main.grad = p.grad.float()
+            else:
+                main.grad.add_(p.grad)
+            p.grad = None
+
+        return hook
+
+    def named_parameters(self):
+        return iter(self.named)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [m for _, m in self.named]
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        for p, (_, main) in zip(self.model_params, self.named, strict=True):
+            p.copy_(main)
+
+    @torch.no_grad()
+    def load(self, state: dict | None = None) -> None:
+        """Mains from ``state`` (a model ``state_dict``, FP32 in our checkpoints) where it has the
+        parameter, else from the model's current values; then the model from the mains."""
+        for p, (name, main) in zip(self.model_params, self.named, strict=True):
+            main.copy_(state[name] if state is not None and name in state else p)
+        self.copy_to_model()
+
+    def state_dict_into(self, state: dict) -> dict:
+        """``state`` (the model's ``state_dict``) with every parameter replaced by its FP32 main."""
+        for name, main in self.named:
+            if name in state:
+                state[name] = main.detach().clone()
+        return state
+
+
+def build_optimizer(model: torch.nn.Module, args, main: MainParams | None = None) -> torch.optim.AdamW:
+    """AdamW over ``model``'s parameters (or their FP32 mains), weight decay on matrices only; lr is
+    set per step."""
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for name, p in (main or model).named_parameters():
         if p.requires_grad:
             (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -108,14 +175,19 @@ def grad_norm(parameters, tp_group=None) -> torch.Tensor:
     return sq.sqrt()
 
 
-def clip_grad_norm(parameters, max_norm: float, tp_group=None) -> float:
-    """Scale all gradients so their global norm is at most ``max_norm`` (0: no clipping); returns the norm."""
+def clip_grad_norm(parameters, max_norm: float, tp_group=None) -> torch.Tensor:
+    """Scale all gradients so their global norm is at most ``max_norm`` (0: no clipping); returns the
+    norm before clipping, a 0-d float32 tensor on the gradients' device.
+
+    Nothing is read to the host: the coefficient ``min(max_norm / (norm + 1e-6), 1)`` is computed
+    on the device in float64 from the FP32 norm and rounded to FP32 -- the numbers a Python-float
+    coefficient gives (a factor of exactly 1 leaves a gradient unchanged)."""
     parameters = [p for p in parameters if p.grad is not None]
     norm = grad_norm(parameters, tp_group)
-    total = norm.item()
     if max_norm > 0:
-        coeff = max_norm / (total + 1e-6)
-        if coeff < 1.0:
-            for p in parameters:
-                p.grad.detach().mul_(coeff)
-    return total
+        numerator = torch.tensor(max_norm, dtype=torch.float64, device=norm.device)
+        coeff = torch.div(numerator, norm.double() + 1e-6)  # a true division (a / t would be a * (1 / t))
+        coeff = torch.where(coeff < 1.0, coeff, torch.ones_like(coeff)).float()
+        for p in parameters:
+            p.grad.detach().mul_(coeff)
+    return norm

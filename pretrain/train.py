@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pretrain.arguments import PROG, ConfigError, model_config, parse_args_or_raise, validate_args
+from pretrain.arguments import PROG, ConfigError, model_config, parse_args_or_raise, recompute_config, validate_args
 from pretrain.status import (
     EXIT_BAD_INPUT,
     EXIT_DIVERGED,
@@ -99,12 +99,13 @@ def _free_port() -> int:
 
 ERROR_WAIT_S = 30  # how long a rank that failed waits for the others to fail alike (_refuse)
 _error_group = None  # gloo group on which failing ranks meet before exiting (_refuse)
+_host_group = None  # gloo group for host-side agreement (SIGTERM), whatever the device
 
 
 def init_process_group() -> None:
     """torch.distributed from torchrun's environment (a world of one without it), once, and the
     gloo group on which ranks that fail meet before they exit (:func:`_refuse`)."""
-    global _error_group
+    global _error_group, _host_group
     if torch.distributed.is_initialized():
         return
     if "RANK" not in os.environ:  # plain `python launch/pretrain.py`: a world of one
@@ -116,6 +117,7 @@ def init_process_group() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     torch.distributed.init_process_group("nccl" if cuda else "gloo")
     _error_group = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(seconds=ERROR_WAIT_S))
+    _host_group = torch.distributed.new_group(backend="gloo") if cuda else None  # None: the (gloo) world
 
 
 def init_distributed(args) -> torch.device:
@@ -181,7 +183,8 @@ def build_model(args, vocab_size: int, device: torch.device):
     from precision import PrecisionPlan, PrecisionPolicy, SpecError
 
     sequence_parallel = args.sequence_parallel and args.tensor_model_parallel_size > 1
-    model = build_gpt(model_config(args, vocab_size), sequence_parallel=sequence_parallel, seed=args.seed)
+    model = build_gpt(model_config(args, vocab_size), sequence_parallel=sequence_parallel, seed=args.seed,
+                      params_dtype=torch.bfloat16 if args.bf16 else torch.float32, recompute=recompute_config(args))
     names = policy_linear_names(model)  # this pipeline stage's, layers numbered globally
     layer_linears = list(dict.fromkeys(n.split(".", 3)[3] for n in names if n.startswith("decoder.layers.")))
     every = [f"decoder.layers.{i}.{s}" for i in range(args.num_layers) for s in layer_linears] + ["output_layer"]
@@ -346,19 +349,32 @@ class Trainer:
         self._write_layer_scalars(scalars)
 
     # ---------------------------------------------------------------- one iteration
-    def train_step(self, data) -> tuple[float, float, float, str]:
+    @property
+    def reads_each_step(self) -> bool:
+        """Whether each step reads its loss and norm to the host: ``--skip-nonfinite-steps`` must
+        undo a non-finite step at once, ``--no-check-for-nan-in-loss-and-grad`` must not take it.
+        Otherwise (the default) nothing is read until the loop settles the steps (``_Progress.settle``)."""
+        return bool(self.args.skip_nonfinite_steps) or not self.args.check_for_nan_in_loss_and_grad
+
+    def train_step(self, data) -> tuple[float | torch.Tensor, float | torch.Tensor, float, str]:
         """One global batch: returns (loss, grad norm before clipping, lr, outcome).
 
-        ``outcome`` is ``"ok"``, ``"skipped"`` (non-finite, within ``--skip-nonfinite-steps``: the
-        engine did not step, the lr schedule is rewound and the layers' quantization state restored,
-        so only the data position moved) or ``"diverged"``. Loss and norm are global (the same on
-        every rank), so all ranks reach the same outcome."""
+        ``outcome`` is ``"pending"`` when the step is not read to the host (loss and norm are 0-d
+        device tensors; ``_Progress.settle`` decides later, a non-finite one being divergence), else
+        ``"ok"``, ``"skipped"`` (non-finite, within ``--skip-nonfinite-steps``: the engine did not
+        step, the lr schedule is rewound and the layers' quantization state restored, so only the
+        data position moved) or ``"diverged"``. Loss and norm are global (the same on every rank),
+        so all ranks reach the same outcome."""
         micro = [next(data) for _ in range(self.num_micro_batches)]
         if self.args.skip_nonfinite_steps:  # what a skipped step restores
             quant_before = [copy.deepcopy(m.quant_state.state_dict()) for _, m in self.policy_linears()]
             lr_before = [group["lr"] for group in self.engine.optimizer.param_groups]
+        self.engine.check_finite = self.reads_each_step
         loss, norm, lr = self.engine.train_step(micro, self.schedule)
         self.end_quant_step()
+        if not self.reads_each_step:
+            return loss, norm, lr, "pending"
+        loss, norm = float(loss), float(norm)
         if not self.args.check_for_nan_in_loss_and_grad or (math.isfinite(loss) and math.isfinite(norm)):
             return loss, norm, lr, "ok"
         self.nonfinite_steps += 1
@@ -372,10 +388,12 @@ class Trainer:
             m.quant_state.load_state_dict(state)
         return loss, norm, lr, "skipped"
 
-    def diverged(self, loss: float, norm: float) -> int:
-        """Divergence (see the module docstring, 6): rank 0 writes ``--save/run_status.json`` and
-        prints one line; nothing is saved. Returns ``EXIT_DIVERGED``."""
+    def diverged(self, loss: float, norm: float, iteration: int | None = None) -> int:
+        """Divergence at ``iteration`` (default: the last; see the module docstring, 6): rank 0 writes
+        ``--save/run_status.json`` and prints one line; nothing is saved. Returns ``EXIT_DIVERGED``."""
         a = self.args
+        if iteration is not None:
+            self.iteration = iteration
         skip = (f", {self.nonfinite_steps} non-finite steps (--skip-nonfinite-steps {a.skip_nonfinite_steps})"
                 if a.skip_nonfinite_steps else "")
         reason = f"loss {loss}, grad norm {norm}{skip}"
@@ -420,7 +438,7 @@ class Trainer:
 
         t0 = time.perf_counter()
         state = {
-            "model": self.model.state_dict(),
+            "model": self.engine.model_state_dict(),  # FP32 main weights with --bf16 (torch engine)
             "optimizer": self.engine.optimizer_state_dict(),
             "opt_param_scheduler": self.schedule.state_dict(),
             "consumed_train_samples": self.consumed_samples,
@@ -482,7 +500,7 @@ class Trainer:
             raise CheckpointError(
                 f"--load: {ckpt['path']} does not fit this model: {' '.join(str(e).split())[:300]}"
             ) from None
-        self.engine.weights_loaded()
+        self.engine.weights_loaded(ckpt["model"])
         changed = [
             n
             for n, v in ckpt.get("precision_plan", {}).items()
@@ -496,6 +514,11 @@ class Trainer:
         if args.finetune:
             rank0_print(f"--finetune: loaded model weights of {ckpt['path']}; starting at iteration 0")
             return True
+        if self.engine.name == "megatron" and bool(saved.get("bf16", False)) != bool(args.bf16):
+            raise CheckpointError(  # megatron's FP32 and mixed-precision optimizers hold different states
+                f"--load: {ckpt['path']} was saved with{'' if saved.get('bf16') else 'out'} --bf16 on the megatron "
+                f"engine; resume with the same setting (or load its weights with --finetune)"
+            )
         self.engine.load_optimizer(ckpt["optimizer"], os.path.dirname(this_rank_file(ckpt["path"])))
         self.schedule.load_state_dict(ckpt["opt_param_scheduler"])
         self.iteration = int(ckpt["iteration"]) if ckpt["iteration"] != "release" else 0
@@ -532,7 +555,11 @@ def _hms(seconds: float) -> str:
 
 
 class _Progress:
-    """Progress lines every ``--log-interval`` and TensorBoard scalars every iteration (rank 0).
+    """Progress lines every ``--log-interval`` and TensorBoard scalars for every iteration (rank 0).
+
+    Steps are recorded as they end and logged when the loop *settles* them (:meth:`settle`: at
+    every ``--log-interval``, evaluation, checkpoint and stop), so a training step reads nothing
+    to the host in between; every iteration still gets its TensorBoard scalars.
 
     A line shows the loss averaged since the previous line, the last iteration's lr and grad norm,
     and tokens/s, model TFLOP/s per device (``model.gpt.training_flops_per_token``; Megatron-LM's
@@ -550,22 +577,55 @@ class _Progress:
         self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self.rate_start, self.rate_iters, self.compiling = self.start, 0, True
         self.window_iters, self.window_loss = 0, 0.0
+        self.pending: list[tuple] = []  # steps recorded, not yet read to the host (settle)
 
-    def iteration(self, loss: float, norm: float, lr: float, seconds: float, outcome: str = "ok") -> None:
-        """``outcome`` (``Trainer.train_step``): a skipped step's loss stays out of ``train/loss`` and
-        the averages; a diverged step's NaN/Inf is logged; ``train/nonfinite_steps`` counts both."""
+    def record(self, loss, norm, lr: float, seconds: float, outcome: str) -> None:
+        """The step just taken (``Trainer.train_step``'s results; loss and norm may be device
+        tensors), logged when the loop next calls :meth:`settle`."""
+        self.pending.append((self.t.iteration, loss, norm, lr, seconds, outcome, time.perf_counter()))
+
+    def settle(self) -> tuple[int, float, float] | None:
+        """Read the recorded steps' losses and norms to the host in one transfer and log them in
+        order. With ``--check-for-nan-in-loss-and-grad`` a non-finite ``"pending"`` step is the
+        divergence: it is counted and logged, the steps after it are not, and ``(iteration, loss,
+        norm)`` is returned (the loop ends the run; those later steps trained on a diverged model)."""
+        if not self.pending:
+            return None
+        device = self.t.device
+        values = torch.stack([torch.stack([torch.as_tensor(r[1], dtype=torch.float32, device=device).reshape(()),
+                                           torch.as_tensor(r[2], dtype=torch.float32, device=device).reshape(())])
+                              for r in self.pending]).tolist()  # the one device read of the window
+        records, self.pending = self.pending, []
+        now = time.perf_counter()
+        check = self.t.args.check_for_nan_in_loss_and_grad
+        for k, ((it, _, _, lr, seconds, outcome, end), (loss, norm)) in enumerate(zip(records, values)):
+            if outcome == "pending":
+                finite = math.isfinite(loss) and math.isfinite(norm)
+                outcome = "ok" if finite or not check else "diverged"
+                if outcome == "diverged":
+                    self.t.nonfinite_steps += 1
+            self.iteration(it, loss, norm, lr, seconds, outcome, now if k == len(records) - 1 else end)
+            if outcome == "diverged":
+                return it, loss, norm
+        return None
+
+    def iteration(self, it: int, loss: float, norm: float, lr: float, seconds: float, outcome: str,
+                  now: float) -> None:
+        """Log iteration ``it`` (ended at ``now``). ``outcome``: a skipped step's loss stays out of
+        ``train/loss`` and the averages; a diverged step's NaN/Inf is logged;
+        ``train/nonfinite_steps`` counts both."""
         t, a = self.t, self.t.args
         tokens = a.global_batch_size * a.seq_length
         if outcome != "ok":
             if t.tb is not None:
-                t.tb.add_scalar("train/nonfinite_steps", t.nonfinite_steps, t.iteration)
+                t.tb.add_scalar("train/nonfinite_steps", t.nonfinite_steps, it)
                 if outcome == "diverged":  # the values that ended the run (a skipped step's are left out)
-                    t.tb.add_scalar("train/loss", loss, t.iteration)
-                    t.tb.add_scalar("train/grad_norm", norm, t.iteration)
+                    t.tb.add_scalar("train/loss", loss, it)
+                    t.tb.add_scalar("train/grad_norm", norm, it)
                 t.tb.flush()
             what = ("diverged" if outcome == "diverged" else
                     f"skipped ({t.nonfinite_steps} of --skip-nonfinite-steps {a.skip_nonfinite_steps})")
-            rank0_print(f"iteration {t.iteration:>{len(str(a.train_iters))}}/{a.train_iters} | loss {loss:.4f}"
+            rank0_print(f"iteration {it:>{len(str(a.train_iters))}}/{a.train_iters} | loss {loss:.4f}"
                         f" | lr {lr:.3e} | grad norm {norm:.3f} | non-finite: {what}")
             return
         self.window_iters += 1
@@ -579,21 +639,20 @@ class _Progress:
                 ("train/tokens_per_sec", tokens / max(seconds, 1e-9)),
                 ("train/tflops_per_device", self.tflops(tokens / max(seconds, 1e-9))),
             ):
-                t.tb.add_scalar(tag, value, t.iteration)
-        now = time.perf_counter()
+                t.tb.add_scalar(tag, value, it)
         if self.compiling:  # the run's first iteration compiles: leave it out of the rate
             self.rate_start, self.compiling = now, False
         else:
             self.rate_iters += 1
-        if t.iteration % a.log_interval == 0 or t.iteration == a.train_iters:
+        if it % a.log_interval == 0 or it == a.train_iters:
             per_iter = (now - self.rate_start) / self.rate_iters if self.rate_iters else seconds
             width = len(str(a.train_iters))
             rank0_print(
-                f"iteration {t.iteration:>{width}}/{a.train_iters}"
+                f"iteration {it:>{width}}/{a.train_iters}"
                 f" | loss {self.window_loss / self.window_iters:.4f}"
                 f" | lr {lr:.3e} | grad norm {norm:.3f} | {tokens / per_iter:,.0f} tokens/s"
                 f" | {self.tflops(tokens / per_iter):.3g} TFLOP/s/device"
-                f" | elapsed {_hms(now - self.start)} | ETA {_hms(per_iter * (a.train_iters - t.iteration))}"
+                f" | elapsed {_hms(now - self.start)} | ETA {_hms(per_iter * (a.train_iters - it))}"
                 + (f" | non-finite steps skipped {t.nonfinite_steps}" if t.nonfinite_steps else "")
             )
             self.rate_start, self.rate_iters = now, 0
@@ -636,9 +695,13 @@ class _SigtermFlag:
     def _handler(self, signum, frame) -> None:
         self.received = True
 
-    def any_rank(self, device: torch.device) -> bool:
-        flag = torch.tensor([int(self.received)], device=device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    def any_rank(self) -> bool:
+        """Whether any rank got SIGTERM: a host-memory all-reduce on the gloo group of
+        :func:`init_process_group` (no device synchronisation); no collective in a world of one."""
+        if torch.distributed.get_world_size() == 1:
+            return self.received
+        flag = torch.tensor([int(self.received)])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=_host_group)
         return bool(flag.item())
 
 
@@ -713,6 +776,9 @@ def setup(args) -> Trainer:
         + ("megatron-core DDP, " + ("distributed optimizer, " if args.use_distributed_optimizer else "")
            + ("1F1B pipeline schedule" if pp > 1 else "no-pipelining schedule")
            if engine.name == "megatron" else "torch DDP, AdamW, micro-batch loop")
+        + (" | --bf16: BF16 parameters and activations, FP32 main parameters and gradients" if args.bf16
+           else " | FP32 parameters and activations (--no-bf16)")
+        + (f" | recompute {args.recompute_granularity}" if args.recompute_granularity else "")
     )
 
     total, local = count_parameters(model)
@@ -740,7 +806,7 @@ def setup(args) -> Trainer:
 
 def train(trainer: Trainer, sigterm: _SigtermFlag) -> int:
     """The loop (step 4-5 of the module docstring); returns the exit status."""
-    from pretrain.data import batches
+    from pretrain.data import batch_loader
 
     args = trainer.args
     if trainer.iteration >= args.train_iters:
@@ -748,7 +814,8 @@ def train(trainer: Trainer, sigterm: _SigtermFlag) -> int:
             f"nothing to do: already at iteration {trainer.iteration} of --train-iters {args.train_iters}"
         )
         return 0
-    data = batches(trainer.train_ds, trainer.consumed_samples, args.micro_batch_size, *trainer.dp)
+    data = batch_loader(trainer.train_ds, trainer.consumed_samples, args.micro_batch_size, *trainer.dp,
+                        num_workers=args.num_workers or 0, pin_memory=trainer.device.type == "cuda")
     progress = _Progress(trainer)
     last_eval = None
     rank0_print(
@@ -780,24 +847,32 @@ def train(trainer: Trainer, sigterm: _SigtermFlag) -> int:
         trainer.consumed_samples += args.global_batch_size
         if collect and args.tensorboard_dir:
             trainer.log_numerics()
-        logs = trainer.iteration % args.log_interval == 0  # device telemetry is read at log intervals only
+        it = trainer.iteration
+        logs = it % args.log_interval == 0  # device telemetry is read at log intervals only
         if not warm and trainer.delayed_scaling and args.tensorboard_dir and logs:
             trainer.log_delayed_scaling()
         trainer.set_telemetry(False, False)
-        progress.iteration(loss, norm, lr, time.perf_counter() - t0, outcome)
-        if outcome == "diverged":
-            return trainer.diverged(loss, norm)
+        progress.record(loss, norm, lr, time.perf_counter() - t0, outcome)
+        evaluate = bool(args.eval_interval) and it % args.eval_interval == 0
+        save = bool(args.save and args.save_interval) and it % args.save_interval == 0
+        exits = bool(args.exit_interval) and it % args.exit_interval == 0
+        # the steps are read to the host (and a divergence found) only here: before anything that
+        # logs, evaluates or saves, and at the end
+        if outcome != "pending" or logs or evaluate or save or exits or it == args.train_iters:
+            if (bad := progress.settle()) is not None:
+                return trainer.diverged(*bad[1:], iteration=bad[0])
 
-        it = trainer.iteration
-        if args.eval_interval and it % args.eval_interval == 0:
+        if evaluate:
             progress.validation(trainer.evaluate())
             last_eval = it
-        if args.save and args.save_interval and it % args.save_interval == 0:
+        if save:
             trainer.save()
-        stop = "SIGTERM" if sigterm.any_rank(trainer.device) else None
-        if stop is None and args.exit_interval and it % args.exit_interval == 0 and it < args.train_iters:
+        stop = "SIGTERM" if sigterm.any_rank() else None
+        if stop is None and exits and it < args.train_iters:
             stop = f"--exit-interval {args.exit_interval}"
         if stop:
+            if (bad := progress.settle()) is not None:
+                return trainer.diverged(*bad[1:], iteration=bad[0])
             if args.save and trainer.last_saved != it:
                 trainer.save()
             rank0_print(

@@ -26,7 +26,7 @@ and the batch iterator, with the sample-order contract).
 
 from pretrain.data.corpus import Document, stdlib_corpus
 from pretrain.data.default_cache import DefaultCorpusConfig, DefaultData, build_default_data
-from pretrain.data.gpt_data import batches, build_train_valid_datasets, load_tokenizer
+from pretrain.data.gpt_data import batch_loader, batches, build_train_valid_datasets, load_tokenizer
 from pretrain.data.helpers import ensure_dataset_helpers
 from pretrain.data.hf_tokenizer import HFTokenizer
 from pretrain.data.indexed import IndexedWriter, check_indexed_prefix, document_prefix, write_indexed_dataset
@@ -39,6 +39,7 @@ __all__ = [
     "HFTokenizer",
     "IndexedWriter",
     "Tokenizer",
+    "batch_loader",
     "batches",
     "build_default_data",
     "build_train_valid_datasets",

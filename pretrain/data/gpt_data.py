@@ -14,6 +14,8 @@ How samples are consumed (megatron's ``MegatronPretrainingSampler`` order)::
 
 so the data position of a run is one number, the samples consumed (``iteration *
 global_batch_size``), and ``batches(dataset, start_sample=that, ...)`` resumes exactly where it left.
+``batch_loader`` yields the same micro-batches through a ``DataLoader`` with worker processes and
+pinned memory (training; ``--num-workers``).
 """
 
 from __future__ import annotations
@@ -206,6 +208,59 @@ def build_train_valid_datasets(
     return train, valid
 
 
+class MicroBatchSampler(torch.utils.data.Sampler):
+    """Sample indices of this rank's micro-batches from ``start_sample`` on, in megatron's order
+    (the module docstring): the batch sampler of :func:`batch_loader`, the indices of :func:`batches`."""
+
+    def __init__(self, num_samples: int, start_sample: int, micro_batch_size: int, dp_rank: int = 0,
+                 dp_size: int = 1):
+        step = micro_batch_size * dp_size
+        if micro_batch_size <= 0 or not 0 <= dp_rank < dp_size:
+            raise ValueError(
+                f"need micro_batch_size > 0 and 0 <= dp_rank < dp_size, got {micro_batch_size}, {dp_rank}, {dp_size}"
+            )
+        if start_sample < 0 or start_sample % step:
+            raise ValueError(
+                f"start_sample={start_sample} must be a non-negative multiple of micro_batch_size*dp_size={step}"
+            )
+        self.num_samples, self.start, self.mbs, self.rank, self.step = num_samples, start_sample, micro_batch_size, dp_rank, step
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for first in range(self.start, self.num_samples - self.step + 1, self.step):
+            lo = first + self.rank * self.mbs
+            yield list(range(lo, lo + self.mbs))
+
+    def __len__(self) -> int:
+        return max(0, (self.num_samples - self.start) // self.step)
+
+
+def _stack(items: list[dict]) -> dict[str, torch.Tensor]:
+    return {key: torch.stack([item[key] for item in items]) for key in items[0]}
+
+
+def batch_loader(
+    dataset: torch.utils.data.Dataset,
+    start_sample: int,
+    micro_batch_size: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    *,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """:func:`batches` through a ``torch.utils.data.DataLoader``: ``num_workers`` worker
+    processes (``--num-workers``) read and stack micro-batches ahead of the training loop, into
+    pinned memory with ``pin_memory`` (CUDA: the host-to-device copies can then overlap). The same
+    micro-batches, in the same order, as :func:`batches` -- so resuming at ``start_sample`` (the
+    samples consumed) is exact whatever the number of workers."""
+    sampler = MicroBatchSampler(len(dataset), start_sample, micro_batch_size, dp_rank, dp_size)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, collate_fn=_stack, num_workers=num_workers, pin_memory=pin_memory,
+        persistent_workers=False, prefetch_factor=4 if num_workers else None,
+    )  # fmt: skip
+    return iter(loader)
+
+
 def batches(
     dataset: torch.utils.data.Dataset,
     start_sample: int,
@@ -220,16 +275,5 @@ def batches(
     cannot fill another step. Starting at sample ``k`` yields exactly what starting at 0 yields
     after skipping ``k // (micro_batch_size * dp_size)`` steps.
     """
-    step = micro_batch_size * dp_size
-    if micro_batch_size <= 0 or not 0 <= dp_rank < dp_size:
-        raise ValueError(
-            f"need micro_batch_size > 0 and 0 <= dp_rank < dp_size, got {micro_batch_size}, {dp_rank}, {dp_size}"
-        )
-    if start_sample < 0 or start_sample % step:
-        raise ValueError(
-            f"start_sample={start_sample} must be a non-negative multiple of micro_batch_size*dp_size={step}"
-        )
-    for first in range(start_sample, len(dataset) - step + 1, step):
-        lo = first + dp_rank * micro_batch_size
-        items = [dataset[i] for i in range(lo, lo + micro_batch_size)]
-        yield {key: torch.stack([item[key] for item in items]) for key in items[0]}
+    for indices in MicroBatchSampler(len(dataset), start_sample, micro_batch_size, dp_rank, dp_size):
+        yield _stack([dataset[i] for i in indices])
