@@ -4,11 +4,15 @@
     # one H200 (issue 3's check): ~350M Llama, TP=1, a fixed number of iterations per recipe
     python launch/bench_pretrain.py --model-size 350m --precisions bf16,fp8,wgrad_hadamard \\
         --train-iters 40 --out runs/bench_350m -- --global-batch-size 32 --micro-batch-size 4
-    # CPU smoke run
-    python launch/bench_pretrain.py --model-size tiny --train-iters 4 --out /tmp/bench_tiny
+    # CPU: every recipe against bf16, with FP32 and with BF16 parameters/activations (--bf16)
+    python launch/bench_pretrain.py --model-size tiny --precisions bf16,fp8,mxfp4,wgrad_hadamard \
+        --bf16-modes off,on --train-iters 6 --out /tmp/bench_tiny
+    python launch/bench_pretrain.py ... --dry-run     # print the runs' commands, run nothing
 
 Each recipe is a fresh ``launch/pretrain.py`` process (``torchrun --nproc-per-node N``) with the
-same seed, data and flags, so the runs see the same batches. From each run's TensorBoard scalars:
+same seed, data and flags, so the runs see the same batches; ``--bf16-modes`` repeats the recipes
+with ``--bf16`` (``on``), ``--no-bf16`` (``off``) or pretrain's own default (``default``: BF16 on
+CUDA, FP32 on CPU). From each run's TensorBoard scalars:
 
   tokens/s      median of ``train/tokens_per_sec`` over iterations after ``--skip`` (the first
                 ones compile kernels and fill caches)
@@ -18,12 +22,22 @@ same seed, data and flags, so the runs see the same batches. From each run's Ten
                 H100/H200 989, B200 2250); on CPU: not reported
   loss@N        ``train/loss`` at the last iteration (same batches for every recipe)
 
-and the ratio of tokens/s to the baseline recipe (the first of ``--precisions``) measured here.
-Read the ratios with the GEMM backends in mind (``--gemm-backend auto`` prints them per layer):
-on a Hopper GPU FP8 GEMMs run on tensor cores, while BF16 and the MX formats are emulated with
-FP32 GEMMs of exactly rounded operands, so ``bf16`` is an FP32-GEMM baseline, not cuBLAS BF16.
-Writes ``OUT/bench_pretrain.json`` and ``OUT/bench_pretrain.md``; each run's log is ``OUT/<recipe>/log``.
-Everything after ``--`` goes to ``pretrain.py`` unchanged.
+and the ratio of tokens/s (and of step time) to the baseline recipe -- the first of ``--precisions``
+-- in the same mode, measured here. Each run also reports, from inside the process (rank 0):
+
+  peak memory   ``torch.cuda.max_memory_allocated`` on CUDA; the peak resident set on CPU
+  quantizing    the fraction of step time inside the operand pipeline's quantizer
+                (``kernels.operand.quantize_operand``: rotation, amax, scale, quantization), after
+                ``--skip``; timed with CUDA events on a GPU (no host synchronisation added), with
+                the wall clock on CPU
+  GEMM paths    the start-up report's "GEMMs per backend": ``emulated`` GEMMs are FP32 GEMMs of
+                FP32-dequantized operands, ``bf16_mm`` GEMMs emulate the format on BF16 tensor
+                cores, ``fp8_scaled_mm`` / ``mx_scaled_mm`` run it on FP8 / FP4 tensor cores. A
+                recipe whose GEMMs are not all on tensor cores of its own format is *emulated*
+                speed, and the table says so.
+
+Writes ``OUT/bench_pretrain.json`` and ``OUT/bench_pretrain.md``; each run's log is
+``OUT/<recipe>[-<mode>]/log``. Everything after ``--`` goes to ``pretrain.py`` unchanged.
 """
 
 from __future__ import annotations
@@ -31,6 +45,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -39,6 +55,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "GB200": 2500.0}
+MODES = {"default": [], "on": ["--bf16"], "off": ["--no-bf16"]}
+CHILD_FLAG = "--child-stats"  # internal: this file, run by torchrun, wraps pretrain.train.main
 
 
 def device_peak(explicit: float | None) -> tuple[str, float | None]:
@@ -61,61 +79,221 @@ def scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def run_one(precision: str, args, extra: list[str]) -> dict:
-    out = Path(args.out) / precision.replace("/", "_")
-    out.mkdir(parents=True, exist_ok=True)
-    tb = out / "tb"
-    cmd = [
+def run_dir(args, precision: str, mode: str) -> Path:
+    name = precision.replace("/", "_") + ("" if mode == "default" else f"-bf16{mode}")
+    return Path(args.out) / name
+
+
+def command(precision: str, mode: str, args, extra: list[str], stats: Path) -> list[str]:
+    return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
-        str(REPO / "launch" / "pretrain.py"), "--model-size", args.model_size, "--precision", precision,
+        str(Path(__file__).resolve()), CHILD_FLAG, str(stats),
+        "--model-size", args.model_size, "--precision", precision, *MODES[mode],
         "--train-iters", str(args.train_iters), "--eval-iters", "0", "--log-interval", "1",
-        "--tensorboard-dir", str(tb), *extra,
+        "--tensorboard-dir", str(stats.parent / "tb"), *extra,
     ]  # fmt: skip
+
+
+def _log_fields(text: str) -> dict:
+    """What the run's log says: tokens per iteration, and the GEMMs per backend of rank 0's stage."""
+    tokens = re.search(r"micro-batches, ([\d,]+) tokens", text)
+    paths = re.search(r"^GEMMs per backend: (.+)$", text, re.MULTILINE)
+    counts = {}
+    if paths:
+        for part in paths.group(1).split(", "):
+            name, _, n = part.rpartition(" ")
+            counts[name] = int(n)
+    return {"tokens_per_iter": int(tokens.group(1).replace(",", "")) if tokens else None, "gemm_paths": counts}
+
+
+def quant_fraction(stats: dict, steps: list[tuple[int, float]], tokens_per_iter: int | None, skip: int) -> float:
+    """Median over iterations after ``skip`` of (quantizer seconds / step seconds)."""
+    calls, iters = stats.get("quant_seconds", []), stats.get("iterations", 0)
+    if not calls or not iters or not tokens_per_iter or len(calls) % iters:
+        return float("nan")
+    per = len(calls) // iters
+    fractions = []
+    for it, tps in steps:
+        if it > skip and tps > 0 and it <= iters:
+            quant = sum(calls[(it - 1) * per: it * per])
+            fractions.append(quant / (tokens_per_iter / tps))
+    return statistics.median(fractions) if fractions else float("nan")
+
+
+def run_one(precision: str, mode: str, args, extra: list[str]) -> dict:
+    out = run_dir(args, precision, mode)
+    out.mkdir(parents=True, exist_ok=True)
+    stats_file = out / "child_stats.json"
+    stats_file.unlink(missing_ok=True)
+    cmd = command(precision, mode, args, extra, stats_file)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     t0 = time.perf_counter()
     with open(out / "log", "w") as log:
         proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
     wall = time.perf_counter() - t0
+    row = {"precision": precision, "mode": mode}
+    text = (out / "log").read_text()
     if proc.returncode != 0:
-        text = (out / "log").read_text()
         said = next((ln for ln in text.splitlines() if ln.startswith("pretrain.py: error:")), None)
-        return {"precision": precision, "error": said or f"exit {proc.returncode} (see {out / 'log'})",
-                "log_tail": text[-2000:], "wall_s": wall}
-    sc = scalars(tb)
-    steady = [v for s, v in sc.get("train/tokens_per_sec", []) if s > args.skip]
+        return {**row, "error": said or f"exit {proc.returncode} (see {out / 'log'})", "log_tail": text[-2000:],
+                "wall_s": wall}
+    sc = scalars(out / "tb")
+    steps = sc.get("train/tokens_per_sec", [])
+    steady = [v for s, v in steps if s > args.skip]
     tflops = [v for s, v in sc.get("train/tflops_per_device", []) if s > args.skip]
     loss = sc.get("train/loss", [])
+    fields = _log_fields(text)
+    stats = json.loads(stats_file.read_text()) if stats_file.exists() else {}
     return {
-        "precision": precision,
+        **row,
         "tokens_per_sec": statistics.median(steady) if steady else float("nan"),
         "tflops_per_device": statistics.median(tflops) if tflops else float("nan"),
         "final_loss": loss[-1][1] if loss else float("nan"),
         "iterations": len(loss),
+        "peak_memory_gib": stats.get("peak_memory_bytes", float("nan")) / 2**30,
+        "memory_kind": stats.get("memory_kind", "?"),
+        "quant_fraction": quant_fraction(stats, steps, fields["tokens_per_iter"], args.skip),
+        "gemm_paths": fields["gemm_paths"],
+        "emulated": is_emulated(precision, fields["gemm_paths"]),
         "wall_s": wall,
     }
 
 
+def is_emulated(precision: str, paths: dict) -> bool:
+    """Whether some GEMM of a quantized recipe is emulated (FP32 GEMMs, or the format on BF16 tensor
+    cores): its speed is an emulation's, not the format's. A preset whose operands are all BF16 runs
+    plain cuBLAS BF16 GEMMs on ``bf16_mm``: not an emulation."""
+    from precision import Gemm, presets
+    from precision.formats import Scaling, get_format
+
+    try:
+        plan = presets.get(precision)
+        unscaled = all(get_format(f.fmt).kind == Scaling.NONE and get_format(f.fmt).bf16_exact
+                       for g in Gemm for f in (plan.recipe(g).a, plan.recipe(g).b))
+    except (KeyError, ValueError):  # a spec or file: judged by its GEMM paths alone
+        unscaled = False
+    return bool(set(paths) - ({"bf16_mm"} if unscaled else {"fp8_scaled_mm", "mx_scaled_mm"}))
+
+
 def table(rows: list[dict], peak: float | None) -> str:
-    base = rows[0].get("tokens_per_sec") if rows else None
+    """One Markdown table; ratios against the first recipe of the same ``--bf16`` mode."""
+    base = {}
+    for r in rows:
+        base.setdefault(r["mode"], r.get("tokens_per_sec"))
+    first = rows[0]["precision"] if rows else "?"
     lines = [
-        f"| recipe | tokens/s | vs {rows[0]['precision']} | TFLOP/s/device | MFU | loss@N |",
-        "|---|---:|---:|---:|---:|---:|",
+        f"| recipe | --bf16 | tokens/s | vs {first} | step time vs {first} | TFLOP/s/device | MFU | peak memory "
+        "| quantizing | GEMM paths | loss@N |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['precision']} | {r['error']} | | | | |")
+            lines.append(f"| {r['precision']} | {r['mode']} | {r['error']} | | | | | | | | |")
             continue
-        ratio = r["tokens_per_sec"] / base if base else float("nan")
+        b = base.get(r["mode"])
+        ratio = r["tokens_per_sec"] / b if b else float("nan")
         mfu = f"{100 * r['tflops_per_device'] / peak:.1f}%" if peak else "n/a"
+        paths = ", ".join(f"{k} {v}" for k, v in sorted(r["gemm_paths"].items())) or "?"
+        label = " (emulated)" if r["emulated"] else ""
+        mem = f"{r['peak_memory_gib']:.2f} GiB{' RSS' if r['memory_kind'] == 'cpu_rss' else ''}"
         lines.append(
-            f"| {r['precision']} | {r['tokens_per_sec']:,.0f} | {ratio:.2f}x | {r['tflops_per_device']:.3g} | "
-            f"{mfu} | {r['final_loss']:.4f} |"
+            f"| {r['precision']}{label} | {r['mode']} | {r['tokens_per_sec']:,.0f} | {ratio:.2f}x | "
+            f"{1 / ratio if ratio else float('nan'):.2f}x | {r['tflops_per_device']:.3g} | {mfu} | {mem} | "
+            f"{100 * r['quant_fraction']:.0f}% | {paths} | {r['final_loss']:.4f} |"
         )
     return "\n".join(lines)
 
 
+# Issue 13's goals on one H200 (TP=1, --bf16): (recipe, measure, bound, "min" | "max")
+GOALS = (("bf16", "MFU", 0.40, "min"), ("fp8", "tokens/s vs bf16", 1.3, "min"),
+         ("wgrad_hadamard", "step time vs bf16", 1.35, "max"), ("mxfp4", "step time vs bf16", 1.3, "max"))
+
+
+def goal_lines(rows: list[dict], peak: float | None) -> list[str]:
+    """One line per goal whose recipe ran (and the bf16 baseline with it), per mode: value, bound, met."""
+    out = []
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        got = {r["precision"]: r for r in rows if r["mode"] == mode and "error" not in r}
+        base = got.get("bf16")
+        for recipe, what, bound, kind in GOALS:
+            r = got.get(recipe)
+            if r is None or base is None:
+                continue
+            if what == "MFU":
+                if not peak:
+                    out.append(f"- {recipe} MFU (--bf16 {mode}): n/a (no known peak on this device)")
+                    continue
+                value, shown = r["tflops_per_device"] / peak, f"{100 * r['tflops_per_device'] / peak:.1f}%"
+                want = f"{100 * bound:.0f}%"
+            else:
+                speed = r["tokens_per_sec"] / base["tokens_per_sec"]
+                value = speed if what.startswith("tokens") else 1 / speed
+                shown, want = f"{value:.2f}x", f"{bound:g}x"
+            met = value >= bound if kind == "min" else value <= bound
+            sign = ">=" if kind == "min" else "<="
+            label = " (emulated)" if r.get("emulated") else ""
+            out.append(f"- {recipe}{label} {what} (--bf16 {mode}): {shown} (goal {sign} {want}): "
+                       f"{'met' if met else 'NOT met'}")
+    return out
+
+
+# ============================================================================ inside one run
+def child(stats_path: str, argv: list[str]) -> int:
+    """Run ``pretrain.train.main(argv)`` with the quantizer timed and the peak memory recorded.
+
+    The operand pipeline calls ``kernels.operand.quantize_operand`` through its module global, so
+    wrapping that name times every operand of every GEMM (all backends). On CUDA each call is
+    bracketed by two events (read once, after training); on CPU by the wall clock."""
+    # run as a script, launch/ is sys.path[0], where launch/pretrain.py would shadow the package
+    here = str(Path(__file__).resolve().parent)
+    sys.path[:] = [str(REPO)] + [p for p in sys.path if p and Path(p).resolve() != Path(here)]
+    import resource
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")  # as launch/pretrain.py
+
+    import kernels.operand as operand
+    from pretrain.train import main as pretrain_main
+
+    cuda = torch.cuda.is_available()
+    spans, inner = [], operand.quantize_operand
+
+    def timed(*a, **k):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = inner(*a, **k)
+            end.record()
+            spans.append((start, end))
+        else:
+            t = time.perf_counter()
+            out = inner(*a, **k)
+            spans.append(time.perf_counter() - t)
+        return out
+
+    operand.quantize_operand = timed
+    rc = pretrain_main(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        if cuda:
+            torch.cuda.synchronize()
+            seconds = [s.elapsed_time(e) / 1e3 for s, e in spans]
+            peak, kind = torch.cuda.max_memory_allocated(), "cuda_allocated"
+        else:
+            seconds = spans
+            peak, kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "cpu_rss"
+        iters = argv[argv.index("--train-iters") + 1] if "--train-iters" in argv else "0"
+        Path(stats_path).write_text(json.dumps({"quant_seconds": seconds, "iterations": int(iters),
+                                                "peak_memory_bytes": peak, "memory_kind": kind}))
+    return rc
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == [CHILD_FLAG]:
+        return child(argv[1], argv[2:])
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(prog="bench_pretrain.py", description=__doc__.split("\n\n")[0])
@@ -126,14 +304,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", type=int, default=5, help="iterations left out of the medians (warm-up)")
     p.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per run")
     p.add_argument("--peak-tflops", type=float, help="dense BF16 peak of one device, for MFU")
+    p.add_argument("--bf16-modes", default="default",
+                   help="comma-separated: on (--bf16), off (--no-bf16), default (pretrain's: BF16 on CUDA, "
+                   "FP32 on CPU); every recipe runs in each mode")
     p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--dry-run", action="store_true", help="print each run's command and exit")
+    p.add_argument("--goals", action="store_true", help="check issue 13's GPU goals under the table")
     args = p.parse_args(argv)
+    modes = args.bf16_modes.split(",")
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        p.error(f"--bf16-modes: unknown {', '.join(bad)}; valid: {', '.join(MODES)}")
     if args.skip >= args.train_iters:
         args.skip = max(0, args.train_iters - 2)
+    runs = [(precision, mode) for mode in modes for precision in args.precisions.split(",")]
+    if args.dry_run:
+        for precision, mode in runs:
+            stats = run_dir(args, precision, mode) / "child_stats.json"
+            print(shlex.join(command(precision, mode, args, extra, stats)))
+        return 0
     name, peak = device_peak(args.peak_tflops)
     rows = []
-    for precision in args.precisions.split(","):
-        row = run_one(precision, args, extra)
+    for precision, mode in runs:
+        row = run_one(precision, mode, args, extra)
         rows.append(row)
         print(json.dumps(row), flush=True)
     md = (
@@ -141,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{f' (BF16 peak {peak:g} TFLOP/s)' if peak else ''}; medians after iteration {args.skip}; "
         f"flags: {' '.join(extra) or '(model-size defaults)'}\n\n{table(rows, peak)}\n"
     )
+    if args.goals:
+        md += "\nGoals (issue 13):\n" + ("\n".join(goal_lines(rows, peak)) or "- (no goal's recipes ran)") + "\n"
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "bench_pretrain.md").write_text(md)
     (Path(args.out) / "bench_pretrain.json").write_text(
