@@ -1,0 +1,122 @@
+"""No host synchronisation in a training step: between ``--log-interval``s the training loop reads
+nothing from its tensors to the host (stochastic rounding and delayed scaling included); the loss,
+grad norm and telemetry are read when the loop settles its steps (log, evaluation, checkpoint).
+
+Every device-to-host read of a tensor's data -- ``.item()``, ``float()``, ``bool()``, ``int()``
+(all ``aten._local_scalar_dense``, counted by a ``TorchDispatchMode``) and ``.tolist()`` /
+``.numpy()`` (patched) -- is counted, with the stack that made it, outside the places that read
+by design: ``_Progress.settle``, ``Trainer.evaluate``, ``Trainer.save``, the telemetry loggers.
+"""
+
+import signal
+import traceback
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pretrain import train as pretrain_train
+from pretrain.arguments import parse_args_or_raise, validate_args
+from tests.pretrain._launch import TINY
+
+READS_ALLOWED_IN = (
+    (pretrain_train._Progress, "settle"),
+    (pretrain_train.Trainer, "evaluate"),
+    (pretrain_train.Trainer, "save"),
+    (pretrain_train.Trainer, "log_delayed_scaling"),
+    (pretrain_train.Trainer, "log_numerics"),
+)
+
+
+class _Reads(TorchDispatchMode):
+    """Counts reads of tensor data to the host once the first training step has begun.
+
+    Exempt: the step counts ``torch.optim.AdamW`` keeps in *host* tensors (not capturable, by
+    design, so that its bias correction reads no device memory on a GPU either)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        super().__init__()
+        self.optimizer = optimizer
+        self.started = False  # set by the first Trainer.train_step
+        self.allowed = 0  # > 0 inside a place that reads by design
+        self.outside: list[str] = []  # where each read outside them came from
+        self.inside = 0
+
+    def count(self, tensor: torch.Tensor | None = None):
+        if not self.started:
+            return
+        if tensor is not None and any(tensor is st.get("step") for st in self.optimizer.state.values()):
+            assert tensor.device.type == "cpu"
+            return
+        if self.allowed:
+            self.inside += 1
+        else:
+            ours = [f for f in traceback.format_stack()[:-2] if "site-packages" not in f]  # the repository's frames
+            self.outside.append("".join(ours[-6:]))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count(args[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def trainer(tmp_path, data_cache):
+    """A set-up Trainer (world of one, in this process), torn down after."""
+    from megatron.core import parallel_state
+
+    argv = [*TINY, "--train-iters", "6", "--log-interval", "3", "--eval-interval", "0", "--eval-iters", "1",
+            "--precision", "mxfp4_sr", "--precision-rule", "kind:mlp=hif8_w8a8", "--num-workers", "0",
+            "--data-cache-dir", str(data_cache), "--tensorboard-dir", str(tmp_path / "tb"),
+            "--save", str(tmp_path / "ckpt")]  # fmt: skip
+    args = parse_args_or_raise(argv)
+    validate_args(args, 1, False)
+    before = signal.getsignal(signal.SIGTERM)
+    t = pretrain_train.setup(args)
+    yield t
+    if t.tb is not None:
+        t.tb.close()
+    signal.signal(signal.SIGTERM, before)
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+def test_training_steps_read_nothing_to_the_host_between_log_intervals(trainer, monkeypatch):
+    reads = _Reads(trainer.engine.optimizer)
+    step = pretrain_train.Trainer.train_step
+
+    def started(self, *a, **k):
+        reads.started = True
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(pretrain_train.Trainer, "train_step", started)
+    for cls, name in READS_ALLOWED_IN:
+        original = getattr(cls, name)
+
+        def wrapped(*a, _original=original, **k):
+            reads.allowed += 1
+            try:
+                return _original(*a, **k)
+            finally:
+                reads.allowed -= 1
+
+        monkeypatch.setattr(cls, name, wrapped)
+    for method in ("tolist", "numpy"):
+        original = getattr(torch.Tensor, method)
+
+        def counted(self, *a, _original=original, **k):
+            reads.count(self)
+            return _original(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, method, counted)
+    sigterm = pretrain_train._SigtermFlag()
+    with reads:
+        status = pretrain_train.train(trainer, sigterm)
+    assert status == 0 and trainer.iteration == 6
+    assert not reads.outside, f"{len(reads.outside)} host read(s) in training steps, the first from:\n{reads.outside[0]}"
+    assert reads.inside > 0  # the counter sees the reads where the loop settles its steps
+    # the steps were all logged although read only twice (iterations 3 and 6)
+    from tests.pretrain._launch import scalars
+
+    assert sorted(scalars(trainer.args.tensorboard_dir, "train/loss")) == [1, 2, 3, 4, 5, 6]
+    assert sorted(scalars(trainer.args.tensorboard_dir, "train/grad_norm")) == [1, 2, 3, 4, 5, 6]
