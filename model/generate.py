@@ -28,6 +28,10 @@ predicted at the row's own last prompt slot and generated tokens follow at the s
 the longest prompt -- the gap is padding. Both layouts give every token the same position and the
 same visible tokens, hence the same logits up to float rounding.
 
+Emulated GEMMs on CPU run the eager reference quantizers while the engine generates (the same
+bits as the fused ``torch.compile`` ones; decode shapes change at every step and every new shape
+would be a recompile).
+
 ``use_cache=False`` recomputes every slot at every step (the oracle of the cached path): the same
 masks, positions and KV quantization (``SDPAttention.kv_format`` fake-quantizes keys and values
 as the cache stores them). Where the two can differ beyond float rounding, by design:
@@ -62,6 +66,7 @@ import torch
 import torch.nn.functional as F
 
 from model.attention import core_attentions
+from model.gpt import policy_linears
 from model.kv_cache import KVCache
 
 __all__ = ["SamplingParams", "Generation", "RolloutBatch", "Engine", "sample", "forward_logits"]
@@ -236,16 +241,26 @@ class Engine:
 
     # ---------------------------------------------------------------- context
     @contextlib.contextmanager
-    def _running(self):
+    def _running(self, with_rollout: bool = True):
         was_training = self.model.training
         self.model.eval()
-        ctx = self.rollout.active() if self.rollout is not None else contextlib.nullcontext()
+        use = with_rollout and self.rollout is not None
+        ctx = self.rollout.active() if use else contextlib.nullcontext()
+        # Emulated GEMMs on CPU: the eager reference quantizers (the same bits). Decode shapes change
+        # at every step, and each new shape would be a torch.compile recompile of the fused quantizer.
+        swapped = [m for _, m in policy_linears(self.model) if m.gemm_backend == "emulated"]
+        if self.device.type != "cpu":
+            swapped = []
+        for m in swapped:
+            m.gemm_backend = "reference"
         try:
             with torch.no_grad(), ctx:
                 yield
         finally:
             for attn in self.attentions:
                 attn.kv_cache = None
+            for m in swapped:
+                m.gemm_backend = "emulated"
             self.model.train(was_training)
 
     def _new_cache(self) -> KVCache:
@@ -298,13 +313,8 @@ class Engine:
         (at each policy update: ``RolloutModel.update`` clears them)."""
         tokens, valid, last = self._layout(self.check_prompts(prompts))
         mask = attention_mask(valid, tokens.shape[1])
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                self.rollout.calibrate_kv(lambda: forward_logits(self.model, tokens, self._positions(valid), mask, last))
-        finally:
-            self.model.train(was_training)
+        with self._running(with_rollout=False):  # RolloutModel.calibrate_kv activates the rollout itself
+            self.rollout.calibrate_kv(lambda: forward_logits(self.model, tokens, self._positions(valid), mask, last))
 
     # ---------------------------------------------------------------- generate
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(), *,
@@ -345,7 +355,7 @@ class Engine:
                     out.finish_reasons[r] = "stop"
                 elif stop_criteria is not None and stop_criteria(r, out.tokens[r]):
                     out.finish_reasons[r] = "criteria"
-                elif len(out.tokens[r]) < params.max_new_tokens and int(next_pos[row]) < self.max_length:
+                elif len(out.tokens[r]) < params.max_new_tokens and int(next_pos[row]) + 1 < self.max_length:
                     keep.append(row)
             if not keep:
                 return
