@@ -1,0 +1,91 @@
+"""``mismatch.md`` for a generation run: the rollout's log-probs against the trainer's recompute.
+
+``launch/generate.py`` samples with the rollout engine under ``--rollout-precision`` and then
+calls :func:`write_generation_mismatch`, which
+
+  1. re-scores the sampled tokens with the *trainer* -- the same model under the training plan
+     ``--precision`` (+ ``--precision-rule``), and ``--kv-quant`` if the trainer emulates the
+     rollout's KV-cache -- in one teacher-forced forward (``pretrain.rl.attribution.score_logprobs``);
+  2. writes ``mismatch.md`` and ``mismatch_by_position.png`` (``pretrain.rl.mismatch``: verl's
+     metrics, overall and by response position);
+  3. appends the attribution of the rollout's own mismatch to weights / activations / KV-cache
+     (``pretrain.rl.attribution``; ``attribution.png``), unless ``attribution=False``.
+
+The trainer scores at the sampling ``temperature`` (as verl's recompute does); a rollout sampled
+with top-k / top-p has log-probs of the truncated distribution, which no trainer recomputes, so
+those runs' metrics include the truncation (say so with ``truncated=True``; the report notes it).
+
+    info = write_generation_mismatch("out/", model, generation.rollout_batch(), vocab_size=V,
+                                     rollout="mxfp4", trainer_precision="bf16")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
+
+import torch
+
+from model.generate import RolloutBatch
+from model.gpt import apply_precision_plan, policy_linear_names, policy_linears
+from pretrain.rl.attribution import attribute_mismatch, score_logprobs
+from pretrain.rl.mismatch import write_mismatch_report
+
+__all__ = ["trainer_logprobs", "trainer_precision", "write_generation_mismatch"]
+
+
+@contextlib.contextmanager
+def trainer_precision(model, precision: str, rules: Sequence[str] = (), kv_quant: str | None = None):
+    """Inside: ``model``'s linears under the training plan ``precision`` (+ ``rules``) and its core
+    attentions fake-quantizing K/V in ``kv_quant`` (None: off); the model's own plan after."""
+    from model.attention import core_attentions, set_kv_quant
+    from precision import PrecisionPolicy
+
+    linears = policy_linears(model)
+    saved = [(m, m.precision) for _, m in linears]
+    saved_kv = [(a, a.kv_format, a.kv_amax) for a in core_attentions(model)]
+    plan = PrecisionPolicy.from_args(precision, list(rules)).resolve(policy_linear_names(model),
+                                                                      len(core_attentions(model)))
+    try:
+        apply_precision_plan(model, plan)
+        set_kv_quant(model, kv_quant)
+        yield plan
+    finally:
+        for m, p in saved:
+            m.precision = p
+        for a, fmt, amax in saved_kv:
+            a.kv_format, a.kv_amax = fmt, amax
+
+
+def trainer_logprobs(model, batch: RolloutBatch, *, vocab_size: int, precision: str = "bf16",
+                     rules: Sequence[str] = (), kv_quant: str | None = None, temperature: float = 1.0) -> torch.Tensor:
+    """The trainer's recomputed log-probs ``[b, R]`` of the batch's response tokens."""
+    with trainer_precision(model, precision, rules, kv_quant):
+        return score_logprobs(model, batch, vocab_size=vocab_size, temperature=temperature)
+
+
+def write_generation_mismatch(out_dir: str, model, batch: RolloutBatch, *, vocab_size: int, rollout: str,
+                              rollout_rules: Sequence[str] = (), trainer_precision: str = "bf16",
+                              trainer_rules: Sequence[str] = (), kv_quant: str | None = None,
+                              temperature: float = 1.0, truncated: bool = False, attribution: bool = True,
+                              groups: dict[str, list[int]] | None = None) -> dict:
+    """Write ``out_dir/mismatch.md`` (+ plots) for ``batch`` sampled under ``rollout``; returns
+    ``{"overall", "by_position", "md", "plot", "attribution"}`` (module docstring)."""
+    train_lp = trainer_logprobs(model, batch, vocab_size=vocab_size, precision=trainer_precision,
+                                rules=trainer_rules, kv_quant=kv_quant, temperature=temperature)
+    extra, attr = [], None
+    if truncated:
+        extra.append("Note: the rollout sampled with top-k / top-p; its log-probs are of the truncated "
+                     "distribution, the trainer's of the full one, so the metrics include the truncation.")
+    if attribution:
+        attr = attribute_mismatch(model, batch, vocab_size=vocab_size, rollout=rollout, rollout_rules=rollout_rules,
+                                  groups=groups, temperature=temperature)
+        attr.plot(os.path.join(out_dir, "attribution.png"))
+        extra += ["## Where the rollout's mismatch comes from", "", attr.table(), "",
+                  "![attribution](attribution.png)"]
+    trainer = trainer_precision + (f" (+{', '.join(trainer_rules)})" if trainer_rules else "") + (
+        f", --kv-quant {kv_quant}" if kv_quant else "")
+    out = write_mismatch_report(out_dir, train_lp, batch.rollout_logprobs, batch.response_mask,
+                                rollout=rollout, trainer=trainer, extra="\n".join(extra))
+    return {**out, "attribution": attr}

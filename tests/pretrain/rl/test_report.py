@@ -1,0 +1,46 @@
+"""mismatch.md for a generation run (pretrain.rl.report): trainer recompute vs rollout log-probs."""
+
+from __future__ import annotations
+
+import pytest
+
+from model.generate import Engine, SamplingParams
+from model.rollout import RolloutModel
+from pretrain.rl.attribution import _plan
+from pretrain.rl.report import trainer_logprobs, write_generation_mismatch
+from tests.pretrain.rl.test_attribution import PROMPTS, V, model  # noqa: F401  (the fixture)
+
+
+def _batch(gpt, rollout):
+    engine = Engine(gpt, vocab_size=V, rollout=RolloutModel(gpt, _plan(gpt, rollout, ())))
+    return engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=8, seed=2)).rollout_batch()
+
+
+def test_trainer_under_the_rollouts_plan_reproduces_the_rollout(model):  # noqa: F811
+    batch = _batch(model, "mxfp4_w4a16")
+    # the rollout's plan as a training plan, and the rollout's BF16 KV-cache emulated (--kv-quant bf16)
+    same = trainer_logprobs(model, batch, vocab_size=V, precision="base=bf16,fprop=bf16@mxfp4", kv_quant="bf16")
+    no_kv = trainer_logprobs(model, batch, vocab_size=V, precision="base=bf16,fprop=bf16@mxfp4")
+    bf16 = trainer_logprobs(model, batch, vocab_size=V, precision="bf16")
+    m = batch.response_mask
+    assert (same - batch.rollout_logprobs)[m].abs().max() < 1e-4  # same quantizer, same bits
+    assert (no_kv - batch.rollout_logprobs)[m].abs().max() > 1e-3  # FP32 K/V are not the cache's BF16
+    assert (bf16 - batch.rollout_logprobs)[m].abs().max() > 1e-2  # a BF16 trainer does differ
+
+
+def test_mismatch_md_with_attribution(model, tmp_path):  # noqa: F811
+    from model.gpt import policy_linears
+
+    before = [m.precision for _, m in policy_linears(model)]
+    batch = _batch(model, "mxfp4_w4a16")
+    out = write_generation_mismatch(str(tmp_path), model, batch, vocab_size=V, rollout="mxfp4_w4a16",
+                                    trainer_precision="bf16", groups={})
+    assert [m.precision for _, m in policy_linears(model)] == before  # the model's own plan is back
+    text = (tmp_path / "mismatch.md").read_text()
+    assert "rollout mxfp4_w4a16 vs trainer bf16" in text and "## Where the rollout's mismatch comes from" in text
+    assert "| weights | 100.0% | 100.0% |" in text  # weight-only rollout: all of it is the weights
+    for png in ("mismatch_by_position.png", "attribution.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+    assert out["overall"]["rollout_corr/k3_kl"] > 0 and out["attribution"].total["k3_kl"] > 0
+    with pytest.raises(ValueError, match="unknown"):
+        trainer_logprobs(model, batch, vocab_size=V, precision="nope")
