@@ -66,7 +66,8 @@ from precision.rotation import hadamard_matrix, rotation_size
 from precision.srand import SRKey
 from precision.tensorwise import scale_from_amax
 
-__all__ = ["TRITON_FORMATS", "TritonQuantResult", "interpreter_problem", "interpreting", "quantize_triton"]
+__all__ = ["TRITON_FORMATS", "TritonQuantResult", "interpreter_problem", "interpreting", "quantize_triton",
+           "cast_transpose_triton"]
 
 
 MODE_MX, MODE_NVFP4, MODE_TENSOR = 0, 1, 2
@@ -256,10 +257,32 @@ def _quant_kernel(
     the FP32 dequantization: the element value (per-tensor), element x 2^(byte-127) without the
     pre-scale (MX), element x E4M3 block scale (NVFP4) -- exact in BF16."""
     TK: tl.constexpr = NB * BLOCK
-    pid_r = tl.program_id(0)
-    pid_k = tl.program_id(1)
     x, r2, o2, i2, k2, row_ok, valid = _load_tile(x_ptr, signs_ptr, R, N, INNER, sx_o, sx_i, sx_k, TILE_R, TK,
                                                   ROT, LOG_ROT, ROT_C, HAS_SIGNS)
+    _quant_store(x, r2, o2, i2, k2, row_ok, valid, tl.program_id(0), tl.program_id(1), tl.num_programs(1),
+                 u_ptr, seed_ptr, srp_ptr, gs_ptr, codes_ptr, scales_ptr, dq_ptr, aux_ptr,
+                 N, INNER, NPAD, NBLK, C, sc_o, sc_i, sc_k, ss_o, ss_i, ss_k, sd_o, sd_i, sd_k, su_o, su_i, su_k,
+                 prescale, MODE, BLOCK, NB, TILE_R, ELEM, EMIN, EMAX, MBITS, BIAS, MAXN, SUBSCALE, SIGN_SHIFT,
+                 RCEIL, SR, U_GIVEN, KEYED, NAT, PRESCALE, WRITE_CODES, WRITE_DQ, PACK, BF16_FORM)
+
+
+@triton.jit
+def _quant_store(
+    x, r2, o2, i2, k2, row_ok, valid, pid_r, pid_k, nprog_k,
+    u_ptr, seed_ptr, srp_ptr, gs_ptr, codes_ptr, scales_ptr, dq_ptr, aux_ptr,
+    N, INNER, NPAD, NBLK, C, sc_o, sc_i, sc_k, ss_o, ss_i, ss_k, sd_o, sd_i, sd_k, su_o, su_i, su_k,
+    prescale,
+    MODE: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, TILE_R: tl.constexpr,
+    ELEM: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
+    MAXN: tl.constexpr, SUBSCALE: tl.constexpr, SIGN_SHIFT: tl.constexpr,
+    RCEIL: tl.constexpr, SR: tl.constexpr, U_GIVEN: tl.constexpr, KEYED: tl.constexpr, NAT: tl.constexpr,
+    PRESCALE: tl.constexpr,
+    WRITE_CODES: tl.constexpr, WRITE_DQ: tl.constexpr, PACK: tl.constexpr, BF16_FORM: tl.constexpr,
+):
+    """Quantize one loaded ``[TILE_R, NB*BLOCK]`` tile (blocks along axis 1) and store its codes,
+    scales and dequantized / BF16 values: the body of :func:`_quant_kernel`, shared with the
+    cast-transpose kernel, which calls it once per layout on the same registers."""
+    TK: tl.constexpr = NB * BLOCK
     finite = (x == x) & (tl.abs(x) < float("inf"))
 
     # ---- random numbers for stochastic rounding -----------------------------------------
@@ -282,7 +305,7 @@ def _quant_kernel(
         v = x * scale
         fin = (v == v) & (tl.abs(v) < float("inf"))
         nclip = tl.sum(tl.sum(((tl.abs(v) > MAXN) & fin & valid).to(tl.int32), axis=1), axis=0)
-        tl.store(aux_ptr + pid_r * tl.num_programs(1) + pid_k, nclip)
+        tl.store(aux_ptr + pid_r * nprog_k + pid_k, nclip)
         sign = _signbit(v)
         qm = _round_grid(tl.where(fin, v, 0.0), u, EMIN, EMAX, MBITS, MAXN, SR)
         code = _grid_code(qm, EMIN, MBITS, BIAS, SUBSCALE) | (sign << SIGN_SHIFT)
@@ -472,6 +495,8 @@ def quantize_triton(
     pack: bool = False,
     tile_rows: int | None = None,
     bf16_form: bool = False,
+    _capture: list | None = None,
+    _own_amax: torch.Tensor | None = None,
 ) -> TritonQuantResult:
     """Quantize ``x`` to ``fmt`` in one fused pass (two for per-tensor formats and NVFP4).
 
@@ -577,11 +602,16 @@ def quantize_triton(
                     KEYED=uniforms is None and key is not None, NAT=nat,
                     PRESCALE=prescale != 1.0, WRITE_CODES=write_codes, WRITE_DQ=write_dq, PACK=pack,
                     BF16_FORM=bf16_form, **launch)
-        _launch(_quant_kernel, grid, args, meta)
+        if _capture is not None:  # cast_transpose_triton launches both layouts' arguments in one kernel
+            _capture.append((args, meta))
+        else:
+            _launch(_quant_kernel, grid, args, meta)
 
     # ---- tensor-wide numbers: amax pass (NVFP4 with a given amax needs none) ----------------------
     amax_cur = None
-    if spec.kind == Scaling.TENSOR or (spec.tensor_scaled and amax is None):
+    if _own_amax is not None:  # cast_transpose_triton's one amax pass (this tensor's own, unrotated)
+        amax_cur = _own_amax
+    elif spec.kind == Scaling.TENSOR or (spec.tensor_scaled and amax is None):
         bits = torch.zeros(1, dtype=torch.int32, device=dev)
         _launch(_amax_kernel, grid, (x, signs_t, bits, R, n, inner, sx_o, sx_i, sx_k),
                 dict(TILE_R=tile_r, TK=tk, ROT=rot, LOG_ROT=launch["LOG_ROT"], ROT_C=rot_c,
@@ -643,6 +673,126 @@ def quantize_triton(
         if spec.blocked:
             res.scales = res.scales.movedim(axis, -1)
     return res
+
+
+# ====================================================================== cast-transpose
+# Per-layout kernel arguments of _quant_store, in _quant_kernel's order (see _split_args).
+_LAYOUT_ARGS = slice(2, 10), slice(13, 16), slice(19, 32)
+_LAYOUT_META = ("MODE", "BLOCK", "NB", "TILE_R", "ELEM", "EMIN", "EMAX", "MBITS", "BIAS", "MAXN", "SUBSCALE",
+                "SIGN_SHIFT", "RCEIL", "SR", "U_GIVEN", "KEYED", "NAT", "PRESCALE", "WRITE_CODES", "WRITE_DQ", "PACK",
+                "BF16_FORM")
+
+
+@triton.jit
+def _cast_transpose_kernel(
+    x_ptr, T, H, sx_t, sx_h,
+    a_u, a_seed, a_srp, a_gs, a_codes, a_scales, a_dq, a_aux, a_NPAD, a_NBLK, a_C, a_sc_o, a_sc_i, a_sc_k,
+    a_ss_o, a_ss_i, a_ss_k, a_sd_o, a_sd_i, a_sd_k, a_su_o, a_su_i, a_su_k, a_prescale,
+    b_u, b_seed, b_srp, b_gs, b_codes, b_scales, b_dq, b_aux, b_NPAD, b_NBLK, b_C, b_sc_o, b_sc_i, b_sc_k,
+    b_ss_o, b_ss_i, b_ss_k, b_sd_o, b_sd_i, b_sd_k, b_su_o, b_su_i, b_su_k, b_prescale,
+    BT: tl.constexpr, BH: tl.constexpr,
+    A_MODE: tl.constexpr, A_BLOCK: tl.constexpr, A_NB: tl.constexpr, A_TILE_R: tl.constexpr,
+    A_ELEM: tl.constexpr, A_EMIN: tl.constexpr, A_EMAX: tl.constexpr, A_MBITS: tl.constexpr,
+    A_BIAS: tl.constexpr, A_MAXN: tl.constexpr, A_SUBSCALE: tl.constexpr, A_SIGN_SHIFT: tl.constexpr,
+    A_RCEIL: tl.constexpr, A_SR: tl.constexpr, A_U_GIVEN: tl.constexpr, A_KEYED: tl.constexpr,
+    A_NAT: tl.constexpr, A_PRESCALE: tl.constexpr, A_WRITE_CODES: tl.constexpr, A_WRITE_DQ: tl.constexpr,
+    A_PACK: tl.constexpr, A_BF16_FORM: tl.constexpr,
+    B_MODE: tl.constexpr, B_BLOCK: tl.constexpr, B_NB: tl.constexpr, B_TILE_R: tl.constexpr,
+    B_ELEM: tl.constexpr, B_EMIN: tl.constexpr, B_EMAX: tl.constexpr, B_MBITS: tl.constexpr,
+    B_BIAS: tl.constexpr, B_MAXN: tl.constexpr, B_SUBSCALE: tl.constexpr, B_SIGN_SHIFT: tl.constexpr,
+    B_RCEIL: tl.constexpr, B_SR: tl.constexpr, B_U_GIVEN: tl.constexpr, B_KEYED: tl.constexpr,
+    B_NAT: tl.constexpr, B_PRESCALE: tl.constexpr, B_WRITE_CODES: tl.constexpr, B_WRITE_DQ: tl.constexpr,
+    B_PACK: tl.constexpr, B_BF16_FORM: tl.constexpr,
+):
+    """One read of a ``[BT, BH]`` tile of the 2-D ``x [T, H]``, quantized twice from the same
+    registers: layout A with blocks along axis 1 (rows t, block axis h), layout B with blocks along
+    axis 0 (the transposed tile: rows h, block axis t) -- TransformerEngine's fused cast-transpose."""
+    pid_t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    t1 = pid_t.to(tl.int64) * BT + tl.arange(0, BT)
+    h1 = pid_h.to(tl.int64) * BH + tl.arange(0, BH)
+    t_ok = t1[:, None] < T
+    h_ok = h1[:, None] < H
+    valid = t_ok & (h1[None, :] < H)
+    x = tl.load(x_ptr + t1[:, None] * sx_t + h1[None, :] * sx_h, mask=valid, other=0.0).to(tl.float32)
+    # === A: blocks along h -- rows r = t (o = t, i = 0), k = h
+    _quant_store(x, t1[:, None], t1[:, None], tl.zeros([BT, 1], dtype=tl.int64), h1[None, :], t_ok, valid,
+                 pid_t, pid_h, tl.num_programs(1),
+                 a_u, a_seed, a_srp, a_gs, a_codes, a_scales, a_dq, a_aux, H, 1, a_NPAD, a_NBLK, a_C, a_sc_o, a_sc_i,
+                 a_sc_k, a_ss_o, a_ss_i, a_ss_k, a_sd_o, a_sd_i, a_sd_k, a_su_o, a_su_i, a_su_k, a_prescale,
+                 A_MODE, A_BLOCK, A_NB, A_TILE_R, A_ELEM, A_EMIN, A_EMAX, A_MBITS, A_BIAS, A_MAXN, A_SUBSCALE,
+                 A_SIGN_SHIFT, A_RCEIL, A_SR, A_U_GIVEN, A_KEYED, A_NAT, A_PRESCALE, A_WRITE_CODES, A_WRITE_DQ,
+                 A_PACK, A_BF16_FORM)
+    # === B: blocks along t (the transposed tile) -- rows r = h (o = 0, i = h), k = t
+    _quant_store(tl.trans(x), h1[:, None], tl.zeros([BH, 1], dtype=tl.int64), h1[:, None], t1[None, :], h_ok,
+                 tl.trans(valid), pid_h, pid_t, tl.num_programs(0),
+                 b_u, b_seed, b_srp, b_gs, b_codes, b_scales, b_dq, b_aux, T, H, b_NPAD, b_NBLK, b_C, b_sc_o, b_sc_i,
+                 b_sc_k, b_ss_o, b_ss_i, b_ss_k, b_sd_o, b_sd_i, b_sd_k, b_su_o, b_su_i, b_su_k, b_prescale,
+                 B_MODE, B_BLOCK, B_NB, B_TILE_R, B_ELEM, B_EMIN, B_EMAX, B_MBITS, B_BIAS, B_MAXN, B_SUBSCALE,
+                 B_SIGN_SHIFT, B_RCEIL, B_SR, B_U_GIVEN, B_KEYED, B_NAT, B_PRESCALE, B_WRITE_CODES, B_WRITE_DQ,
+                 B_PACK, B_BF16_FORM)
+
+
+_CT_TILE = 64  # cast-transpose tile: [64 tokens, 64 features], whole MX (32) and NVFP4 (16) blocks both ways
+
+
+def cast_transpose_triton(
+    x: torch.Tensor,
+    fmt_row,
+    fmt_col,
+    *,
+    sr_row: SRKey | None = None,
+    sr_col: SRKey | None = None,
+    amax_row: torch.Tensor | float | None = None,
+    amax_col: torch.Tensor | float | None = None,
+    codes: bool = True,
+    bf16_form: bool = False,
+) -> tuple[TritonQuantResult, TritonQuantResult]:
+    """Both quantized layouts of a 2-D ``x [T, H]`` from one read of it (a fused cast-transpose).
+
+    ``fmt_row``: blocks along axis 1 (``x`` as Dgrad's ``dy`` or Fprop's ``x`` consume it);
+    ``fmt_col``: blocks along axis 0, the token axis (``x`` or ``dy`` for Wgrad). Each is a format
+    name / ``Format`` / ``OperandFormat`` with its own rounding, scale rule, SR key (``sr_row`` /
+    ``sr_col``) and scale amax (``amax_*``: delayed or TP-reduced; None: this tensor's own, found by
+    one amax pass shared by both). Results are those of ``quantize_triton(x, fmt, axis=1 / 0,
+    layout="contraction_last", ...)`` bit for bit -- ``[T, H]`` and ``[H, T]`` -- so they equal the
+    reference quantizer's for each layout. No rotation (a rotated operand is another tensor) and no
+    FP4 packing; ``bf16_form`` as in :func:`quantize_triton`.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"cast_transpose: x must be 2-D [T, H], got shape {tuple(x.shape)}")
+    specs = [resolve_format(f, None, None, None)[0] for f in (fmt_row, fmt_col)]
+    blocks_ = [sp.block if sp.blocked else _CT_TILE for sp in specs]
+    tile = _CT_TILE  # = the per-tensor kernels' tile width: their clip-count grids match this one's
+    t_len, h_len = x.shape
+    own = None
+    needs_amax = [sp.kind == Scaling.TENSOR or (sp.tensor_scaled and a is None)
+                  for sp, a in zip(specs, (amax_row, amax_col))]
+    if any(needs_amax):  # one amax pass for both layouts
+        sx_t, sx_h = x.stride()
+        bits = torch.zeros(1, dtype=torch.int32, device=x.device)
+        grid = (triton.cdiv(t_len, tile), triton.cdiv(h_len, tile))
+        _launch(_amax_kernel, grid, (x, bits, bits, t_len, h_len, 1, sx_t, 0, sx_h),
+                dict(TILE_R=tile, TK=tile, ROT=0, LOG_ROT=0, ROT_C=1.0, HAS_SIGNS=False))
+        own = bits.view(torch.float32)[0]
+    captured: list = []
+    common = dict(layout="contraction_last", codes=codes, bf16_form=bf16_form, tile_rows=tile, _capture=captured,
+                  _own_amax=own)
+    row = quantize_triton(x, fmt_row, axis=1, sr=sr_row, amax=amax_row, **common)
+    col = quantize_triton(x, fmt_col, axis=0, sr=sr_col, amax=amax_col, **common)
+    (a_args, a_meta), (b_args, b_meta) = captured
+    per = [[v for sl in _LAYOUT_ARGS for v in args[sl]] for args in (a_args, b_args)]
+    meta = {}
+    for tag, m, nb in (("A_", a_meta, tile // blocks_[0]), ("B_", b_meta, tile // blocks_[1])):
+        m = {**m, "TILE_R": tile, "NB": nb}  # per-tensor formats: BLOCK (64) is only a tile width, NB 1
+        meta.update({tag + k: m[k] for k in _LAYOUT_META})
+    grid = (triton.cdiv(t_len, tile), triton.cdiv(h_len, tile))
+    _launch(_cast_transpose_kernel, grid, (x, t_len, h_len, *x.stride(), *per[0], *per[1]),
+            dict(BT=tile, BH=tile, **meta))
+    for res, args in ((row, a_args), (col, b_args)):
+        if get_format(res.fmt).kind == Scaling.TENSOR:  # the clip counts exist only now
+            res.num_clipped = args[9].sum(dtype=torch.int64)
+    return row, col
 
 
 def _launch(kernel, grid, args, meta) -> None:

@@ -1,0 +1,70 @@
+"""The fused cast-transpose: one read of a 2-D tensor gives both quantized layouts -- blocks along
+the features (Dgrad's ``dy``, Fprop's ``x``) and along the tokens (Wgrad's ``dy`` and ``x``) --
+each equal bit for bit to the reference quantizer and to the one-layout Triton kernel. On CPU it
+runs in Triton's interpreter (``tests/kernels/conftest.py``): tiny shapes, partial tiles and blocks."""
+
+import pytest
+import torch
+
+from kernels.quantizer import triton_missing_reason
+from precision import quantize
+from precision.formats import get_format
+from precision.recipe import OperandFormat
+from precision.srand import SRKey
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TRITON_PROBLEM = triton_missing_reason(torch.zeros(1, device=DEV))
+pytestmark = pytest.mark.skipif(TRITON_PROBLEM is not None, reason=str(TRITON_PROBLEM))
+
+
+def same(a, b) -> bool:
+    a, b = a.float().cpu(), b.float().cpu()
+    return a.shape == b.shape and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0), b.nan_to_num(0))
+
+
+def data(t=70, h=96):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(t, h, generator=g) * torch.exp2(torch.randint(-20, 20, (t, 1), generator=g).float())
+    x[3, 5], x[40, 80], x[7] = float("nan"), float("inf"), 0.0
+    return x.to(DEV)
+
+
+PAIRS = [  # (row layout: blocks along features, column layout: blocks along tokens)
+    (OperandFormat("mxfp4"), OperandFormat("mxfp4", rounding="stochastic", scale_rule="rceil")),
+    (OperandFormat("fp8_e4m3"), OperandFormat("fp8_e5m2", rounding="stochastic")),
+    (OperandFormat("nvfp4", rounding="stochastic"), OperandFormat("mxfp8_e4m3")),
+    (OperandFormat("mxfp6_e3m2"), OperandFormat("nvfp4")),
+]
+
+
+@pytest.mark.parametrize("fr,fc", PAIRS, ids=lambda f: f.spec() if hasattr(f, "spec") else str(f))
+def test_both_layouts_from_one_read_equal_the_reference(fr, fc):
+    from kernels.triton_quant import cast_transpose_triton, quantize_triton
+
+    x = data()
+    keys = [SRKey(11) if f.rounding == "stochastic" else None for f in (fr, fc)]
+    row, col = cast_transpose_triton(x, fr, fc, sr_row=keys[0], sr_col=keys[1])
+    assert row.codes.shape == (70, 96) and col.codes.shape == (96, 70)  # contraction axis last
+    for res, f, axis, key in ((row, fr, 1, keys[0]), (col, fc, 0, keys[1])):
+        ref = quantize(x.cpu(), f.fmt, axis=axis, rounding=f.rounding, scale_rule=f.scale_rule, sr=key)
+        assert same(res.codes, ref.codes.movedim(axis, -1)), f"{f.fmt} axis {axis}: codes"
+        spec = get_format(f.fmt)
+        assert same(res.scales, ref.scales.movedim(axis, -1) if spec.blocked else ref.scales)
+        if spec.tensor_scaled and ref.tensor_scale is not None:
+            assert same(res.tensor_scale, ref.tensor_scale)
+        if ref.num_clipped is not None:
+            assert int(res.num_clipped) == int(ref.num_clipped) and same(res.amax, ref.amax)
+    if all(get_format(f.fmt).bf16_shift == 0 for f in (fr, fc)):  # the BF16 operands too, from one read
+        pair = cast_transpose_triton(x, fr, fc, sr_row=keys[0], sr_col=keys[1], codes=False, bf16_form=True)
+        for res, f, axis, key in ((pair[0], fr, 1, keys[0]), (pair[1], fc, 0, keys[1])):
+            one = quantize_triton(x, f, axis=axis, sr=key, layout="contraction_last", codes=False, bf16_form=True)
+            assert res.bf16.dtype == torch.bfloat16 and same(res.bf16, one.bf16)
+            assert (res.out_scale is None and one.out_scale is None) or same(res.out_scale, one.out_scale)
+
+def test_cast_transpose_refuses_what_it_cannot_do():
+    from kernels.triton_quant import cast_transpose_triton
+
+    with pytest.raises(ValueError, match=r"x must be 2-D \[T, H\]"):
+        cast_transpose_triton(torch.zeros(2, 3, 4, device=DEV), "mxfp4", "mxfp4")
+    with pytest.raises(ValueError, match="bf16_form: mxfp8_e4m3 needs a format with Format.bf16_exact and no"):
+        cast_transpose_triton(data(), "mxfp4", "mxfp8_e4m3", codes=False, bf16_form=True)
