@@ -140,6 +140,9 @@ class RolloutModel:
         """Quantize every linear's current weight into packed storage (once per policy update)."""
         self.packed = {name: pack_weight(self._weight(name, m), self.plan.fprop(name), m.quant_state)
                        for name, m in self.linears}
+        for name, m in self.linears:  # inside active(): the linears read the new packed weights
+            if m.rollout_weight is not None:
+                m.rollout_weight = self.packed[name]
         self.kv_amax = [None] * len(self.attentions)  # per-head KV scales: recalibrate for the new weights
         self.version += 1
 

@@ -83,7 +83,7 @@ def _linear(value: str, where: str) -> GemmRecipe:
     head, _, rot = value.partition("+")
     if head in ROLLOUT_PRESETS:
         value = ROLLOUT_PRESETS[head][0] + (f"+{rot}" if rot else "")
-    elif "@" not in head and head not in format_names():
+    elif "@" not in head and head.split("/")[0] not in (*format_names(), "fp8"):
         raise SpecError(f"{where} {value!r}: unknown rollout preset; valid: {_valid()}")
     try:
         return _check_recipe(parse_gemm(value, Gemm.FPROP), f"{where} {value!r}")
