@@ -32,9 +32,13 @@ rate of the step is set (``LRSchedule.step``) before the optimizer steps.
 
 Each engine returns the global loss on every rank: with pipelining only the last stage computes it,
 and it is broadcast over the pipeline group so that rank 0 can log it. ``stepped`` says whether the
-last ``train_step`` updated the parameters: the torch engine steps only when loss and gradient norm
-are finite, the megatron engine only when the loss is (a non-finite norm behind a finite loss is
-found after megatron's optimizer has stepped), so a skipped non-finite step changes nothing.
+last ``train_step`` updated the parameters: with ``check_finite`` the torch engine steps only when
+loss and gradient norm are finite, the megatron engine always only when the loss is (a non-finite
+norm behind a finite loss is found after megatron's optimizer has stepped), so a skipped non-finite
+step changes nothing. Without ``check_finite`` (the default loop: a non-finite step ends the run,
+found when the loop next reads its steps) the torch engine steps without reading anything.
+megatron-core's optimizer reads its gradient norm and found-inf flag to the host every step
+(its design; not changed here).
 
 megatron-core 0.16.1 facts this relies on (found by running it):
   - ``config.calculate_per_token_loss`` must be set before megatron's DDP is built (DDP fixes its

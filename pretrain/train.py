@@ -26,10 +26,15 @@ Order of events (every rank):
    (Megatron-LM's ``--calculate-per-token-loss``), so losses and gradients do not depend on how
    the batch is split over micro-batches and data-parallel ranks; TP-partial gradients summed
    (sequence parallelism), the global norm clipped, the lr set and Adam steps.
-5. After the iteration: progress line and TensorBoard scalars (rank 0), evaluation every
-   ``--eval-interval``, checkpoint every ``--save-interval``; SIGTERM (on any rank) or
-   ``--exit-interval``: save and exit 0. At the end: save, final evaluation.
+5. After the iteration: evaluation every ``--eval-interval``, checkpoint every ``--save-interval``;
+   SIGTERM (on any rank) or ``--exit-interval``: save and exit 0. At the end: save, final
+   evaluation. No step reads a tensor to the host: the steps' losses and gradient norms are read
+   together when the loop *settles* them -- every ``--log-interval``, before an evaluation, a
+   checkpoint or a stop, and at the end -- and then logged (progress line and TensorBoard scalars
+   of every iteration, rank 0; ``_Progress.settle``).
 6. A non-finite loss or gradient norm (``--check-for-nan-in-loss-and-grad``, on by default) is
+   found when its step is settled (the steps after it, already taken, are discarded with the run;
+   with ``--skip-nonfinite-steps`` or without the check every step is read at once instead) and
    skipped -- no parameter, optimizer or schedule update, the layers' quantization state restored --
    up to ``--skip-nonfinite-steps`` times; the next one is divergence: logged (TensorBoard
    ``train/loss`` NaN, ``train/nonfinite_steps``, the progress line), ``--save/run_status.json``

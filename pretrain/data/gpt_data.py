@@ -254,9 +254,11 @@ def batch_loader(
     micro-batches, in the same order, as :func:`batches` -- so resuming at ``start_sample`` (the
     samples consumed) is exact whatever the number of workers."""
     sampler = MicroBatchSampler(len(dataset), start_sample, micro_batch_size, dp_rank, dp_size)
+    # its own generator: a DataLoader draws its workers' base seed from it, and a draw from torch's
+    # default generator would shift the RNG stream a resumed run restores (dropout)
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, collate_fn=_stack, num_workers=num_workers, pin_memory=pin_memory,
-        persistent_workers=False, prefetch_factor=4 if num_workers else None,
+        prefetch_factor=4 if num_workers else None, generator=torch.Generator().manual_seed(0),
     )  # fmt: skip
     return iter(loader)
 

@@ -37,9 +37,9 @@ def test_main_params_accumulate_bf16_grads_in_fp32_and_round_to_nearest():
 @pytest.fixture(scope="module")
 def bf16_runs(tmp_path_factory, data_cache):
     """An uninterrupted 4-iteration --bf16 run saving at 2 and 4, and a run resumed from its
-    iteration 2 (a fresh process)."""
+    iteration 2 (a fresh process); both load data through 2 DataLoader workers (--num-workers)."""
     root = tmp_path_factory.mktemp("bf16")
-    common = [*TINY, "--bf16", "--precision", "bf16", "--train-iters", "4", "--eval-interval", "0",
+    common = [*TINY, "--bf16", "--precision", "bf16", "--train-iters", "4", "--eval-interval", "0", "--num-workers", "2",
               "--eval-iters", "0", "--data-cache-dir", str(data_cache), "--save-interval", "2"]
     whole = run_pretrain([*common, "--save", str(root / "whole"), "--tensorboard-dir", str(root / "tb_whole")], nproc=0)
     resumed = run_pretrain([*common, "--load", str(root / "whole"), "--ckpt-step", "2", "--save", str(root / "resumed"),
@@ -82,3 +82,16 @@ def test_bf16_loss_is_close_to_fp32_and_not_equal(bf16_runs, tmp_path, data_cach
                   "--data-cache-dir", str(data_cache), "--tensorboard-dir", str(tmp_path / "tb")], nproc=0)
     fp32, bf16 = scalars(tmp_path / "tb", "train/loss")[1], scalars(root / "tb_whole", "train/loss")[1]
     assert fp32 != bf16 and abs(fp32 - bf16) < 0.01 * fp32
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="megatron-core's mixed-precision optimizer needs CUDA")
+def test_megatron_engine_bf16_resume_is_bit_identical(tmp_path, data_cache):
+    """megatron-core's mixed-precision optimizer keeps the FP32 mains (in its state, as in
+    Megatron-LM): a resumed --bf16 run on the megatron engine repeats the uninterrupted one."""
+    common = [*TINY, "--bf16", "--ddp-impl", "megatron", "--precision", "bf16", "--train-iters", "4",
+              "--eval-iters", "0", "--data-cache-dir", str(data_cache), "--save-interval", "2"]
+    run_pretrain([*common, "--save", str(tmp_path / "a"), "--tensorboard-dir", str(tmp_path / "tb_a")], nproc=1)
+    run_pretrain([*common, "--load", str(tmp_path / "a"), "--ckpt-step", "2", "--save", str(tmp_path / "b"),
+                  "--tensorboard-dir", str(tmp_path / "tb_b")], nproc=1)
+    a, b = scalars(tmp_path / "tb_a", "train/loss"), scalars(tmp_path / "tb_b", "train/loss")
+    assert a[3] == b[3] and a[4] == b[4]

@@ -50,3 +50,13 @@ def test_loader_stops_when_a_step_cannot_be_filled(train_ds):
 def test_loader_pins_memory_on_cuda(train_ds):
     batch = next(batch_loader(train_ds, 0, 2, num_workers=2, pin_memory=True))
     assert all(t.is_pinned() for t in batch.values())
+
+
+def test_loader_leaves_torch_s_random_stream_alone(train_ds):
+    """Starting a loader draws no number from torch's default generator (a resumed run restores that
+    stream from its checkpoint; dropout draws from it)."""
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    next(batch_loader(train_ds, 0, 2, num_workers=2))
+    assert torch.equal(torch.rand(3), expected)

@@ -6,6 +6,8 @@ Every device-to-host read of a tensor's data -- ``.item()``, ``float()``, ``bool
 (all ``aten._local_scalar_dense``, counted by a ``TorchDispatchMode``) and ``.tolist()`` /
 ``.numpy()`` (patched) -- is counted, with the stack that made it, outside the places that read
 by design: ``_Progress.settle``, ``Trainer.evaluate``, ``Trainer.save``, the telemetry loggers.
+torch.compile does not run under a dispatch mode, so the fused quantizers run their eager code
+here (the same operations).
 """
 
 import signal

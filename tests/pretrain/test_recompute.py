@@ -11,6 +11,8 @@ from precision import PrecisionPolicy, presets
 
 CFG = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
                   seq_length=32, vocab_size=256)
+TINY_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+              "--train-iters", "1"]
 RECOMPUTE = {
     "full-uniform-1": RecomputeConfig("full", "uniform", 1),
     "full-uniform-2": RecomputeConfig("full", "uniform", 2),
@@ -111,3 +113,34 @@ def test_recompute_config_errors_name_the_flag():
         RecomputeConfig("full", "x", 1)
     with pytest.raises(ValueError, match="need --recompute-granularity full"):
         RecomputeConfig("selective", "uniform", 1)
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--recompute-method", "block"], "--recompute-method needs --recompute-granularity full"),
+    (["--recompute-granularity", "selective", "--recompute-num-layers", "1"],
+     "--recompute-num-layers needs --recompute-granularity full"),
+    (["--recompute-granularity", "full", "--recompute-num-layers", "3"],
+     "--recompute-num-layers 3 does not divide the 2 layers per pipeline stage"),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "0"],
+     "--recompute-num-layers 0: must be >= 1"),
+    (["--num-workers", "-1"], "--num-workers -1: must be >= 0"),
+])  # fmt: skip
+def test_bad_flags_are_one_line_naming_the_flag(extra, expected):
+    from pretrain.arguments import ConfigError, parse_args_or_raise, validate_args
+
+    args = parse_args_or_raise([*TINY_FLAGS, *extra])
+    with pytest.raises(ConfigError) as err:
+        validate_args(args, 1, False)
+    assert str(err.value).startswith(expected) and "\n" not in str(err.value), str(err.value)
+
+
+def test_flag_defaults_follow_the_device():
+    from pretrain.arguments import parse_args_or_raise, recompute_config, validate_args
+
+    for cuda, bf16, workers in ((False, False, 0), (True, True, 2)):
+        args = parse_args_or_raise(TINY_FLAGS)
+        validate_args(args, 1, cuda)
+        assert (args.bf16, args.num_workers, recompute_config(args)) == (bf16, workers, None)
+    args = parse_args_or_raise([*TINY_FLAGS, "--no-bf16", "--recompute-granularity", "full"])
+    validate_args(args, 1, True)
+    assert args.bf16 is False and recompute_config(args) == RecomputeConfig("full", "uniform", 1)
