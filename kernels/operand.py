@@ -44,6 +44,8 @@ __all__ = ["CONTRACTION_AXES", "QuantizedOperand", "GemmOperands", "gemm_operand
 
 # (a axis, b axis) contracted by each GEMM, operands in their natural layouts.
 CONTRACTION_AXES = {Gemm.FPROP: (1, 1), Gemm.DGRAD: (1, 0), Gemm.WGRAD: (0, 0)}
+# A backward's dy shared by Dgrad and Wgrad (set by kernels.cast_transpose.share_dy, else None)
+_SHARED_DY = None
 
 
 @dataclass
@@ -246,12 +248,19 @@ def quantize_operand(
     if scale_amax is None:
         scale_amax = whole  # current scaling (None: the quantizer takes the tensor's own amax)
 
-    # === 4. quantize (run by run when a strided TP shard has several SR keys)
-    parts = []
-    for start, length, key in keys:
-        piece = t if length is None or piece_axis is None else t.narrow(piece_axis, start, length)
-        parts.append(_quantize(piece, axis, fmt, impl, codes, key, scale_amax, rotation, state, bf16=want_bf16))
-    res = parts[0] if len(parts) == 1 else _concat(parts, piece_axis, axis)
+    # === 4. quantize (run by run when a strided TP shard has several SR keys); a backward's dy may
+    #        come with Wgrad's copy from Dgrad's one read (kernels.cast_transpose)
+    res = None
+    if _SHARED_DY is not None and impl == "triton" and codes:
+        from kernels.cast_transpose import paired_result
+
+        res = paired_result(t, gemm, operand, fmt, state, keys, scale_amax)
+    if res is None:
+        parts = []
+        for start, length, key in keys:
+            piece = t if length is None or piece_axis is None else t.narrow(piece_axis, start, length)
+            parts.append(_quantize(piece, axis, fmt, impl, codes, key, scale_amax, rotation, state, bf16=want_bf16))
+        res = parts[0] if len(parts) == 1 else _concat(parts, piece_axis, axis)
 
     # === 5. telemetry (device tensors; numerics only on telemetry steps)
     if get_format(name).kind == Scaling.TENSOR:  # per-tensor FP8 / HiF8: amax and clipped count

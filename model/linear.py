@@ -16,7 +16,8 @@ column-wise for Dgrad; ``x`` row-wise for Fprop and column-wise (over tokens) fo
 why each GEMM quantizes its own operands from the high-precision originals (``x_hp``, ``w_hp``,
 ``dy_hp``) rather than reusing another GEMM's quantized copy -- exactly what hardware MX kernels
 need, and why a rotation (e.g. the deterministic 16-point Hadamard for Wgrad) applies along the
-token axis for Wgrad only.
+token axis for Wgrad only. On CUDA, ``dy``'s two copies (Dgrad's and Wgrad's, both in backward)
+come from one read of it, bit for bit the same (``kernels.cast_transpose``).
 
 Layout rules: a contraction length that is not a multiple of the block size (32 for MX, 16 for
 NVFP4) or of the rotation size is **zero-padded** for the block computation; zeros change neither
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.cast_transpose import share_dy
 from kernels.gemm import gemm
 from precision.recipe import Gemm, LinearPrecision
 from precision.state import LayerQuantState
@@ -64,13 +66,14 @@ class _PolicyLinearFn(torch.autograd.Function):
         p, state, backend = ctx.precision, ctx.state, ctx.backend
         dy2d = dy.reshape(-1, w_hp.shape[0])
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            # === DGRAD: dx = dy @ w ===  [T, out] x [out, in] -> [T, in]
-            dx = gemm(Gemm.DGRAD, dy2d, w_hp, p.dgrad, backend, state=state)
-            dx = dx.to(ctx.dtypes[0]).reshape(*ctx.lead, w_hp.shape[1])
-        if ctx.needs_input_grad[1]:
-            # === WGRAD: dw = dy.T @ x ===  [T, out] x [T, in] -> [out, in]  (contraction over tokens)
-            dw = gemm(Gemm.WGRAD, dy2d, x2d, p.wgrad, backend, state=state).to(ctx.dtypes[1])
+        with share_dy(dy2d, p, state, backend):  # on CUDA: dy's two layouts from one read, same bits
+            if ctx.needs_input_grad[0]:
+                # === DGRAD: dx = dy @ w ===  [T, out] x [out, in] -> [T, in]
+                dx = gemm(Gemm.DGRAD, dy2d, w_hp, p.dgrad, backend, state=state)
+                dx = dx.to(ctx.dtypes[0]).reshape(*ctx.lead, w_hp.shape[1])
+            if ctx.needs_input_grad[1]:
+                # === WGRAD: dw = dy.T @ x ===  [T, out] x [T, in] -> [out, in]  (contraction over tokens)
+                dw = gemm(Gemm.WGRAD, dy2d, x2d, p.wgrad, backend, state=state).to(ctx.dtypes[1])
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.float().sum(0).to(ctx.dtypes[2])
         return dx, dw, db, None, None, None

@@ -68,3 +68,37 @@ def test_cast_transpose_refuses_what_it_cannot_do():
         cast_transpose_triton(torch.zeros(2, 3, 4, device=DEV), "mxfp4", "mxfp4")
     with pytest.raises(ValueError, match="bf16_form: mxfp8_e4m3 needs a format with Format.bf16_exact and no"):
         cast_transpose_triton(data(), "mxfp4", "mxfp8_e4m3", codes=False, bf16_form=True)
+
+
+@pytest.mark.parametrize("preset,shared", [("mxfp4_sr", True), ("wgrad_hadamard", False)])
+def test_backward_shares_dy_between_dgrad_and_wgrad(monkeypatch, preset, shared):
+    """policy_linear on a simulated sm_90 with CUDA's quantizer choice (Triton): Dgrad's read of dy
+    gives Wgrad's copy too (not under a Wgrad rotation), and dx, dw are bit-identical to unshared."""
+    import kernels.backends as kb
+    import kernels.cast_transpose as ct
+    import kernels.operand as op
+    import kernels.triton_quant as tq
+    from model.linear import policy_linear
+    from precision import LayerQuantState, presets
+
+    monkeypatch.setattr(kb, "device_capability", lambda device: (9, 0))  # auto: bf16_mm for MXFP4
+    resolve = op._resolve_impl
+    monkeypatch.setattr(op, "_resolve_impl", lambda impl, t, fmt, codes: "triton" if codes and impl == "auto"
+                        and triton_missing_reason(t, fmt) is None else resolve(impl, t, fmt, codes))
+    calls = []
+    real = tq.cast_transpose_triton
+    monkeypatch.setattr(tq, "cast_transpose_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = torch.Generator().manual_seed(0)
+    x, w, dy = torch.randn(64, 64, generator=g), torch.randn(32, 64, generator=g), torch.randn(64, 32, generator=g)
+
+    def grads():
+        xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        policy_linear(xr, wr, presets.get(preset), state=LayerQuantState(3, "l"), backend="auto").backward(dy)
+        return xr.grad, wr.grad
+
+    with_sharing = grads()
+    assert len(calls) == (1 if shared else 0)
+    monkeypatch.setattr(ct, "_plan", lambda *a: None)
+    without = grads()
+    for a, b in zip(with_sharing, without):
+        assert torch.equal(a, b)
