@@ -10,8 +10,10 @@
    ``colwise``, as Wgrad's token axis) x rotation (none, had16): time, GB/s (bytes read + written)
    and the fraction of the copy bandwidth. Implementations: ``fused`` (``kernels.fused``,
    torch.compile; quantize->dequantize), ``reference`` (``precision.quantize``: codes + scales,
-   eager), and on CUDA ``triton`` (``kernels.triton_quant``: codes + scales) and ``triton_qdq``
-   (dequantized values only, what emulation consumes).
+   eager), and on CUDA ``triton`` (``kernels.triton_quant``: codes + scales), ``triton_qdq``
+   (dequantized values only, what FP32 emulation consumes), ``triton_bf16`` (the BF16 operand the
+   ``bf16_mm`` backend multiplies) and ``cast_transpose_bf16`` (both layouts' BF16 operands from one
+   read, as Dgrad's and Wgrad's ``dy``; listed under ``colwise``).
 3. ``policy_linear`` forward + backward per preset at TOKENS x HIDDEN -> FFN, relative to the
    ``bf16`` preset through the same code (and, for context, ``torch.nn.functional.linear``); on
    CUDA also with the ``auto`` GEMM backend (FP8 / MX tensor cores where the device has them).
@@ -101,6 +103,17 @@ def quantizer_cases(x: torch.Tensor, fmt: str, axis: int, rotation: str | None, 
         cases.append(("triton_qdq", lambda: quantize_triton(x, fmt, axis=axis, rotation=rotation, codes=False,
                                                             dequantize=True),
                       _out_bytes(fmt, x.numel(), False, True)))
+        spec = FORMATS[fmt]
+        if spec.bf16_exact and not spec.bf16_shift:  # the BF16 operand bf16_mm multiplies, one pass
+            cases.append(("triton_bf16", lambda: quantize_triton(x, fmt, axis=axis, rotation=rotation, codes=False,
+                                                                 bf16_form=True, layout="contraction_last"),
+                          x.numel() * 2 + (x.numel() // spec.block if spec.blocked else 0)))
+            if rotation is None and axis == 0:  # both layouts from one read (Dgrad's and Wgrad's dy)
+                from kernels.triton_quant import cast_transpose_triton
+
+                cases.append(("cast_transpose_bf16", lambda: cast_transpose_triton(x, fmt, fmt, codes=False,
+                                                                                   bf16_form=True),
+                              2 * (x.numel() * 2 + (x.numel() // spec.block if spec.blocked else 0))))
     return cases
 
 
@@ -206,10 +219,11 @@ def parse_args(argv=None):
                    help="linear: comma-separated out-features (default 4096,14336 / 1024)")
     p.add_argument("--formats", default=",".join(FORMAT_CHOICES), help="quantizer formats, comma-separated")
     p.add_argument("--presets", default=",".join(DEFAULT_PRESETS), help="linear presets, comma-separated")
-    p.add_argument("--impls", default="fused,reference,triton,triton_qdq",
+    p.add_argument("--impls", default="fused,reference,triton,triton_qdq,triton_bf16,cast_transpose_bf16",
                    help="quantizer implementations, comma-separated (triton ones only run on CUDA)")
     p.add_argument("--linear-backends", default=None,
-                   help="GEMM backends for the linear benchmark (default: emulated; on CUDA emulated,auto)")
+                   help="GEMM backends for the linear benchmark (default: emulated; on CUDA emulated,auto -- "
+                   "auto runs FP8 on FP8 tensor cores and the other formats on bf16_mm where the device has them)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-quantizers", action="store_true")
     p.add_argument("--skip-linear", action="store_true")
