@@ -36,26 +36,31 @@ __all__ = ["trainer_logprobs", "trainer_precision", "write_generation_mismatch"]
 
 
 @contextlib.contextmanager
+def _attributes_restored(objects, *names: str):
+    """Inside: change ``names`` of ``objects`` freely; their values are put back on exit."""
+    saved = [(o, {n: getattr(o, n) for n in names}) for o in objects]
+    try:
+        yield
+    finally:
+        for o, values in saved:
+            for n, v in values.items():
+                setattr(o, n, v)
+
+
+@contextlib.contextmanager
 def trainer_precision(model, precision: str, rules: Sequence[str] = (), kv_quant: str | None = None):
     """Inside: ``model``'s linears under the training plan ``precision`` (+ ``rules``) and its core
     attentions fake-quantizing K/V in ``kv_quant`` (None: off); the model's own plan after."""
     from model.attention import core_attentions, set_kv_quant
     from precision import PrecisionPolicy
 
-    linears = policy_linears(model)
-    saved = [(m, m.precision) for _, m in linears]
-    saved_kv = [(a, a.kv_format, a.kv_amax) for a in core_attentions(model)]
-    plan = PrecisionPolicy.from_args(precision, list(rules)).resolve(policy_linear_names(model),
-                                                                      len(core_attentions(model)))
-    try:
+    attentions = core_attentions(model)
+    plan = PrecisionPolicy.from_args(precision, list(rules)).resolve(policy_linear_names(model), len(attentions))
+    with (_attributes_restored([m for _, m in policy_linears(model)], "precision"),
+          _attributes_restored(attentions, "kv_format", "kv_amax")):
         apply_precision_plan(model, plan)
         set_kv_quant(model, kv_quant)
         yield plan
-    finally:
-        for m, p in saved:
-            m.precision = p
-        for a, fmt, amax in saved_kv:
-            a.kv_format, a.kv_amax = fmt, amax
 
 
 def trainer_logprobs(model, batch: RolloutBatch, *, vocab_size: int, precision: str = "bf16",
