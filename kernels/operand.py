@@ -226,6 +226,9 @@ def quantize_operand(
     # === 1. no rounding: fp32 / bf16
     if _no_rounding(name):
         if want_bf16:  # the RNE cast is the BF16 form itself (a no-op for BF16 activations)
+            if not get_format(name).bf16_exact:
+                raise ValueError(f"{gemm.value} {operand}: {name} values are not exactly BF16 (Format.bf16_exact); "
+                                 "its GEMM runs on the FP32 emulated backend")
             cast = t.to(torch.bfloat16)
             out = QuantizedOperand(fmt, axis, bf16=cast.movedim(axis, -1))
             if state.collect_stats:

@@ -42,6 +42,9 @@ def test_bf16_exact_is_a_format_property():
     assert {n: f.bf16_shift for n, f in FORMATS.items() if f.bf16_shift} == {"mxfp8_e4m3": 3, "mxfp8_e5m2": 10}
     with pytest.raises(ValueError, match="fp32: its dequantized values are not exactly BF16"):
         bf16_form(OperandFormat("fp32"), torch.zeros(2, 2, dtype=torch.int32), None)
+    with pytest.raises(ValueError, match="fprop x: fp32 values are not exactly BF16"):
+        gemm_operands(Gemm.FPROP, torch.ones(2, 4), torch.ones(3, 4), parse_gemm("fp32", Gemm.FPROP),
+                      LayerQuantState(), bf16=True)
 
 
 @pytest.mark.parametrize("name", [n for n, f in FORMATS.items() if f.blocked])
