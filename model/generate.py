@@ -191,7 +191,12 @@ def forward_logits(model, tokens: torch.Tensor, positions: torch.Tensor, attenti
     if pick is not None:
         hidden = hidden[pick, torch.arange(hidden.shape[1], device=hidden.device)][None]  # [1, b, h]
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
-    logits, _ = model.output_layer(hidden, weight=weight, runtime_gather_output=True)
+    logits, _ = model.output_layer(hidden, weight=weight, runtime_gather_output=False)  # this rank's vocab shard
+    group = model.output_layer.tp_group
+    if group is not None and group.size() > 1:  # megatron's gather allocates on CUDA: gather here
+        parts = [torch.empty_like(logits) for _ in range(group.size())]
+        torch.distributed.all_gather(parts, logits.contiguous(), group=group)
+        logits = torch.cat(parts, dim=-1)
     logits = logits.transpose(0, 1).float()  # [b, s, V]
     return logits[:, 0] if pick is not None else logits
 
