@@ -329,6 +329,12 @@ def main(argv: list[str] | None = None) -> int:
         row = run_one(precision, mode, args, extra)
         rows.append(row)
         print(json.dumps(row), flush=True)
+        md = write_results(args, extra, name, peak, rows)  # after every run: a timeout keeps the table so far
+    print(md)
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+def write_results(args, extra: list[str], name: str, peak: float | None, rows: list[dict]) -> str:
     md = (
         f"{args.model_size}, {args.train_iters} iterations, {args.nproc} process(es) on {name}"
         f"{f' (BF16 peak {peak:g} TFLOP/s)' if peak else ''}; medians after iteration {args.skip}; "
@@ -342,9 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps({"device": name, "peak_tflops": peak, "model_size": args.model_size, "flags": extra,
                     "runs": rows}, indent=1)
     )
-    print(md)
-    return 0 if all("error" not in r for r in rows) else 1
-
+    return md
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -82,8 +82,8 @@ def test_gpu_check_dry_run(tmp_path):
                           check=False)
     # DRY_RUN prints every step's bounded command and the benchmark's runs; it runs none of them
     assert proc.returncode == 0 and not any((tmp_path / "o").iterdir()), proc.stdout + proc.stderr
-    assert "timeout 120 " in proc.stdout and "-m pytest -q -m gpu" in proc.stdout, proc.stdout + proc.stderr
-    assert "timeout 300 " in proc.stdout and "launch/bench_pretrain.py --model-size 1.3b" in proc.stdout
+    assert "timeout 100 " in proc.stdout and "-m pytest -q -m gpu" in proc.stdout, proc.stdout + proc.stderr
+    assert "timeout 330 " in proc.stdout and "launch/bench_pretrain.py --model-size 1.3b" in proc.stdout
     runs = [ln for ln in proc.stdout.splitlines() if "--child-stats" in ln]
     assert len(runs) == 4 and all("--bf16 " in ln and "--tensor-model-parallel-size 1" in ln for ln in runs)
 
