@@ -6,10 +6,12 @@
 
 ``--load``: a training checkpoint directory saved at any tensor-parallel size (shards are merged),
 a ``launch/convert_hf.py`` output, or a plain ``{"model", "model_config"}`` file. The reverse of
-``launch/convert_hf.py``. With ``--rollout-precision`` the decoder linears' weights are quantized by
+``launch/convert_hf.py``. With ``--rollout-precision`` (and ``--rollout-precision-rule``, the
+generation engine's syntax: ``model/rollout_plan.py``) the decoder linears' weights are quantized by
 our quantizer exactly as the rollout engine's Fprop weights are (codes and scales bit for bit) and
-stored in compressed-tensors' packed format; ``mxfp4`` also declares dynamic MXFP4 activations,
-``mxfp4_w4a16`` and ``nvfp4`` are weight-only (why: ``pretrain/hf_export.py``). Load the output with
+stored in compressed-tensors' packed format; linears the plan keeps in BF16 go to the scheme's
+``ignore`` list; ``mxfp4`` also declares dynamic MXFP4 activations, ``mxfp4_w4a16`` and ``nvfp4``
+are weight-only (why: ``pretrain/hf_export.py``). The KV-cache format is not part of the export. Load the output with
 ``transformers`` (+ ``compressed-tensors``) or serve it with vLLM.
 """
 
@@ -23,35 +25,38 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _PROG = "export_hf.py"
-# --rollout-precision -> (weight format, MXFP4 activations declared)
-ROLLOUT_EXPORTS = {"bf16": (None, False), "nvfp4": ("nvfp4", False), "mxfp4": ("mxfp4", True),
-                   "mxfp4_w4a16": ("mxfp4", False)}
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=_PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--load", required=True, help="training checkpoint dir (any TP), hf_converted.pt or plain file")
     p.add_argument("--out", required=True, help="output directory (config.json, model.safetensors, tokenizer)")
-    p.add_argument("--rollout-precision", default="bf16", choices=list(ROLLOUT_EXPORTS),
-                   help="bf16 (default), or FP4 weights packed in compressed-tensors' format")
+    p.add_argument("--rollout-precision", default="bf16",
+                   help="a rollout preset or spec (model/rollout_plan.py): bf16 (default); nvfp4, mxfp4, mxfp4_w4a16 "
+                        "pack the FP4 weights in compressed-tensors' format")
+    p.add_argument("--rollout-precision-rule", action="append", default=[], metavar="SELECTOR=VALUE",
+                   help="per-layer rollout rule, e.g. first:1=bf16 (those layers stay BF16: the scheme's ignore list)")
     args = p.parse_args(argv)
 
     from pretrain.evaluation.loading import init_single_process
-    from pretrain.hf_export import HFExportError, export_hf, load_tp1_weights
+    from pretrain.hf_export import HFExportError, export_hf, load_tp1_weights, weight_formats_from_rollout
 
     t0 = time.perf_counter()
-    fmt, acts = ROLLOUT_EXPORTS[args.rollout_precision]
     try:
         init_single_process()  # training checkpoints are read through megatron's parallel state
         state, cfg, tok_dir = load_tp1_weights(args.load)
-        files = export_hf(state, cfg, args.out, weight_format=fmt, activations=acts, tokenizer_dir=tok_dir,
-                          info={"source": os.path.abspath(args.load), "rollout_precision": args.rollout_precision})
-    except (HFExportError, ValueError, FileNotFoundError) as e:
+        formats, acts, note = weight_formats_from_rollout(args.rollout_precision, args.rollout_precision_rule, cfg)
+        files = export_hf(state, cfg, args.out, weight_format=formats, activations=acts, tokenizer_dir=tok_dir,
+                          info={"source": os.path.abspath(args.load), "rollout_precision": args.rollout_precision,
+                                "rollout_precision_rules": args.rollout_precision_rule, "note": note})
+    except (HFExportError, ValueError, FileNotFoundError) as e:  # SpecError is a ValueError
         print(f"{_PROG}: error: {e}", file=sys.stderr)
         return 2
     size = os.path.getsize(os.path.join(args.out, "model.safetensors"))
-    print(f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}: {args.rollout_precision} "
-          f"weights, {size / 2**20:.2f} MiB; wrote {len(files)} files to {args.out} ({time.perf_counter() - t0:.1f}s)"
+    packed = [f.fmt for f in formats.values() if f is not None]
+    weights = f"{packed[0]} weights ({len(packed)} linears packed, {len(formats) - len(packed)} BF16)" if packed else (
+        "bf16 weights")
+    print(f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, --rollout-precision "
+          f"{args.rollout_precision}: {weights}, {size / 2**20:.2f} MiB; wrote {len(files)} files to {args.out} "
+          f"({time.perf_counter() - t0:.1f}s)"
           + ("" if tok_dir else "; no tokenizer files came with --load"))
     return 0
 

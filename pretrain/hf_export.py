@@ -3,6 +3,8 @@
     state, cfg, tok_dir = load_tp1_weights("ckpt/")           # any TP size; hf_converted.pt; plain file
     files = export_hf(state, cfg, "out/")                      # BF16 safetensors + config.json
     files = export_hf(state, cfg, "out/", weight_format="nvfp4")  # compressed-tensors nvfp4-pack-quantized
+    formats, acts, note = weight_formats_from_rollout("nvfp4", ["first:1=bf16"], cfg)  # a rollout plan
+    files = export_hf(state, cfg, "out/", weight_format=formats, activations=acts)    # layer 0 in BF16
 
 The reverse of ``pretrain.hf_convert`` (its module docstring has the name mapping and the layout
 facts): ``linear_qkv``'s per-group ``[q heads; k; v]`` rows split into ``q_proj`` / ``k_proj`` /
@@ -64,20 +66,18 @@ from pretrain.hf_convert import TOKENIZER_FILES
 
 __all__ = [
     "EXPORT_FORMATS",
-    "HF_LINEARS",
     "HFExportError",
+    "decoder_linear_names",
     "export_hf",
     "hf_config",
     "hf_state_dict",
     "load_tp1_weights",
     "quantization_config",
     "quantize_weight",
+    "weight_formats_from_rollout",
 ]
 
 EXPORT_FORMATS = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
-# HF module suffixes of the quantized linears (everything else stays BF16)
-HF_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 class HFExportError(ValueError):
@@ -261,21 +261,76 @@ def _fused_amax(hf: dict[str, torch.Tensor], layer_prefix: str, parts: tuple[str
     return torch.stack([hf[f"{layer_prefix}{p}.weight"].float().abs().amax() for p in parts]).amax()
 
 
-def _quantize_linears(hf: dict[str, torch.Tensor], cfg: ModelConfig, fmt) -> dict[str, torch.Tensor]:
-    """Replace every decoder linear's ``weight`` with its packed form (biases stay BF16)."""
-    name = getattr(fmt, "fmt", fmt)
-    out = dict(hf)
-    for i in range(cfg.num_layers):
-        pre = f"model.layers.{i}."
-        fused = {"self_attn.q_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                 "mlp.gate_proj": ("mlp.gate_proj", "mlp.up_proj")}
-        group_of = {p: g for g in fused.values() for p in g}
-        for lin in HF_LINEARS:
-            w = out.pop(f"{pre}{lin}.weight")
-            amax = _fused_amax(hf, pre, group_of[lin]) if name == "nvfp4" and lin in group_of else None
-            for k, v in quantize_weight(w, fmt, amax).items():
+# our linear (suffix after decoder.layers.i.) -> its HF projections; fused ones share one tensor scale
+_OURS_TO_HF = {"self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+               "self_attention.linear_proj": ("self_attn.o_proj",),
+               "mlp.linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
+               "mlp.linear_fc2": ("mlp.down_proj",)}
+
+
+def decoder_linear_names(cfg: ModelConfig) -> list[str]:
+    """Our decoder linears' names (``model.gpt.policy_linear_names`` without the output layer)."""
+    return [f"decoder.layers.{i}.{suffix}" for i in range(cfg.num_layers) for suffix in _OURS_TO_HF]
+
+
+def _per_linear(weight_format, cfg: ModelConfig) -> dict[str, object]:
+    """``{our decoder linear: weight format or None (BF16)}`` from one format or a mapping."""
+    if isinstance(weight_format, dict):
+        return {n: weight_format.get(n) for n in decoder_linear_names(cfg)}
+    return dict.fromkeys(decoder_linear_names(cfg), weight_format)
+
+
+def _quantize_linears(hf: dict[str, torch.Tensor], cfg: ModelConfig, formats: dict) -> tuple[dict, list[str]]:
+    """Replace the decoder linears' ``weight`` with their packed form where ``formats`` gives an FP4
+    format (biases stay BF16); returns the new state and the HF linears left in BF16."""
+    out, dense = dict(hf), []
+    for name, fmt in formats.items():
+        i, suffix = name.split(".", 3)[2], name.split(".", 3)[3]
+        pre, parts = f"model.layers.{i}.", _OURS_TO_HF[suffix]
+        if fmt is None:
+            dense += [f"{pre}{p}" for p in parts]
+            continue
+        nv = getattr(fmt, "fmt", fmt) == "nvfp4"
+        amax = _fused_amax(hf, pre, parts) if nv else None  # the fused tensor's amax: its g_enc
+        for lin in parts:
+            for k, v in quantize_weight(out.pop(f"{pre}{lin}.weight"), fmt, amax).items():
                 out[f"{pre}{lin}.{k}"] = v
-    return out
+    return out, dense
+
+
+def weight_formats_from_rollout(value: str, rules, cfg: ModelConfig) -> tuple[dict, bool, str]:
+    """``--rollout-precision`` (+ ``--rollout-precision-rule``) -> (``{our linear: weight
+    OperandFormat or None}``, whether MXFP4 activations are declared, a note for export_info).
+    Refused in one line: weight formats compressed-tensors' FP4 packing cannot hold, two FP4
+    formats in one model, a rotation (the exported weight would be the rotated one)."""
+    from model.rollout_plan import resolve_rollout_plan
+
+    names = decoder_linear_names(cfg) + ["output_layer"]
+    plan = resolve_rollout_plan(value, list(rules), names, cfg.num_layers, cfg.hidden_size // cfg.num_attention_heads)
+    formats, xs = {}, set()
+    for n in decoder_linear_names(cfg):
+        recipe = plan.fprop(n)
+        w = recipe.b
+        if recipe.rotation != "none":
+            raise HFExportError(f"--rollout-precision {value}: {n} rotates its operands ({recipe.rotation}); "
+                                "the exported weights would be rotated ones, which no HF loader undoes")
+        if w.fmt == "bf16":
+            formats[n] = None
+            continue
+        if w.fmt not in EXPORT_FORMATS:
+            raise HFExportError(f"--rollout-precision {value}: {n} weight format {w.fmt} has no compressed-tensors "
+                                f"export; valid: bf16, {', '.join(EXPORT_FORMATS)}")
+        formats[n] = w
+        xs.add(recipe.a.fmt)
+    used = {f.fmt for f in formats.values() if f is not None}
+    if len(used) > 1:
+        raise HFExportError(f"--rollout-precision {value}: mixes weight formats {', '.join(sorted(used))}; "
+                            "an export holds one FP4 format")
+    acts = used == {"mxfp4"} and xs == {"mxfp4"}
+    note = ("activations: dynamic MXFP4 (block 32), as the rollout" if acts else
+            f"activations: not declared (rollout x formats {', '.join(sorted(xs)) or '-'}; only dynamic MXFP4 "
+            "activations can be)")
+    return formats, acts, note + f"; KV-cache {plan.kv.fmt}: not part of the export"
 
 
 # ================================================================================================
@@ -286,35 +341,42 @@ def _quantize_linears(hf: dict[str, torch.Tensor], cfg: ModelConfig, fmt) -> dic
 def export_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str, *, weight_format=None,
               activations: bool = False, tokenizer_dir: str | None = None, info: dict | None = None) -> list[str]:
     """Write ``out_dir/{config.json, model.safetensors, export_info.json}`` (+ tokenizer files from
-    ``tokenizer_dir``). ``weight_format`` None: BF16; ``"nvfp4"`` / ``"mxfp4"`` (or an
-    ``OperandFormat`` of them): decoder linears packed in compressed-tensors' format (``activations``:
-    declare dynamic MXFP4 input activations, mxfp4 only). Returns the files written."""
+    ``tokenizer_dir``). ``weight_format``: None (BF16); ``"nvfp4"`` / ``"mxfp4"`` or an
+    ``OperandFormat`` of them for every decoder linear; or ``{our linear name: format or None}``
+    (:func:`weight_formats_from_rollout`), BF16 ones listed in the scheme's ``ignore``.
+    ``activations``: declare dynamic MXFP4 input activations (mxfp4 only). Returns the files written."""
     from safetensors.torch import save_file
 
-    name = getattr(weight_format, "fmt", weight_format)
-    if name is not None and name not in EXPORT_FORMATS:
-        raise HFExportError(f"--rollout-precision: weight format {name!r} has no compressed-tensors export; "
+    formats = _per_linear(weight_format, cfg)
+    used = {getattr(f, "fmt", f) for f in formats.values() if f is not None}
+    bad = sorted(used - set(EXPORT_FORMATS))
+    if bad:
+        raise HFExportError(f"--rollout-precision: weight format {bad[0]!r} has no compressed-tensors export; "
                             f"valid: {', '.join(EXPORT_FORMATS)}")
+    if len(used) > 1:
+        raise HFExportError(f"--rollout-precision: mixes weight formats {', '.join(sorted(used))}")
+    name = next(iter(used), None)
     if activations and name != "mxfp4":
         raise HFExportError(f"--rollout-precision: {name} activations cannot be declared in compressed-tensors' "
                             f"format (only dynamic MXFP4 activations can); export the weights alone")
-    hf = {k: v.to(torch.bfloat16) for k, v in hf_state_dict(state, cfg).items()}
+    hf = hf_state_dict(state, cfg)
+    dense: list[str] = []
     if name is not None:
-        fp32_weights = {k: v.float() for k, v in hf_state_dict(state, cfg).items()}
-        packed = _quantize_linears(fp32_weights, cfg, weight_format)
-        hf = {k: (v if k.rsplit(".", 1)[-1] in ("weight_packed", "weight_scale", "weight_global_scale")
-                  else v.to(torch.bfloat16)) for k, v in packed.items()}
+        hf, dense = _quantize_linears({k: v.float() for k, v in hf.items()}, cfg, formats)
+    packed_keys = ("weight_packed", "weight_scale", "weight_global_scale")
+    hf = {k: (v if k.rsplit(".", 1)[-1] in packed_keys else v.to(torch.bfloat16)) for k, v in hf.items()}
     os.makedirs(out_dir, exist_ok=True)
     config = hf_config(cfg)
     if name is not None:
         config["quantization_config"] = quantization_config(name, activations)
+        config["quantization_config"]["ignore"] += dense
     files = [os.path.join(out_dir, "config.json"), os.path.join(out_dir, "model.safetensors"),
              os.path.join(out_dir, "export_info.json")]
     with open(files[0], "w") as f:
         json.dump(config, f, indent=2)
     save_file(hf, files[1], metadata={"format": "pt"})
-    meta = {"weights": name or "bf16", "activations": ("mxfp4 (dynamic, block 32)" if activations else
-                                                       "not quantized by the export (weight-only)"),
+    meta = {"weights": name or "bf16", "bf16_linears": dense,
+            "activations": ("mxfp4 (dynamic, block 32)" if activations else "not quantized by the export (weight-only)"),
             "model_config": dataclasses.asdict(cfg), **(info or {})}
     with open(files[2], "w") as f:
         json.dump(meta, f, indent=2)

@@ -15,6 +15,9 @@ Checked against independent references:
     the same weight-only plan (``fprop=fp32@FMT``, FP32 activations) within FP32 noise for MXFP4
     (measured: identical); for NVFP4 within what its BF16 weight rounding explains (measured 0.019 of max |logit| 3.3), and
     within FP32 noise once our FP32 weights are put into the transformers model.
+  - the rollout plan decides (``--rollout-precision nvfp4 --rollout-precision-rule first:1=bf16``):
+    layer 0 exported dense and listed in ``ignore``, layer 1's packed tensors equal the generation
+    engine's own (``model.rollout.RolloutModel``), and transformers loads the mixed export.
 """
 
 from __future__ import annotations
@@ -213,16 +216,54 @@ def test_cli_exports_and_refuses_in_one_line(state, tmp_path, capsys):
     from launch.export_hf import main
 
     torch.save({"model": state, "model_config": dataclasses.asdict(CFG)}, tmp_path / "w.pt")
+    # W4A4 MXFP4 (this model's head dimension 16 takes no MXFP4 KV-cache; the KV is not exported anyway)
     assert main(["--load", str(tmp_path / "w.pt"), "--out", str(tmp_path / "out"), "--rollout-precision",
-                 "mxfp4"]) == 0
+                 "base=mxfp4,kv=bf16"]) == 0
     assert "mxfp4 weights" in capsys.readouterr().out
     qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     assert qc["config_groups"]["group_0"]["input_activations"]["dynamic"] is True  # W4A4: dynamic MXFP4
     info = json.loads((tmp_path / "out" / "export_info.json").read_text())
-    assert info["weights"] == "mxfp4" and info["rollout_precision"] == "mxfp4"
-    assert main(["--load", str(tmp_path / "missing"), "--out", str(tmp_path / "o2")]) == 2
-    err = capsys.readouterr().err
-    assert "--load" in err and "neither a training checkpoint" in err and err.count("\n") == 1
-    with pytest.raises(SystemExit):
-        main(["--load", str(tmp_path / "w.pt"), "--out", str(tmp_path / "o3"), "--rollout-precision", "fp6"])
-    assert "invalid choice: 'fp6'" in capsys.readouterr().err
+    assert info["weights"] == "mxfp4" and info["rollout_precision"] == "base=mxfp4,kv=bf16"
+    assert info["note"].startswith("activations: dynamic MXFP4")
+    cases = [(["--load", str(tmp_path / "missing")], "neither a training checkpoint"),
+             (["--rollout-precision", "fp6"], "--rollout-precision 'fp6': unknown rollout preset"),
+             (["--rollout-precision", "fp8"], "weight format fp8_e4m3 has no compressed-tensors export"),
+             (["--rollout-precision", "mxfp4"], "do not divide the head dimension 16"),
+             (["--rollout-precision", "mxfp4_w4a16+had16"], "rotates its operands (had16)"),
+             (["--rollout-precision", "mxfp4_w4a16", "--rollout-precision-rule", "first:1=nvfp4"],
+              "mixes weight formats")]
+    for extra, needle in cases:
+        argv = ["--load", str(tmp_path / "w.pt"), "--out", str(tmp_path / "o2"), *extra]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1, err
+
+
+def test_export_follows_the_rollout_plan(state, tmp_path):
+    """``--rollout-precision nvfp4 --rollout-precision-rule first:1=bf16``: layer 0 stays BF16 (the
+    scheme's ignore list), layer 1 holds the generation engine's own packed weights."""
+    from model.rollout import RolloutModel
+    from model.rollout_plan import resolve_rollout_plan
+    from pretrain.hf_export import weight_formats_from_rollout
+
+    formats, acts, note = weight_formats_from_rollout("nvfp4", ["first:1=bf16"], CFG)
+    assert not acts and "not declared" in note
+    export_hf(state, CFG, str(tmp_path), weight_format=formats)
+    st = _safetensors(str(tmp_path))
+    ignore = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["ignore"]
+    assert ignore[0] == "lm_head" and "model.layers.0.self_attn.q_proj" in ignore and len(ignore) == 1 + 7
+    assert torch.equal(st["model.layers.0.mlp.down_proj.weight"], state["decoder.layers.0.mlp.linear_fc2.weight"].bfloat16())
+    model = build_gpt(CFG)
+    model.load_state_dict(state, strict=False)
+    names = policy_linear_names(model)
+    plan = resolve_rollout_plan("nvfp4", ["first:1=bf16"], names, CFG.num_layers, 16)
+    engine = RolloutModel(model, plan)
+    engine.update()
+    packed = engine.packed[QKV.format(1).removesuffix(".weight")]
+    for lin, codes in _split_rows(packed.unpacked_codes(), "qkv", 1).items():
+        assert torch.equal(unpack_codes(st[f"model.layers.1.{lin}.weight_packed"], 4), codes), lin
+        assert torch.equal(st[f"model.layers.1.{lin}.weight_global_scale"], packed.tensor_scale.reshape(1))
+    weights = dict(_load_hf(str(tmp_path)).named_parameters())  # a mixed dense / packed export loads
+    assert torch.equal(weights["model.layers.0.mlp.down_proj.weight"], state["decoder.layers.0.mlp.linear_fc2.weight"])
+    assert torch.equal(weights["model.layers.1.mlp.down_proj.weight"],
+                       engine.packed["decoder.layers.1.mlp.linear_fc2"].values().bfloat16().float())
