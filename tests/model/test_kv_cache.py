@@ -110,3 +110,28 @@ def test_kv_quant_flag(tmp_path):
                                           r"dimension 16"):
         validate_args(parse_args_or_raise(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
                              "--ffn-hidden-size", "128", "--seq-length", "16", "--train-iters", "1", "--kv-quant", "mxfp4"]), 1, False)
+
+
+def test_kv_quant_in_the_training_forward(world_of_one):
+    """``ModelConfig.kv_quant``: the training forward sees quantized K and V, gradients flow (STE)."""
+    from model.attention import core_attentions
+    from model.gpt import ModelConfig, apply_precision_plan, build_gpt, policy_linear_names
+    from precision import PrecisionPolicy
+
+    losses, grads = {}, {}
+    for kv in (None, "mxfp4"):
+        cfg = ModelConfig(num_layers=1, hidden_size=64, ffn_hidden_size=64, num_attention_heads=2,
+                          num_query_groups=1, seq_length=8, vocab_size=64, kv_quant=kv)
+        torch.manual_seed(0)
+        model = build_gpt(cfg)
+        apply_precision_plan(model, PrecisionPolicy.from_args("fp32").resolve(policy_linear_names(model), 1))
+        assert [a.kv_format for a in core_attentions(model)] == [KVFormat(kv) if kv else None]
+        tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+        loss = model(tokens, torch.arange(8)[None], None, labels=tokens.roll(-1, 1)).mean()
+        loss.backward()
+        losses[kv] = float(loss)
+        grads[kv] = model.decoder.layers[0].self_attention.linear_qkv.weight.grad.clone()
+    assert losses[None] != losses["mxfp4"] and abs(losses[None] - losses["mxfp4"]) < 0.05
+    assert torch.isfinite(grads["mxfp4"]).all() and not torch.equal(grads[None], grads["mxfp4"])
+    cos = torch.nn.functional.cosine_similarity(grads[None].flatten(), grads["mxfp4"].flatten(), dim=0)
+    assert cos > 0.9  # straight-through: the same direction, slightly different numbers
