@@ -48,35 +48,40 @@ def _attributes_restored(objects, *names: str):
 
 
 @contextlib.contextmanager
-def trainer_precision(model, precision: str, rules: Sequence[str] = (), kv_quant: str | None = None):
-    """Inside: ``model``'s linears under the training plan ``precision`` (+ ``rules``) and its core
-    attentions fake-quantizing K/V in ``kv_quant`` (None: off); the model's own plan after."""
+def trainer_precision(model, precision: str | None, rules: Sequence[str] = (), kv_quant: str | None = None):
+    """Inside: ``model``'s linears under the training plan ``precision`` (+ ``rules``; None: the plan
+    the model already has) and its core attentions fake-quantizing K/V in ``kv_quant`` (None: off);
+    the model's own plan and KV settings after."""
     from model.attention import core_attentions, set_kv_quant
     from precision import PrecisionPolicy
 
     attentions = core_attentions(model)
-    plan = PrecisionPolicy.from_args(precision, list(rules)).resolve(policy_linear_names(model), len(attentions))
     with (_attributes_restored([m for _, m in policy_linears(model)], "precision"),
           _attributes_restored(attentions, "kv_format", "kv_amax")):
-        apply_precision_plan(model, plan)
+        if precision is not None:
+            names = policy_linear_names(model)
+            apply_precision_plan(model, PrecisionPolicy.from_args(precision, list(rules)).resolve(names, len(attentions)))
         set_kv_quant(model, kv_quant)
-        yield plan
+        yield
 
 
-def trainer_logprobs(model, batch: RolloutBatch, *, vocab_size: int, precision: str = "bf16",
+def trainer_logprobs(model, batch: RolloutBatch, *, vocab_size: int, precision: str | None = "bf16",
                      rules: Sequence[str] = (), kv_quant: str | None = None, temperature: float = 1.0) -> torch.Tensor:
-    """The trainer's recomputed log-probs ``[b, R]`` of the batch's response tokens."""
+    """The trainer's recomputed log-probs ``[b, R]`` of the batch's response tokens (``precision``
+    None: under the model's own plan)."""
     with trainer_precision(model, precision, rules, kv_quant):
         return score_logprobs(model, batch, vocab_size=vocab_size, temperature=temperature)
 
 
 def write_generation_mismatch(out_dir: str, model, batch: RolloutBatch, *, vocab_size: int, rollout: str,
-                              rollout_rules: Sequence[str] = (), trainer_precision: str = "bf16",
-                              trainer_rules: Sequence[str] = (), kv_quant: str | None = None,
-                              temperature: float = 1.0, truncated: bool = False, attribution: bool = True,
-                              groups: dict[str, list[int]] | None = None) -> dict:
+                              rollout_rules: Sequence[str] = (), trainer_precision: str | None = "bf16",
+                              trainer_rules: Sequence[str] = (), trainer_label: str | None = None,
+                              kv_quant: str | None = None, temperature: float = 1.0, truncated: bool = False,
+                              attribution: bool = True, groups: dict[str, list[int]] | None = None) -> dict:
     """Write ``out_dir/mismatch.md`` (+ plots) for ``batch`` sampled under ``rollout``; returns
-    ``{"overall", "by_position", "md", "plot", "attribution"}`` (module docstring)."""
+    ``{"overall", "by_position", "md", "plot", "attribution"}`` (module docstring).
+    ``trainer_precision`` None: the trainer is the model under the plan it already has (say which
+    in ``trainer_label``)."""
     train_lp = trainer_logprobs(model, batch, vocab_size=vocab_size, precision=trainer_precision,
                                 rules=trainer_rules, kv_quant=kv_quant, temperature=temperature)
     extra, attr = [], None
@@ -89,8 +94,8 @@ def write_generation_mismatch(out_dir: str, model, batch: RolloutBatch, *, vocab
         attr.plot(os.path.join(out_dir, "attribution.png"))
         extra += ["## Where the rollout's mismatch comes from", "", attr.table(), "",
                   "![attribution](attribution.png)"]
-    trainer = trainer_precision + (f" (+{', '.join(trainer_rules)})" if trainer_rules else "") + (
-        f", --kv-quant {kv_quant}" if kv_quant else "")
+    trainer = (trainer_label or trainer_precision or "the model's own plan") + (
+        f" (+{', '.join(trainer_rules)})" if trainer_rules else "") + (f", --kv-quant {kv_quant}" if kv_quant else "")
     out = write_mismatch_report(out_dir, train_lp, batch.rollout_logprobs, batch.response_mask,
                                 rollout=rollout, trainer=trainer, extra="\n".join(extra))
     return {**out, "attribution": attr}
