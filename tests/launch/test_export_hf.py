@@ -2,7 +2,8 @@
 
 A tiny GQA model (2 layers, hidden 64, vocabulary 300 padded to 384) with every parameter random.
 Checked against independent references:
-  - BF16: ``pretrain.hf_convert`` (the importer, written separately) reads the export back to our
+  - BF16 (Llama; Qwen2 with qkv biases and tied embeddings): ``pretrain.hf_convert`` (the importer,
+    written separately) reads the export back to our
     exact TP=1 tensors (BF16-rounded, vocabulary unpadded); a TP=2 checkpoint exports the same
     files as its TP=1 model.
   - FP4, without the client: the packed codes, block-scale bytes and NVFP4 global scale in the
@@ -41,16 +42,20 @@ CFG = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attenti
 QKV, FC1 = "decoder.layers.{}.self_attention.linear_qkv.weight", "decoder.layers.{}.mlp.linear_fc1.weight"
 
 
-@pytest.fixture
-def state(world_of_one):
-    """A TP=1 state dict (vocabulary padded to 384), weights ~N(0, 0.1), norms ~N(1, 0.1), every value
-    a BF16 value (as a GPU run's parameters are): the export's BF16 tensors are then exact."""
+def _random_state(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A TP=1 state dict (vocabulary padded), weights ~N(0, 0.1), norms ~N(1, 0.1), every value a BF16
+    value (as a GPU run's parameters are): the export's BF16 tensors are then exact."""
     torch.manual_seed(0)
-    model = build_gpt(CFG)
+    model = build_gpt(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_((torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0)).bfloat16())
     return {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+
+
+@pytest.fixture
+def state(world_of_one):
+    return _random_state(CFG)
 
 
 def _safetensors(out: str) -> dict[str, torch.Tensor]:
@@ -64,14 +69,18 @@ def _safetensors(out: str) -> dict[str, torch.Tensor]:
 # ================================================================================================
 
 
-def test_bf16_export_is_the_inverse_of_the_importer(state, tmp_path):
-    export_hf(state, CFG, str(tmp_path))
+@pytest.mark.parametrize("kind", ["llama", "qwen2_tied"])
+def test_bf16_export_is_the_inverse_of_the_importer(tmp_path, world_of_one, kind):
+    cfg = CFG if kind == "llama" else dataclasses.replace(CFG, add_qkv_bias=True, untie_embeddings=False)
+    state = _random_state(cfg)
+    export_hf(state, cfg, str(tmp_path))
     config = json.loads((tmp_path / "config.json").read_text())
-    assert hf_convert.model_config_from_hf(config, seq_length=CFG.seq_length) == CFG
-    back = hf_convert.convert_state_dict(_safetensors(str(tmp_path)), CFG)
+    assert config["architectures"] == (["LlamaForCausalLM"] if kind == "llama" else ["Qwen2ForCausalLM"])
+    assert hf_convert.model_config_from_hf(config, seq_length=cfg.seq_length) == cfg
+    back = hf_convert.convert_state_dict(_safetensors(str(tmp_path)), cfg)
     assert back.keys() == state.keys()
     for k, v in state.items():
-        want = v[: CFG.vocab_size] if v.shape[0] == 384 else v  # padded vocabulary rows are dropped
+        want = v[: cfg.vocab_size] if v.shape[0] == 384 else v  # padded vocabulary rows are dropped
         assert back[k].dtype == torch.bfloat16 and torch.equal(back[k], want.to(torch.bfloat16)), k
 
 
