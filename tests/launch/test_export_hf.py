@@ -3,9 +3,8 @@
 A tiny GQA model (2 layers, hidden 64, vocabulary 300 padded to 384) with every parameter random.
 Checked against independent references:
   - BF16 (Llama; Qwen2 with qkv biases and tied embeddings): ``pretrain.hf_convert`` (the importer,
-    written separately) reads the export back to our
-    exact TP=1 tensors (BF16-rounded, vocabulary unpadded); a TP=2 checkpoint exports the same
-    files as its TP=1 model.
+    written separately) reads the export back to our exact TP=1 tensors (BF16-rounded, vocabulary
+    unpadded); a TP=2 checkpoint exports the same files as its TP=1 model.
   - FP4, without the client: the packed codes, block-scale bytes and NVFP4 global scale in the
     safetensors equal our quantizer's on the *fused* ``linear_qkv`` / ``linear_fc1`` (what the
     rollout quantizes), bit for bit.
