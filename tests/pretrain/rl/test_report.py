@@ -44,3 +44,23 @@ def test_mismatch_md_with_attribution(model, tmp_path):  # noqa: F811
     assert out["overall"]["rollout_corr/k3_kl"] > 0 and out["attribution"].total["k3_kl"] > 0
     with pytest.raises(ValueError, match="unknown"):
         trainer_logprobs(model, batch, vocab_size=V, precision="nope")
+
+
+def test_generate_cli_writes_mismatch_md(model, tmp_path):  # noqa: F811
+    import dataclasses
+    import json
+
+    import torch
+
+    from launch.generate import main
+    from tests.pretrain.rl.test_attribution import CFG
+
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    torch.save({"model": state, "model_config": dataclasses.asdict(CFG)}, tmp_path / "w.pt")
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS[:2]))
+    assert main(["--load", str(tmp_path / "w.pt"), "--prompts", str(tmp_path / "p.jsonl"), "--out",
+                 str(tmp_path / "out"), "--rollout-precision", "mxfp4_w4a16", "--precision", "bf16",
+                 "--max-new-tokens", "4", "--temperature", "1.0"]) == 0
+    text = (tmp_path / "out" / "mismatch.md").read_text()
+    assert "rollout mxfp4_w4a16 vs trainer --precision bf16" in text and "2 sequences, 8 response tokens" in text
+    assert "Where the rollout's mismatch comes from" not in text  # --attribution not given
