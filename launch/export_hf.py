@@ -25,7 +25,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _PROG = "export_hf.py"
-def main(argv: list[str] | None = None) -> int:
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=_PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--load", required=True, help="training checkpoint dir (any TP), hf_converted.pt or plain file")
     p.add_argument("--out", required=True, help="output directory (config.json, model.safetensors, tokenizer)")
@@ -34,7 +36,11 @@ def main(argv: list[str] | None = None) -> int:
                         "pack the FP4 weights in compressed-tensors' format")
     p.add_argument("--rollout-precision-rule", action="append", default=[], metavar="SELECTOR=VALUE",
                    help="per-layer rollout rule, e.g. first:1=bf16 (those layers stay BF16: the scheme's ignore list)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     from pretrain.evaluation.loading import init_single_process
     from pretrain.hf_export import HFExportError, export_hf, load_tp1_weights, weight_formats_from_rollout
