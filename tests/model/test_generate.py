@@ -76,6 +76,14 @@ def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
 
 
+@torch.no_grad()
+def _trainer_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """Log-probs of ``response`` after ``prompt`` from megatron's forward of the unpadded sequence."""
+    ids = torch.tensor([prompt + response])
+    logp = model(ids, torch.arange(ids.shape[1])[None], None)[0, :, :VOCAB].float().log_softmax(-1)
+    return logp[len(prompt) - 1 : -1].gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
 # ================================================================================================
 # The engine's forward is megatron's
 # ================================================================================================
@@ -114,16 +122,12 @@ def test_batched_generation_equals_each_prompt_alone(styled, alone, padding, use
     assert len({tuple(t) for t in got.tokens}) == len(PROMPTS)  # rows really differ
 
 
-@torch.no_grad()
 def test_logprobs_are_the_trainers_on_the_sampled_tokens(styled):
     """Re-scoring prompt + response with megatron's forward gives the engine's greedy log-probs."""
     model, _ = styled
     out = Engine(model, vocab_size=VOCAB).generate(PROMPTS, GREEDY)
     for prompt, resp, lp in zip(PROMPTS, out.tokens, out.logprobs):
-        ids = torch.tensor([prompt + resp])
-        logp = model(ids, torch.arange(ids.shape[1])[None], None)[0, :, :VOCAB].float().log_softmax(-1)
-        want = logp[len(prompt) - 1 : -1].gather(-1, torch.tensor(resp)[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(lp), want, rtol=0, atol=FLOAT_TOL)
+        torch.testing.assert_close(torch.tensor(lp), _trainer_logprobs(model, prompt, resp), rtol=0, atol=FLOAT_TOL)
 
 
 # ================================================================================================
@@ -152,7 +156,6 @@ def test_cached_equals_uncached_under_rollout_presets(llama, spec):
     assert _max_diff(cached.logprobs, uncached.logprobs) <= AGREE[spec]
 
 
-@torch.no_grad()
 def test_rollout_equals_trainer_forward_with_kv_quant(styled):
     """The trainer's own forward under the rollout's Fprop recipes with ``--kv-quant mxfp4`` re-scores
     the rollout's tokens with the rollout's log-probs: weights, activations and KV-cache alike."""
@@ -163,19 +166,31 @@ def test_rollout_equals_trainer_forward_with_kv_quant(styled):
     set_kv_quant(model, "mxfp4")
     try:
         for prompt, resp, lp in zip(PROMPTS, out.tokens, out.logprobs):
-            ids = torch.tensor([prompt + resp])
-            logp = model(ids, torch.arange(ids.shape[1])[None], None)[0, :, :VOCAB].float().log_softmax(-1)
-            want = logp[len(prompt) - 1 : -1].gather(-1, torch.tensor(resp)[:, None])[:, 0]
+            want = _trainer_logprobs(model, prompt, resp)
             torch.testing.assert_close(torch.tensor(lp), want, rtol=0, atol=FLOAT_TOL)
         set_kv_quant(model, None)  # without the KV emulation the trainer sees other numbers
-        ids = torch.tensor([PROMPTS[0] + out.tokens[0]])
-        logp = model(ids, torch.arange(ids.shape[1])[None], None)[0, :, :VOCAB].float().log_softmax(-1)
-        want = logp[len(PROMPTS[0]) - 1 : -1].gather(-1, torch.tensor(out.tokens[0])[:, None])[:, 0]
+        want = _trainer_logprobs(model, PROMPTS[0], out.tokens[0])
         assert (torch.tensor(out.logprobs[0]) - want).abs().max() > 10 * FLOAT_TOL
     finally:
         set_kv_quant(model, None)
         apply_precision_plan(model, PrecisionPolicy.from_args("fp32").resolve(policy_linear_names(model),
                                                                               cfg.num_layers))
+
+
+def test_models_own_kv_quant_is_the_caches_format(llama):
+    """A model trained with ``--kv-quant mxfp4`` generates with an MXFP4 cache (no rollout plan): cached
+    equals uncached, which fake-quantizes K/V in the core attention, and differs from no KV quantization."""
+    model, _ = llama
+    plain = Engine(model, vocab_size=VOCAB).generate(PROMPTS, GREEDY)
+    set_kv_quant(model, "mxfp4")
+    try:
+        cached = Engine(model, vocab_size=VOCAB).generate(PROMPTS, GREEDY)
+        uncached = Engine(model, vocab_size=VOCAB, use_cache=False).generate(PROMPTS, GREEDY)
+        assert Engine(model, vocab_size=VOCAB).kv_bytes_per_token() == 2 * 2 * 1 * 32 * 4.25 / 8
+    finally:
+        set_kv_quant(model, None)
+    assert cached.tokens == uncached.tokens and _max_diff(cached.logprobs, uncached.logprobs) < FLOAT_TOL
+    assert _max_diff(cached.logprobs, plain.logprobs) > 10 * FLOAT_TOL
 
 
 def test_fp8_kv_cache_needs_and_gets_calibration(llama):
