@@ -7,7 +7,8 @@ neighbour: the trainer computes its loss on numbers the rollout never used. The 
 is needed to make the trainer's rounding the rollout's, cheaply:
 
     q_roll, rec = record_rounding(x_roll, "nvfp4")       # rollout: quantize and record
-    q_train = replay_quantize(x_train, rec)                # trainer: fake-quantize with the record
+    q_train = replay_quantize(x_train, rec)                # trainer: quantize with the record
+    x_fq = replay_fake_quantize(x_train, rec)              # ... as a fake-quantized operand (STE)
     code_agreement(q_train, q_roll)                        # fraction of element codes that agree
     rec.bits_per_element                                   # 1 + 8/16 (+ 32/numel) for NVFP4
 
@@ -54,7 +55,8 @@ from precision import blocks
 from precision.elements import E2M1, decode_element, element_values, encode_element, exponent_floor, fdiv
 from precision.formats import FORMATS, QuantizedTensor, Rounding, ScaleRule, get_format
 
-__all__ = ["RoundingRecord", "code_agreement", "record_rounding", "recordable_formats", "replay_quantize"]
+__all__ = ["RoundingRecord", "code_agreement", "record_rounding", "recordable_formats", "replay_fake_quantize",
+           "replay_quantize"]
 
 DEFAULT_WINDOW = 0.25
 
@@ -184,6 +186,13 @@ def replay_quantize(x: torch.Tensor, record: RoundingRecord, *, window: float = 
     codes = _zero_blocks(codes, xb, sbytes, name)
     return QuantizedTensor(name, blocks.from_blocks(codes, axis, x.shape[axis]), record.scales, axis,
                            tensor_scale=record.tensor_scale)
+
+
+def replay_fake_quantize(x: torch.Tensor, record: RoundingRecord, *, window: float = DEFAULT_WINDOW) -> torch.Tensor:
+    """The trainer's fake-quant mode: :func:`replay_quantize`'s values in ``x``'s dtype, with a
+    straight-through gradient (d out / d x = 1), as the training Fprop's fake-quantized operand."""
+    values = replay_quantize(x.detach(), record, window=window).dequantize(torch.float32).to(x.dtype)
+    return x + (values - x).detach()
 
 
 def _zero_blocks(codes: torch.Tensor, xb: torch.Tensor, sbytes: torch.Tensor, fmt: str) -> torch.Tensor:

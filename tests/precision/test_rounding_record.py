@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from precision.quantize import quantize
-from precision.rounding_record import code_agreement, record_rounding, recordable_formats, replay_quantize
+from precision.rounding_record import (
+    code_agreement,
+    record_rounding,
+    recordable_formats,
+    replay_fake_quantize,
+    replay_quantize,
+)
 
 FMTS = ("mxfp4", "nvfp4")
 
@@ -93,3 +99,13 @@ def test_bad_input_is_refused():
     _, rec = record_rounding(torch.ones(4, 32), "mxfp4")
     with pytest.raises(ValueError, match=r"x is \(4, 16\), the record \(4, 32\)"):
         replay_quantize(torch.ones(4, 16), rec)
+
+
+def test_fake_quant_mode_has_the_replayed_values_and_a_straight_through_gradient():
+    x_roll = torch.randn(4, 64, generator=torch.Generator().manual_seed(2))
+    _, rec = record_rounding(x_roll, "nvfp4")
+    x = (x_roll * 1.001).requires_grad_(True)
+    y = replay_fake_quantize(x, rec)
+    assert torch.equal(y.detach(), replay_quantize(x.detach(), rec).dequantize())
+    (y * torch.arange(64.0)).sum().backward()
+    assert torch.equal(x.grad, torch.arange(64.0).expand(4, 64))
