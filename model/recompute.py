@@ -159,7 +159,10 @@ class RecomputeTransformerBlock(TransformerBlock):
             return forward
 
         n, layers = self.config.recompute_num_layers, self.num_layers_per_pipeline_rank
-        inputs = lambda h, c: (h, attention_mask, c, context_mask, rotary_pos_emb, padding_mask)  # noqa: E731
+
+        def inputs(hidden_states, context):
+            return hidden_states, attention_mask, context, context_mask, rotary_pos_emb, padding_mask
+
         if self.config.recompute_method == "uniform":
             for start in range(0, layers, n):
                 hidden_states, context = checkpoint(chunk(start, min(start + n, layers)), *inputs(hidden_states, context))

@@ -25,7 +25,10 @@ import math
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel import copy_tensor_model_parallel_attributes, param_is_not_tensor_parallel_duplicate
+from megatron.core.tensor_parallel import (
+    copy_tensor_model_parallel_attributes,
+    param_is_not_tensor_parallel_duplicate,
+)
 
 
 class MainParams:

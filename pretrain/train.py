@@ -69,7 +69,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pretrain.arguments import PROG, ConfigError, model_config, parse_args_or_raise, recompute_config, validate_args
+from pretrain.arguments import (
+    PROG,
+    ConfigError,
+    model_config,
+    parse_args_or_raise,
+    recompute_config,
+    validate_args,
+)
 from pretrain.status import (
     EXIT_BAD_INPUT,
     EXIT_DIVERGED,
@@ -243,7 +250,7 @@ class ValidationResult:
     batch_losses: list[float]
 
     @classmethod
-    def of(cls, batch_losses: list[float]) -> "ValidationResult":
+    def of(cls, batch_losses: list[float]) -> ValidationResult:
         n = len(batch_losses)
         mean = sum(batch_losses) / n
         var = sum((v - mean) ** 2 for v in batch_losses) / (n - 1) if n > 1 else 0.0
@@ -863,9 +870,9 @@ def train(trainer: Trainer, sigterm: _SigtermFlag) -> int:
         exits = bool(args.exit_interval) and it % args.exit_interval == 0
         # the steps are read to the host (and a divergence found) only here: before anything that
         # logs, evaluates or saves, and at the end
-        if outcome != "pending" or logs or evaluate or save or exits or it == args.train_iters:
-            if (bad := progress.settle()) is not None:
-                return trainer.diverged(*bad[1:], iteration=bad[0])
+        settle = outcome != "pending" or logs or evaluate or save or exits or it == args.train_iters
+        if settle and (bad := progress.settle()) is not None:
+            return trainer.diverged(*bad[1:], iteration=bad[0])
 
         if evaluate:
             progress.validation(trainer.evaluate())
