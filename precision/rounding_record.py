@@ -76,11 +76,12 @@ def _check_format(fmt) -> str:
 def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
     flat = bits.reshape(-1).to(torch.uint8)
     flat = torch.nn.functional.pad(flat, (0, (-flat.numel()) % 8)).reshape(-1, 8)
-    return (flat << torch.arange(8, dtype=torch.uint8)).sum(dim=1, dtype=torch.uint8)
+    return (flat << torch.arange(8, dtype=torch.uint8, device=flat.device)).sum(dim=1, dtype=torch.uint8)
 
 
 def _unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
-    return ((packed.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(-1)[:numel].bool()
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    return ((packed.unsqueeze(1) >> shifts) & 1).reshape(-1)[:numel].bool()
 
 
 @dataclass
