@@ -19,16 +19,16 @@ Masks follow megatron: ``attention_mask`` is boolean with True = *masked out*, b
 [b, np, sq, sk]. For causal mask types the causal mask is always applied, combined with
 ``attention_mask`` when one is given (e.g. end-of-document masks).
 
-KV-cache inference (megatron's ``StaticInferenceContext``, used by
-``pretrain.evaluation.lm_eval_adapter``): megatron's ``Attention`` stores new keys/values in the
-context's buffers and hands this module the whole cache, so ``sk`` = cached + new positions. The
+Our generation engine (``model.generate``) keeps its own KV-cache (``kv_cache`` below). megatron's
+own KV-cache inference (``StaticInferenceContext``) works too: megatron's ``Attention`` stores new
+keys/values in the context's buffers and hands this module the whole cache, so ``sk`` = cached + new positions. The
 prefill step is an ordinary causal call (``sq == sk``). Decode steps feed one token and megatron
 passes ``attn_mask_type=no_mask``: the single query is the newest position and may see every
 cached key. Whenever ``sq != sk`` under a causal mask type, the queries are taken to be the *last*
 ``sq`` positions (bottom-right aligned ``tril(diagonal=sk - sq)``), never SDPA's top-left
 ``is_causal``. ``PortableSelfAttention`` lets megatron allocate those buffers on CPU.
 
-Quantized keys and values (``model.kv_cache``). Three plain attributes, ``None`` by default:
+Quantized keys and values (``model.kv_cache``). Plain attributes, ``None`` by default:
   ``kv_format``  a ``KVFormat``: keys and values are fake-quantized as the rollout's KV-cache stores
                  them (quantize -> dequantize along the head dimension, straight-through gradient;
                  ``--kv-quant``, set by :func:`set_kv_quant`), after RoPE, before attention;

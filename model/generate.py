@@ -10,6 +10,7 @@ RL rollouts all generate through :class:`Engine`::
     out.tokens[i], out.logprobs[i]           # sampled ids and the log-prob of each under the
                                              # distribution actually sampled from
     batch = out.rollout_batch()              # padded tensors: prompt ids, response ids, log-probs, masks
+    Engine(model, vocab_size=V).score(out.prompts, out.tokens)   # the trainer's log-probs of those tokens
 
 How a batch runs (TP >= 1, GQA, RoPE or learned absolute positions)::
 
@@ -69,7 +70,7 @@ from model.attention import core_attentions
 from model.gpt import policy_linears
 from model.kv_cache import KVCache
 
-__all__ = ["SamplingParams", "Generation", "RolloutBatch", "Engine", "sample", "forward_logits"]
+__all__ = ["SamplingParams", "Generation", "RolloutBatch", "Engine", "sample", "forward_logits", "attention_mask"]
 
 
 @dataclass(frozen=True)
@@ -385,6 +386,26 @@ class Engine:
                 logits = forward_logits(self.model, tokens, self._positions(valid), attention_mask(valid, width),
                                         torch.full_like(next_pos, width - 1))
             next_pos = next_pos + 1
+
+    # ---------------------------------------------------------------- re-scoring
+    def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+              temperature: float = 1.0) -> list[list[float]]:
+        """Log-prob of every response token after its prompt, ``log_softmax(logits / temperature)``,
+        from one uncached forward of the padded batch (the same masks and positions as generation).
+        With ``rollout=None`` that is the trainer's forward under the model's own plan -- what a
+        trainer recomputes for the mismatch against the rollout's log-probs; with a rollout, its plan."""
+        if temperature <= 0:
+            raise ValueError(f"score: temperature must be > 0, got {temperature}")
+        seqs = self.check_prompts([list(p) + list(r) for p, r in zip(prompts, responses)])
+        tokens, valid, last = self._layout(seqs)
+        with self._running():
+            logits = forward_logits(self.model, tokens, self._positions(valid), attention_mask(valid, tokens.shape[1]))
+        logp = F.log_softmax(logits[..., : self.vocab_size] / temperature, -1)
+        out = []
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            slots = torch.arange(len(r), device=logp.device) + int(last[i]) - len(r) + 1  # the response's slots
+            out.append(logp[i, slots - 1].gather(-1, tokens[i, slots][:, None])[:, 0].tolist())
+        return out
 
     def kv_bytes_per_token(self) -> float:
         """Stored KV-cache bytes of one token on this rank (every layer, K and V, block scales included)."""

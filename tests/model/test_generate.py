@@ -156,6 +156,19 @@ def test_cached_equals_uncached_under_rollout_presets(llama, spec):
     assert _max_diff(cached.logprobs, uncached.logprobs) <= AGREE[spec]
 
 
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_score_is_the_trainers_logprobs(llama, padding):
+    """``Engine.score``: the trainer's log-probs of given responses from one padded batch forward."""
+    model, _ = llama
+    out = Engine(model, vocab_size=VOCAB).generate(PROMPTS, GREEDY)
+    got = Engine(model, vocab_size=VOCAB, padding=padding).score(PROMPTS, out.tokens)
+    assert _max_diff(got, out.logprobs) < FLOAT_TOL  # greedy: the model's own distribution
+    hot = Engine(model, vocab_size=VOCAB).score(PROMPTS[:1], out.tokens[:1], temperature=2.0)[0]
+    want = (model(torch.tensor([PROMPTS[0] + out.tokens[0]]), torch.arange(12)[None], None)[0, 6:11, :VOCAB]
+            .float().div(2.0).log_softmax(-1).gather(-1, torch.tensor(out.tokens[0])[:, None])[:, 0])
+    torch.testing.assert_close(torch.tensor(hot), want.detach(), rtol=0, atol=FLOAT_TOL)
+
+
 def test_rollout_equals_trainer_forward_with_kv_quant(styled):
     """The trainer's own forward under the rollout's Fprop recipes with ``--kv-quant mxfp4`` re-scores
     the rollout's tokens with the rollout's log-probs: weights, activations and KV-cache alike."""
