@@ -50,12 +50,16 @@ def _warn_no_out_dtype(why: str) -> None:
                 "run as FP32 GEMMs of the BF16 operands (same products, slower)", why)
 
 
+_OUT_DTYPE_REFUSED: set = set()  # devices where torch.mm refused out_dtype (asked once per process)
+
+
 def mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a [M, K] @ b [K, N]`` of BF16 matrices with FP32 accumulation and an FP32 result."""
-    if a.is_cuda:
+    if a.is_cuda and a.device not in _OUT_DTYPE_REFUSED:
         try:
             return torch.mm(a, b, out_dtype=torch.float32)
         except (RuntimeError, TypeError) as e:  # an older torch, or a build without the dtype overload
+            _OUT_DTYPE_REFUSED.add(a.device)
             _warn_no_out_dtype(str(e).splitlines()[0])
     with ieee_fp32_matmul():
         return a.float() @ b.float()
