@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 
 import torch
 
@@ -59,6 +60,8 @@ def mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         try:
             return torch.mm(a, b, out_dtype=torch.float32)
         except (RuntimeError, TypeError) as e:  # an older torch, or a build without the dtype overload
+            if isinstance(e, RuntimeError) and not re.search(r"dtype|Could not run|not implemented", str(e)):
+                raise  # a real failure (e.g. out of memory), not a missing overload
             _OUT_DTYPE_REFUSED.add(a.device)
             _warn_no_out_dtype(str(e).splitlines()[0])
     with ieee_fp32_matmul():
