@@ -135,7 +135,7 @@ class TorchEngine:
                 (s * (dp_size / tokens)).backward()
             loss_sum += s.detach()
         loss = _dp_sum(loss_sum) / tokens
-        params = self.main or self.model
+        params = self.main if self.main is not None else self.model
         if self.main is not None:  # --bf16: sum the FP32 gradients over data-parallel ranks
             for p in self.main.parameters():
                 if p.grad is not None:

@@ -95,3 +95,16 @@ def test_megatron_engine_bf16_resume_is_bit_identical(tmp_path, data_cache):
                   "--tensorboard-dir", str(tmp_path / "tb_b")], nproc=1)
     a, b = scalars(tmp_path / "tb_a", "train/loss"), scalars(tmp_path / "tb_b", "train/loss")
     assert a[3] == b[3] and a[4] == b[4]
+
+
+def test_bf16_data_parallel_sums_the_fp32_gradients(bf16_runs, tmp_path, data_cache):
+    """DP=2 (no torch DDP under --bf16: the FP32 main gradients are all-reduced by the engine) sees
+    the gradient of DP=1 with two micro-batches: the same global norm before clipping (summation
+    order differs, so to FP32 rounding), the same first loss."""
+    root, _, _ = bf16_runs
+    run_pretrain([*TINY, "--bf16", "--precision", "bf16", "--train-iters", "4", "--exit-interval", "1",
+                  "--eval-iters", "0", "--data-cache-dir", str(data_cache), "--tensorboard-dir", str(tmp_path / "tb")],
+                 nproc=2)
+    for tag, rel in (("train/loss", 1e-6), ("train/grad_norm", 1e-5)):
+        dp2, dp1 = scalars(tmp_path / "tb", tag)[1], scalars(root / "tb_whole", tag)[1]
+        assert abs(dp2 - dp1) <= rel * abs(dp1), (tag, dp2, dp1)
