@@ -318,7 +318,8 @@ class Engine:
     # ---------------------------------------------------------------- calibration
     def calibrate_kv(self, prompts: list[list[int]]) -> None:
         """Per-head KV scales of the rollout's FP8 / NVFP4 cache from one uncached prefill of ``prompts``
-        (at each policy update: ``RolloutModel.update`` clears them)."""
+        (at each policy update: ``RolloutModel.update`` clears them). The amax of each head is taken over
+        every slot of the left/right-padded batch, padding slots included (they hold ``pad_id``)."""
         tokens, valid, last = self._layout(self.check_prompts(prompts))
         mask = attention_mask(valid, tokens.shape[1])
         with self._running(with_rollout=False):  # RolloutModel.calibrate_kv activates the rollout itself
