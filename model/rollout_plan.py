@@ -152,7 +152,7 @@ class RolloutPlan:
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
-        return {"rollout_precision": self.label, "kv_cache": self.kv.fmt,
+        return {"rollout_precision": self.label, "kv_cache": self.kv.fmt,  # label: --rollout-precision as given
                 "linears": {n: self.fprop(n).spec() for n in self.linears}}
 
 
@@ -180,4 +180,4 @@ def resolve_rollout_plan(value: str, rules: Iterable[str], names: Iterable[str],
         policy.check_rules(num_layers, names)
     except SpecError as e:
         raise SpecError(str(e).replace("--precision-rule", "--rollout-precision-rule")) from None
-    return RolloutPlan(policy.resolve(names, num_layers), base.kv, str(base))
+    return RolloutPlan(policy.resolve(names, num_layers), base.kv, value)
