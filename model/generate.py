@@ -235,6 +235,11 @@ class Engine:
                  padding: str = "left", pad_id: int = 0, use_cache: bool = True):
         if padding not in ("left", "right"):
             raise ValueError(f"padding: unknown {padding!r}; valid: left, right")
+        if not (model.pre_process and model.post_process):
+            raise ValueError("generation needs the whole model on each rank: --pipeline-model-parallel-size 1 "
+                             "(tensor parallelism is supported)")
+        if model.config.sequence_parallel:
+            raise ValueError("generation does not support --sequence-parallel (build the model without it)")
         self.model = model
         self.vocab_size = vocab_size
         self.rollout = rollout

@@ -32,6 +32,11 @@ A rollout GEMM rounds to nearest, with current scaling and at most a determinist
 holds no state that changes between calls (no stochastic rounding, no amax history, no resampled
 signs), so a token's numbers never depend on when it was generated.
 
+Per-tensor activation scales (``fp8``, and NVFP4's FP32 global scale) come from the amax of the
+tokens in one call -- a decode step's, or a whole prefix's when recomputed -- so there cached and
+uncached generation legitimately differ (``model.generate``); weights (quantized once) and MX
+activations (blocked within one token) do not depend on the call.
+
 The plan resolves to a ``PrecisionPlan`` whose entries are ``LinearPrecision`` values with the
 rollout recipe as Fprop (Dgrad/Wgrad BF16, unused): the trainer's forward under that plan
 (``model.gpt.apply_precision_plan``) runs exactly the rollout's Fprop -- the recompute oracle.
