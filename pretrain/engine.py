@@ -179,6 +179,26 @@ class TorchEngine:
         if self.main is not None:
             self.main.load(state)
 
+    @contextlib.contextmanager
+    def full_precision_weights(self):
+        """Within: the model's parameters are FP32 tensors, so weights copied in keep their FP32
+        bits; after: the mains take those values and the model their BF16 rounding (``--bf16``;
+        nothing changes without it). For ``--pretrained-checkpoint``, whose loaders copy into the model."""
+        if self.main is None:
+            yield
+            return
+        params = self.main.model_params
+        low = [p.data for p in params]
+        for p, (_, main) in zip(params, self.main.named, strict=True):
+            p.data = main.detach().clone()
+        try:
+            yield
+        finally:
+            loaded = [p.data for p in params]
+            for p, data in zip(params, low, strict=True):
+                p.data = data
+            self.main.load({name: value for (name, _), value in zip(self.main.named, loaded, strict=True)})
+
 
 # ================================================================================================
 # megatron-core DDP, optimizer and schedules (CUDA)
@@ -319,6 +339,11 @@ class MegatronEngine:
                     "(load it with --finetune, or drop the flag)"
                 )
             self.optimizer.load_parameter_state(path)
+
+    def full_precision_weights(self):
+        """The torch engine's context (FP32 weights while loading); here the BF16 weights are what
+        megatron's optimizer takes its FP32 mains from (``weights_loaded``)."""
+        return contextlib.nullcontext()
 
     def weights_loaded(self, state: dict | None = None) -> None:
         """After model weights were copied in: refresh the optimizer's main parameters (a resume

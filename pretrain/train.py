@@ -473,8 +473,9 @@ class Trainer:
         t0 = time.perf_counter()
         try:
             pre = read_pretrained(self.args.pretrained_checkpoint)
-            load_pretrained_weights(self.model, pre, self.args.tensor_model_parallel_size)
-            self.engine.weights_loaded()
+            with self.engine.full_precision_weights():  # --bf16: the FP32 mains get the file's FP32 values
+                load_pretrained_weights(self.model, pre, self.args.tensor_model_parallel_size)
+                self.engine.weights_loaded()
         except PretrainedError as e:
             raise ConfigError(str(e)) from None
         rank0_print(

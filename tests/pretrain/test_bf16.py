@@ -97,3 +97,25 @@ def test_bf16_data_parallel_sums_the_fp32_gradients(bf16_runs, tmp_path, data_ca
     for tag, rel in (("train/loss", 1e-6), ("train/grad_norm", 1e-5)):
         dp2, dp1 = scalars(tmp_path / "tb", tag)[1], scalars(root / "tb_whole", tag)[1]
         assert abs(dp2 - dp1) <= rel * abs(dp1), (tag, dp2, dp1)
+
+
+def test_weights_loaded_into_a_bf16_model_keep_their_fp32_bits_in_the_mains():
+    """--pretrained-checkpoint under --bf16: the loaders copy into the model, which is FP32 while
+    ``full_precision_weights`` is open, so the mains hold the file's FP32 values exactly."""
+    import argparse
+
+    from pretrain.engine import TorchEngine
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    args = argparse.Namespace(bf16=True, lr=1e-3, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, weight_decay=0.1)
+    engine = TorchEngine(model, args, torch.device("cpu"))
+    pretrained = {"weight": torch.randn(8, 16), "bias": torch.randn(8)}  # FP32 values BF16 cannot hold
+    with engine.full_precision_weights():
+        model.load_state_dict(pretrained)
+        engine.weights_loaded()
+    mains = dict(engine.main.named_parameters())
+    for name, value in pretrained.items():
+        assert torch.equal(mains[name].detach(), value), name
+        assert getattr(model, name).dtype == torch.bfloat16
+        assert torch.equal(getattr(model, name), value.to(torch.bfloat16)), name
