@@ -144,13 +144,13 @@ def bench(args) -> list[dict]:
 
 def table(rows: list[dict], args) -> str:
     device = rows[0]["device"]
-    lines = [f"# Rollout presets vs BF16 (GEMMs emulated on {device.upper()}: tokens/s measures the emulation, "
-             "not FP8/FP4 hardware)", "",
-             f"batch {args.batch_size}, prompt {args.prompt_length} + {args.max_new_tokens} new tokens, memory budget "
-             f"{args.memory_budget_gib:g} GiB (weights + KV-cache)", "",
-             "| preset | KV | tokens/s (emulated) | x BF16 | weight bytes | x BF16 | KV bytes/token | x BF16 "
-             "| max batch at budget | x BF16 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    title = (f"# Rollout presets vs BF16 (GEMMs emulated on {device.upper()}: tokens/s measures the emulation, "
+             "not FP8/FP4 hardware)")
+    setup = (f"batch {args.batch_size}, prompt {args.prompt_length} + {args.max_new_tokens} new tokens, memory "
+             f"budget {args.memory_budget_gib:g} GiB (weights + KV-cache)")
+    header = ("| preset | KV | tokens/s (emulated) | x BF16 | weight bytes | x BF16 | KV bytes/token | x BF16 "
+              "| max batch at budget | x BF16 |")
+    lines = [title, "", setup, "", header, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mb = f"{r['max_batch_vs_bf16']:.2f}" if r["max_batch_vs_bf16"] is not None else "-"
         lines.append(f"| {r['preset']} | {r['kv_cache']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_bf16']:.2f} "

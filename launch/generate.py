@@ -112,9 +112,9 @@ def load_session(args) -> Session:
     import torch
 
     from model.generate import Engine
+    from model.gpt import policy_linear_names
     from model.rollout import RolloutModel
     from model.rollout_plan import resolve_rollout_plan
-    from model.gpt import policy_linear_names
     from pretrain.evaluation.loading import init_single_process, load_for_eval
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -202,8 +202,8 @@ def generate_rollouts(session: Session, prompt_ids: list[list[int]], params, bat
     for k, start in enumerate(range(0, len(prompt_ids), batch_size)):
         batch_params = dataclasses.replace(params, seed=params.seed + k)
         parts.append(session.engine.generate(prompt_ids[start : start + batch_size], batch_params))
-    return Generation(*(sum((getattr(p, f) for p in parts), []) for f in
-                        ("prompts", "tokens", "logprobs", "finish_reasons", "last_logits")))
+    fields = ("prompts", "tokens", "logprobs", "finish_reasons", "last_logits")
+    return Generation(*([x for p in parts for x in getattr(p, f)] for f in fields))
 
 
 def write_outputs(out_dir: str, session: Session, rows: list[dict], gen, params, seconds: float, args) -> dict:

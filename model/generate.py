@@ -70,7 +70,7 @@ from model.attention import core_attentions
 from model.gpt import policy_linears
 from model.kv_cache import KVCache
 
-__all__ = ["SamplingParams", "Generation", "RolloutBatch", "Engine", "sample", "forward_logits", "attention_mask"]
+__all__ = ["Engine", "Generation", "RolloutBatch", "SamplingParams", "attention_mask", "forward_logits", "sample"]
 
 
 @dataclass(frozen=True)

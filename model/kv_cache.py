@@ -37,7 +37,7 @@ import torch
 
 from precision.formats import FORMATS, QuantizedTensor, format_names, get_format
 
-__all__ = ["KVFormat", "KVCache", "LayerKV", "per_head_amax", "kv_format_names"]
+__all__ = ["KVCache", "KVFormat", "LayerKV", "kv_format_names", "per_head_amax"]
 
 ALIASES = {"fp8": "fp8_e4m3"}
 

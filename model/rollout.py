@@ -42,7 +42,7 @@ from precision.formats import QuantizedTensor, get_format
 from precision.recipe import Gemm, GemmRecipe
 from precision.state import LayerQuantState
 
-__all__ = ["PackedWeight", "pack_weight", "RolloutModel"]
+__all__ = ["PackedWeight", "RolloutModel", "pack_weight"]
 
 
 def _no_weight(x2d: torch.Tensor) -> torch.Tensor:

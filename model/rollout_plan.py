@@ -52,8 +52,14 @@ from precision.formats import AmaxAlgo, Rounding, format_names
 from precision.policy import PrecisionPlan, PrecisionPolicy, Rule
 from precision.recipe import Gemm, GemmRecipe, LinearPrecision, SpecError, parse_gemm
 
-__all__ = ["ROLLOUT_PRESETS", "ROLLOUT_ROTATIONS", "RolloutPrecision", "RolloutPlan", "parse_rollout",
-           "resolve_rollout_plan"]
+__all__ = [
+    "ROLLOUT_PRESETS",
+    "ROLLOUT_ROTATIONS",
+    "RolloutPlan",
+    "RolloutPrecision",
+    "parse_rollout",
+    "resolve_rollout_plan",
+]
 
 # preset -> (Fprop spec x@w, KV-cache format)
 ROLLOUT_PRESETS: dict[str, tuple[str, str]] = {

@@ -108,7 +108,7 @@ def test_bad_flags_are_refused_in_one_line(ckpt, tmp_path, capsys, extra, match)
 
 
 def test_bad_files_are_refused_in_one_line(ckpt, tmp_path, capsys):
-    plain, prompts, d = ckpt
+    plain, prompts, _ = ckpt
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt_ids": [1]}\n{"prompt_ids": [1, \n')
     assert _run(["--load", plain, "--prompts", str(bad), "--out", str(tmp_path)]) == 2
