@@ -122,7 +122,9 @@ class TorchEngine:
         from model.gpt import allreduce_tp_partial_grads
         from pretrain.optim import clip_grad_norm
 
-        tokens = _dp_sum(torch.stack([mb["loss_mask"].sum() for mb in micro]).sum().float().to(self.device))
+        # counted on the device: a blocking host-to-device copy would wait for the GPU's queue
+        masks = [mb["loss_mask"].to(self.device, non_blocking=True) for mb in micro]
+        tokens = _dp_sum(torch.stack([m.sum() for m in masks]).sum().float())
         # torch DDP averages over data-parallel ranks: scale by dp so the result is sum / global tokens
         dp_size = parallel_state.get_data_parallel_world_size() if self.ddp is not self.model else 1
         self.optimizer.zero_grad(set_to_none=True)

@@ -188,7 +188,7 @@ def clip_grad_norm(parameters, max_norm: float, tp_group=None) -> torch.Tensor:
     parameters = [p for p in parameters if p.grad is not None]
     norm = grad_norm(parameters, tp_group)
     if max_norm > 0:
-        numerator = torch.tensor(max_norm, dtype=torch.float64, device=norm.device)
+        numerator = torch.full((), max_norm, dtype=torch.float64, device=norm.device)  # a fill, not a copy
         coeff = torch.div(numerator, norm.double() + 1e-6)  # a true division (a / t would be a * (1 / t))
         coeff = torch.where(coeff < 1.0, coeff, torch.ones_like(coeff)).float()
         for p in parameters:
