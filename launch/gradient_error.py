@@ -64,7 +64,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     p.add_argument("--precisions", nargs="+", default=["bf16", "fp8", "mxfp4_fprop", "mxfp4_fprop_dgrad",
                                                        "mxfp4", "wgrad_hadamard"],
-                   help="presets or per-GEMM specs to compare (as --precision takes)")
+                   help="presets or per-GEMM specs to compare (as --precision takes), each optionally followed "
+                        "by its own ';'-separated --precision-rule values, e.g. 'mxfp4;kind:output=mxfp4'")
     p.add_argument("--reference", default="fp32", help="precision of the exact gradient (default fp32)")
     p.add_argument("--batches", type=int, default=32, help="global batches to average over (default 32)")
     p.add_argument("--groups", type=int, default=8,
@@ -137,7 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         plans = {}
         for p in [ours.reference, *ours.precisions]:
             try:
-                plans[p] = PrecisionPolicy.from_args(p, args.precision_rule).resolve(names, args.num_layers)
+                preset, *rules = p.split(";")
+                policy = PrecisionPolicy.from_args(preset, [*rules, *args.precision_rule])
+                policy.check_rules(args.num_layers, names)
+                plans[p] = policy.resolve(names, args.num_layers)
             except (SpecError, ValueError) as e:
                 raise ConfigError(f"--precisions {p!r}: {e}") from None
     except ConfigError as e:
