@@ -15,4 +15,4 @@ from kernels.gemm import BACKENDS, CONTRACTION_AXES, gemm
 from kernels.quantizer import quantize
 from precision.recipe import Gemm
 
-__all__ = ["gemm", "Gemm", "BACKENDS", "CONTRACTION_AXES", "quantize", "select_backend", "describe_backends"]
+__all__ = ["BACKENDS", "CONTRACTION_AXES", "Gemm", "describe_backends", "gemm", "quantize", "select_backend"]

@@ -42,9 +42,19 @@ from precision.elements import E5M2
 from precision.formats import Format, Scaling, get_format
 from precision.recipe import Gemm, GemmRecipe, LinearPrecision
 
-__all__ = ["HW_BACKENDS", "GEMM_BACKENDS", "BACKEND_PATHS", "device_capability", "capability_name",
-           "device_backends", "recipe_backend", "bf16_exact_recipe", "select_backend", "describe_backends",
-           "BackendError"]
+__all__ = [
+    "BACKEND_PATHS",
+    "GEMM_BACKENDS",
+    "HW_BACKENDS",
+    "BackendError",
+    "bf16_exact_recipe",
+    "capability_name",
+    "describe_backends",
+    "device_backends",
+    "device_capability",
+    "recipe_backend",
+    "select_backend",
+]
 
 HW_BACKENDS = ("fp8_scaled_mm", "mx_scaled_mm", "bf16_mm")
 GEMM_BACKENDS = ("auto", "emulated", "reference", *HW_BACKENDS)
@@ -63,7 +73,7 @@ class BackendError(RuntimeError):
     """A GEMM backend that cannot run here; the message names the GEMM, layer and alternatives."""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_capability(index: int):
     if torch.version.hip:
         name = torch.cuda.get_device_properties(index).gcnArchName

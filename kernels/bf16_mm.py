@@ -40,12 +40,12 @@ from kernels.operand import QuantizedOperand, gemm_operands
 from precision.recipe import Gemm, GemmRecipe
 from precision.state import LayerQuantState
 
-__all__ = ["bf16_gemm", "mm_fp32_out", "bf16_operands_gemm"]
+__all__ = ["bf16_gemm", "bf16_operands_gemm", "mm_fp32_out"]
 
 log = logging.getLogger(__name__)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _warn_no_out_dtype(why: str) -> None:
     log.warning("torch.mm(..., out_dtype=torch.float32) is unavailable here (%s); bf16_mm GEMMs "
                 "run as FP32 GEMMs of the BF16 operands (same products, slower)", why)

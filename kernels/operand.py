@@ -39,8 +39,16 @@ from precision.rotation import rotate, rotation_size
 from precision.srand import SRKey
 from precision.state import LayerQuantState
 
-__all__ = ["CONTRACTION_AXES", "QuantizedOperand", "GemmOperands", "gemm_operands", "quantize_operand",
-           "pad_and_rotation", "finite_amax", "whole_tensor_amax"]
+__all__ = [
+    "CONTRACTION_AXES",
+    "GemmOperands",
+    "QuantizedOperand",
+    "finite_amax",
+    "gemm_operands",
+    "pad_and_rotation",
+    "quantize_operand",
+    "whole_tensor_amax",
+]
 
 # (a axis, b axis) contracted by each GEMM, operands in their natural layouts.
 CONTRACTION_AXES = {Gemm.FPROP: (1, 1), Gemm.DGRAD: (1, 0), Gemm.WGRAD: (0, 0)}
@@ -162,7 +170,7 @@ def gemm_operands(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe,
             qa.bf16, qb.bf16 = a.to(torch.bfloat16).movedim(a_axis, -1), b.to(torch.bfloat16).movedim(b_axis, -1)
         return GemmOperands(qa, qb, call, True)
     a, b, rot = pad_and_rotation(g, a, b, recipe, state, call)
-    kw = dict(impl=impl, rotation=rot, codes=codes, bf16=bf16)
+    kw = {"impl": impl, "rotation": rot, "codes": codes, "bf16": bf16}
     qa = quantize_operand(a, a_axis, recipe.a, g, names[0], state, call, **kw)
     qb = quantize_operand(b, b_axis, recipe.b, g, names[1], state, call, **kw)
     return GemmOperands(qa, qb, call)

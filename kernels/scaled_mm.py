@@ -39,7 +39,7 @@ from precision.quantize import FORMATS
 from precision.recipe import Gemm, GemmRecipe
 from precision.state import LayerQuantState
 
-__all__ = ["HwOperand", "hw_operand", "hw_gemm", "torch_scaled_mm", "emulated_scaled_mm"]
+__all__ = ["HwOperand", "emulated_scaled_mm", "hw_gemm", "hw_operand", "torch_scaled_mm"]
 
 K_MULTIPLE = 32
 ROW_MULTIPLE = 32

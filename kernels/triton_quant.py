@@ -66,8 +66,14 @@ from precision.rotation import hadamard_matrix, rotation_size
 from precision.srand import SRKey
 from precision.tensorwise import scale_from_amax
 
-__all__ = ["TRITON_FORMATS", "TritonQuantResult", "interpreter_problem", "interpreting", "quantize_triton",
-           "cast_transpose_triton"]
+__all__ = [
+    "TRITON_FORMATS",
+    "TritonQuantResult",
+    "cast_transpose_triton",
+    "interpreter_problem",
+    "interpreting",
+    "quantize_triton",
+]
 
 
 MODE_MX, MODE_NVFP4, MODE_TENSOR = 0, 1, 2
@@ -773,11 +779,11 @@ def cast_transpose_triton(
         bits = torch.zeros(1, dtype=torch.int32, device=x.device)
         grid = (triton.cdiv(t_len, tile), triton.cdiv(h_len, tile))
         _launch(_amax_kernel, grid, (x, bits, bits, t_len, h_len, 1, sx_t, 0, sx_h),
-                dict(TILE_R=tile, TK=tile, ROT=0, LOG_ROT=0, ROT_C=1.0, HAS_SIGNS=False))
+                {"TILE_R": tile, "TK": tile, "ROT": 0, "LOG_ROT": 0, "ROT_C": 1.0, "HAS_SIGNS": False})
         own = bits.view(torch.float32)[0]
     captured: list = []
-    common = dict(layout="contraction_last", codes=codes, bf16_form=bf16_form, tile_rows=tile, _capture=captured,
-                  _own_amax=own)
+    common = {"layout": "contraction_last", "codes": codes, "bf16_form": bf16_form, "tile_rows": tile,
+              "_capture": captured, "_own_amax": own}
     row = quantize_triton(x, fmt_row, axis=1, sr=sr_row, amax=amax_row, **common)
     col = quantize_triton(x, fmt_col, axis=0, sr=sr_col, amax=amax_col, **common)
     (a_args, a_meta), (b_args, b_meta) = captured

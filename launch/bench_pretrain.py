@@ -182,8 +182,8 @@ def table(rows: list[dict], peak: float | None) -> str:
         base.setdefault(r["mode"], r.get("tokens_per_sec"))
     first = rows[0]["precision"] if rows else "?"
     lines = [
-        f"| recipe | --bf16 | tokens/s | vs {first} | step time vs {first} | TFLOP/s/device | MFU | peak memory "
-        "| quantizing | GEMM paths | loss@N |",
+        (f"| recipe | --bf16 | tokens/s | vs {first} | step time vs {first} | TFLOP/s/device | MFU | peak memory "
+         "| quantizing | GEMM paths | loss@N |"),
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in rows:
@@ -253,7 +253,7 @@ def child(stats_path: str, argv: list[str]) -> int:
 
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")  # as launch/pretrain.py
 
-    import kernels.operand as operand
+    from kernels import operand
     from pretrain.train import main as pretrain_main
 
     cuda = torch.cuda.is_available()

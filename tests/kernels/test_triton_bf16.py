@@ -5,8 +5,8 @@ interpreter (``tests/kernels/conftest.py`` sets TRITON_INTERPRET=1): tiny shapes
 import pytest
 import torch
 
-from kernels.quantizer import triton_missing_reason
 from kernels.operand import gemm_operands
+from kernels.quantizer import triton_missing_reason
 from precision import FORMATS, Gemm, LayerQuantState
 from precision.recipe import parse_gemm
 
