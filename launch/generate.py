@@ -250,6 +250,8 @@ def run(args) -> dict:
             truncated=args.temperature > 0 and (args.top_k > 0 or args.top_p < 1.0), attribution=args.attribution)
         summary["mismatch"] = {k: mm["overall"][k] for k in ("rollout_corr/kl", "rollout_corr/k3_kl",
                                                               "rollout_corr/log_ppl_abs_diff")}
+        with open(os.path.join(args.out, "rollout.json"), "w") as f:  # now with the mismatch summary
+            json.dump(summary, f, indent=1)
     return summary
 
 
