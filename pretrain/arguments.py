@@ -26,6 +26,8 @@ from typing import NoReturn
 
 import yaml
 
+from kernels.backends import GEMM_BACKENDS
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_SIZES_DIR = os.path.join(REPO, "configs", "models")
 PROG = "pretrain.py"
@@ -116,11 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--gemm-backend",
-        choices=["auto", "emulated", "reference", "fp8_scaled_mm", "mx_scaled_mm"],
+        choices=GEMM_BACKENDS,
         default="auto",
         help="auto: per GEMM, the device's tensor cores where they support the recipe (FP8 on sm_89+, "
-        "MX/NVFP4 on sm_100), else emulated; emulated: fused torch.compile quantizers; reference: the "
-        "eager spec (bit-identical, slower); fp8_scaled_mm / mx_scaled_mm: force that hardware path",
+        "MX/NVFP4 on sm_100), else on CUDA BF16 tensor cores for every BF16-exact format (bf16_mm), "
+        "else emulated; emulated: fused torch.compile quantizers in FP32; reference: the eager spec "
+        "(bit-identical, slower); fp8_scaled_mm / mx_scaled_mm / bf16_mm: force that hardware path",
     )
     add(
         "--numerics-interval",
