@@ -27,8 +27,9 @@ distinct group means), it reports, relative to ``|G|``:
   tokens per step).
 
 Also per parameter kind (embedding, qkv, proj, fc1, fc2, output layer, norms), the bias, and each
-precision's mean loss difference from the reference on the same batches. TP=1 only; it reads the
-checkpoint and never writes one.
+precision's mean loss difference from the reference on the same batches. It measures at TP=1 and
+never writes a checkpoint; a checkpoint saved at another TP size loads with ``--finetune`` (weights
+only, so the batches then start at sample 0).
 """
 
 from __future__ import annotations
@@ -147,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if trainer.iteration == 0:
-        print(f"warning: --load {args.load} held no checkpoint: measuring an untrained model", file=sys.stderr)
+    if not os.path.exists(os.path.join(args.load, "latest_checkpointed_iteration.txt")):
+        print(f"warning: --load {args.load} holds no checkpoint: measuring an untrained model", file=sys.stderr)
 
     # Each precision keeps its own quantization state per layer (SR counters, delayed amaxes).
     from precision.state import LayerQuantState
