@@ -11,6 +11,8 @@ RL rollouts all generate through :class:`Engine`::
                                              # distribution actually sampled from
     batch = out.rollout_batch()              # padded tensors: prompt ids, response ids, log-probs, masks
     Engine(model, vocab_size=V).score(out.prompts, out.tokens)   # the trainer's log-probs of those tokens
+    Engine(model, vocab_size=V, rollout=r, record_layers=["kind:fc1"]).generate(...).records  # TRACE
+                                             # rounding records per prompt (``model.rollout_records``)
 
 How a batch runs (TP >= 1, GQA, RoPE or learned absolute positions)::
 
@@ -69,6 +71,7 @@ import torch.nn.functional as F
 from model.attention import core_attentions
 from model.gpt import policy_linears
 from model.kv_cache import KVCache
+from model.rollout_records import RoundingRecorder, select_recorded_linears
 
 __all__ = ["Engine", "Generation", "RolloutBatch", "SamplingParams", "attention_mask", "forward_logits", "sample"]
 
@@ -110,6 +113,7 @@ class RolloutBatch:
     response_ids: torch.Tensor  # [b, R] long, right-padded with 0
     response_mask: torch.Tensor  # [b, R] bool
     rollout_logprobs: torch.Tensor  # [b, R] float32, 0 where masked
+    records: list[dict] | None = None  # per row {linear: RoundingRecord} (Engine record_layers), else None
 
 
 @dataclass
@@ -121,6 +125,7 @@ class Generation:
     logprobs: list[list[float]]  # log-prob of each generated id under the distribution sampled from
     finish_reasons: list[str]  # "stop" (a stop token), "length" (max_new_tokens / max_length), "criteria"
     last_logits: list[torch.Tensor | None] = field(default_factory=list)  # [vocab] float32 of each row's last step
+    records: list[dict] | None = None  # Engine(record_layers=...): per prompt {linear: RoundingRecord}
 
     def rollout_batch(self) -> RolloutBatch:
         def pad(rows, dtype):
@@ -135,7 +140,7 @@ class Generation:
         prompt_ids, prompt_mask = pad(self.prompts, torch.long)
         response_ids, response_mask = pad(self.tokens, torch.long)
         logprobs, _ = pad(self.logprobs, torch.float32)
-        return RolloutBatch(prompt_ids, prompt_mask, response_ids, response_mask, logprobs)
+        return RolloutBatch(prompt_ids, prompt_mask, response_ids, response_mask, logprobs, self.records)
 
 
 # ================================================================================================
@@ -229,10 +234,14 @@ class Engine:
     ``max_length``: positions the model supports (default: its ``max_sequence_length``).
     ``padding``: ``"left"`` or ``"right"`` (see the module docstring). ``pad_id``: the id padding
     slots hold (never attended to). ``use_cache=False``: recompute every step (the oracle).
+    ``record_layers``: ``--precision-rule`` selectors or names of linears whose Fprop activation
+    rounding is recorded while generating (needs ``rollout``; ``model.rollout_records``):
+    ``Generation.records`` / ``RolloutBatch.records``, per prompt ``{linear: RoundingRecord}``.
     """
 
     def __init__(self, model, *, vocab_size: int, rollout=None, max_length: int | None = None,
-                 padding: str = "left", pad_id: int = 0, use_cache: bool = True):
+                 padding: str = "left", pad_id: int = 0, use_cache: bool = True,
+                 record_layers: Sequence[str] = ()):
         if padding not in ("left", "right"):
             raise ValueError(f"padding: unknown {padding!r}; valid: left, right")
         if not (model.pre_process and model.post_process):
@@ -249,6 +258,11 @@ class Engine:
         self.use_cache = use_cache
         self.attentions = core_attentions(model)
         self.device = next(model.parameters()).device
+        self.recorded = {}  # linear -> activation OperandFormat (record_layers)
+        if record_layers:
+            if rollout is None:
+                raise ValueError("record_layers: rounding records are taken under a rollout plan; pass rollout=")
+            self.recorded = select_recorded_linears(model, rollout.plan, record_layers)
 
     # ---------------------------------------------------------------- context
     @contextlib.contextmanager
@@ -340,18 +354,23 @@ class Engine:
             self.calibrate_kv(prompts)
         n = len(prompts)
         out = Generation(prompts, [[] for _ in prompts], [[] for _ in prompts], ["length"] * n, [None] * n)
+        recorder = RoundingRecorder(self.model, self.recorded, n) if self.recorded else None
         if params.max_new_tokens == 0 or not prompts:
+            out.records = recorder.records() if recorder is not None else None
             return out
         generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        with self._running():
-            self._loop(prompts, params, stop_criteria, generator, out)
+        with self._running(), recorder.attached() if recorder is not None else contextlib.nullcontext():
+            self._loop(prompts, params, stop_criteria, generator, out, recorder)
+        out.records = recorder.records() if recorder is not None else None
         return out
 
-    def _loop(self, prompts, params, stop_criteria, generator, out: Generation) -> None:
+    def _loop(self, prompts, params, stop_criteria, generator, out: Generation, recorder=None) -> None:
         tokens, valid, last = self._layout(prompts)
         rows = list(range(len(prompts)))  # batch row -> prompt index
         cache = self._new_cache() if self.use_cache else None
         positions = self._positions(valid)
+        if recorder is not None:  # the prefill runs every prompt token
+            recorder.expect(rows, valid)
         logits = forward_logits(self.model, tokens, positions, attention_mask(valid, tokens.shape[1]), last)
         if cache is not None:
             cache.advance(tokens.shape[1])
@@ -382,6 +401,10 @@ class Engine:
                     cache.keep_rows(keep)
             tokens = torch.cat([tokens, new[:, None]], 1)
             valid = torch.cat([valid, torch.ones_like(valid[:, :1])], 1)
+            if recorder is not None:  # each row's newest slot is new (cached decode runs only it)
+                fresh = torch.zeros_like(valid[:, -1:] if cache is not None else valid)
+                fresh[:, -1] = True
+                recorder.expect(rows, fresh)
             if cache is not None:  # decode: one slot, the cache holds the rest
                 mask = attention_mask(valid, 1)
                 logits = forward_logits(self.model, new[:, None], next_pos[:, None], mask,

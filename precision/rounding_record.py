@@ -99,6 +99,12 @@ class RoundingRecord:
     def numel(self) -> int:
         return int(torch.Size(self.shape).numel())
 
+    @classmethod
+    def from_directions(cls, fmt: str, axis: int, scales: torch.Tensor, up: torch.Tensor,
+                        tensor_scale: torch.Tensor | None = None) -> RoundingRecord:
+        """A record from its scales and its direction bits as a bool tensor (True = up), packed here."""
+        return cls(fmt, axis % up.dim(), tuple(up.shape), scales, tensor_scale, _pack_bits(up))
+
     def directions(self) -> torch.Tensor:
         """The direction bits (bool, ``shape``; True = rounded up)."""
         return _unpack_bits(self.direction, self.numel).reshape(self.shape)
@@ -153,7 +159,7 @@ def record_rounding(x: torch.Tensor, fmt, *, axis: int = -1, scale_rule=ScaleRul
     v = _scaled(xb, q.scales.movedim(axis, -1), name, q.tensor_scale)
     qv = _grid_values(q, axis)
     up = blocks.from_blocks(qv > v, axis, x.shape[axis])
-    return q, RoundingRecord(name, axis, tuple(x.shape), q.scales.clone(), q.tensor_scale, _pack_bits(up))
+    return q, RoundingRecord.from_directions(name, axis, q.scales.clone(), up, q.tensor_scale)
 
 
 def _grid_values(q: QuantizedTensor, axis: int) -> torch.Tensor:

@@ -1,0 +1,125 @@
+"""Rounding records taken while the engine generates (TRACE; ``precision.rounding_record``).
+
+For the chosen linears (``--precision-rule`` selectors: ``kind:fc1``, ``layers:0-3``, globs, or
+plain names) the engine records, during prefill and every decode step, the block scales and the
+rounding direction of each token's Fprop activation ``x`` -- the operand the rollout quantizes
+(``model.rollout.PackedWeight.fprop``) -- and assembles one record per sequence and linear, row
+``t`` being the token at position ``t`` of prompt + response::
+
+    === FPROP: y = x · wᵀ ===     x [s, b, in] per call  ->  new tokens' rows  ->  record_rounding
+    engine = Engine(model, vocab_size=V, rollout=rollout, record_layers=["kind:fc1"])
+    out = engine.generate(prompts, params)
+    rec = out.records[i]["decoder.layers.0.mlp.linear_fc1"]   # RoundingRecord, [P + R - 1, in]
+    x_fq = replay_fake_quantize(x_train[: rec.shape[0]], rec)     # the trainer replays it
+
+``R - 1``: a sequence's last sampled token is never run through the model (nothing follows it), so
+its activations do not exist. Padding slots are never recorded; in ``use_cache=False`` mode only
+each step's newest slot is (the earlier ones were recorded when they were new).
+
+Which calls a token's row comes from: the prefill for prompt tokens, the decode step that ran it
+for generated ones -- each recorded by ``precision.rounding_record.record_rounding`` with the
+linear's rollout activation format, on exactly the rows the rollout quantized. Recordable: a
+nearest-rounded block format with a finite grid and no tensor-level scale (``mxfp4``,
+``mxfp6_*``), without a rotation -- blocks then lie within one token's row, so a token's record
+does not depend on the call (prefill, decode step or a teacher-forced pass) that ran it. NVFP4's
+FP32 tensor scale is per call (a decode step's amax vs the whole prefix's), and a per-sequence
+record has room for one; it is refused, as is the output layer (it runs on one slot per row).
+Records are of this rank's shard of ``x`` under TP (a row-parallel linear's input is sharded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+
+from model.gpt import policy_linears
+from precision.formats import get_format
+from precision.policy import Rule
+from precision.recipe import LinearPrecision, SpecError
+from precision.rounding_record import RoundingRecord, record_rounding, recordable_formats
+
+__all__ = ["RoundingRecorder", "select_recorded_linears"]
+
+
+def select_recorded_linears(model, plan, selectors: Sequence[str], flag: str = "record_layers") -> dict[str, object]:
+    """``{name: activation OperandFormat}`` of the linears ``selectors`` choose (anchored, as
+    ``--precision-rule``'s); a selector that chooses nothing, or a linear whose rollout activation
+    format cannot be recorded, is refused in one line naming ``flag``."""
+    names = [n for n, _ in policy_linears(model)]
+    num_layers = model.config.num_layers
+    chosen: dict[str, object] = {}
+    for sel in selectors:
+        rule = Rule(sel, LinearPrecision(), f"{flag} {sel}")
+        hits = [n for n in names if n == sel or rule.matches(n, num_layers)]
+        if not hits:
+            raise SpecError(f"{flag} {sel!r}: selects no linear; linears: {', '.join(names)}")
+        for n in hits:
+            recipe = plan.fprop(n)
+            ok = (recipe.a.fmt in recordable_formats() and not get_format(recipe.a.fmt).tensor_scaled
+                  and recipe.rotation == "none" and n != "output_layer")
+            if not ok:
+                valid = ", ".join(f for f in recordable_formats() if not get_format(f).tensor_scaled)
+                raise SpecError(f"{flag} {sel!r}: {n} runs x as {recipe.spec()} under the rollout plan "
+                                f"{plan.label}; recordable during generation: decoder linears whose x is "
+                                f"{valid} without a rotation")
+            chosen[n] = recipe.a
+    return chosen
+
+
+class RoundingRecorder:
+    """Collects the chosen linears' records over one :meth:`Engine.generate` call.
+
+    The engine calls :meth:`expect` before each forward with the batch rows' prompt indices and the
+    ``[b, s]`` mask of slots whose tokens are new in that call; every chosen linear's forward
+    pre-hook then records those rows of its ``x`` (``[s, b, in]``); :meth:`records` assembles them."""
+
+    def __init__(self, model, formats: dict[str, object], n_sequences: int):
+        self.model = model
+        self.formats = formats
+        self._parts = [{n: [] for n in formats} for _ in range(n_sequences)]
+        self._rows: list[int] = []
+        self._new: torch.Tensor | None = None
+
+    def expect(self, rows: list[int], new: torch.Tensor) -> None:
+        """Next forward: batch row ``k`` is sequence ``rows[k]``; ``new [b, s]`` marks the slots to record."""
+        self._rows, self._new = list(rows), new
+
+    def _record(self, name: str, x: torch.Tensor) -> None:
+        new = self._new
+        if x.dim() != 3 or tuple(x.shape[:2]) != (new.shape[1], new.shape[0]):
+            raise RuntimeError(f"rounding records: {name}'s input is {tuple(x.shape)}, expected [s, b, in] = "
+                               f"[{new.shape[1]}, {new.shape[0]}, in]")
+        x_new = x.detach().transpose(0, 1)[new]  # [n, in]: rows in (batch row, slot) order
+        _, rec = record_rounding(x_new, self.formats[name], axis=1)
+        up, scales = rec.directions(), rec.scales
+        start = 0
+        for k, count in enumerate(new.sum(1).tolist()):
+            self._parts[self._rows[k]][name].append((scales[start : start + count], up[start : start + count]))
+            start += count
+
+    @contextlib.contextmanager
+    def attached(self):
+        """Inside: each chosen linear records its new rows at every forward."""
+        modules = dict(policy_linears(self.model))
+        handles = [modules[n].register_forward_pre_hook(lambda _m, args, n=n: self._record(n, args[0]))
+                   for n in self.formats]
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    def records(self) -> list[dict[str, RoundingRecord]]:
+        """Per sequence: ``{linear: RoundingRecord}`` of ``[tokens run, in]`` (module docstring)."""
+        out = []
+        for parts in self._parts:
+            seq = {}
+            for name, chunks in parts.items():
+                if chunks:
+                    scales = torch.cat([c[0] for c in chunks])
+                    up = torch.cat([c[1] for c in chunks])
+                    seq[name] = RoundingRecord.from_directions(self.formats[name].fmt, 1, scales, up)
+            out.append(seq)
+        return out
