@@ -126,6 +126,7 @@ class Generation:
     finish_reasons: list[str]  # "stop" (a stop token), "length" (max_new_tokens / max_length), "criteria"
     last_logits: list[torch.Tensor | None] = field(default_factory=list)  # [vocab] float32 of each row's last step
     records: list[dict] | None = None  # Engine(record_layers=...): per prompt {linear: RoundingRecord}
+    record_codes: list[dict] | None = None  # Engine(record_codes=True): per prompt {linear: QuantizedTensor}
 
     def rollout_batch(self) -> RolloutBatch:
         def pad(rows, dtype):
@@ -236,12 +237,13 @@ class Engine:
     slots hold (never attended to). ``use_cache=False``: recompute every step (the oracle).
     ``record_layers``: ``--precision-rule`` selectors or names of linears whose Fprop activation
     rounding is recorded while generating (needs ``rollout``; ``model.rollout_records``):
-    ``Generation.records`` / ``RolloutBatch.records``, per prompt ``{linear: RoundingRecord}``.
+    ``Generation.records`` / ``RolloutBatch.records``, per prompt ``{linear: RoundingRecord}``;
+    ``record_codes``: also ``Generation.record_codes``, the rollout's own codes (to measure agreement).
     """
 
     def __init__(self, model, *, vocab_size: int, rollout=None, max_length: int | None = None,
                  padding: str = "left", pad_id: int = 0, use_cache: bool = True,
-                 record_layers: Sequence[str] = ()):
+                 record_layers: Sequence[str] = (), record_codes: bool = False):
         if padding not in ("left", "right"):
             raise ValueError(f"padding: unknown {padding!r}; valid: left, right")
         if not (model.pre_process and model.post_process):
@@ -263,6 +265,7 @@ class Engine:
             if rollout is None:
                 raise ValueError("record_layers: rounding records are taken under a rollout plan; pass rollout=")
             self.recorded = select_recorded_linears(model, rollout.plan, record_layers)
+        self.record_codes = record_codes
 
     # ---------------------------------------------------------------- context
     @contextlib.contextmanager
@@ -354,14 +357,13 @@ class Engine:
             self.calibrate_kv(prompts)
         n = len(prompts)
         out = Generation(prompts, [[] for _ in prompts], [[] for _ in prompts], ["length"] * n, [None] * n)
-        recorder = RoundingRecorder(self.model, self.recorded, n) if self.recorded else None
-        if params.max_new_tokens == 0 or not prompts:
-            out.records = recorder.records() if recorder is not None else None
-            return out
-        generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        with self._running(), recorder.attached() if recorder is not None else contextlib.nullcontext():
-            self._loop(prompts, params, stop_criteria, generator, out, recorder)
-        out.records = recorder.records() if recorder is not None else None
+        recorder = RoundingRecorder(self.model, self.recorded, n, self.record_codes) if self.recorded else None
+        if params.max_new_tokens and prompts:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            with self._running(), recorder.attached() if recorder is not None else contextlib.nullcontext():
+                self._loop(prompts, params, stop_criteria, generator, out, recorder)
+        if recorder is not None:
+            out.records, out.record_codes = recorder.records(), recorder.codes()
         return out
 
     def _loop(self, prompts, params, stop_criteria, generator, out: Generation, recorder=None) -> None:

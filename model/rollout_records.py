@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import torch
 
 from model.gpt import policy_linears
-from precision.formats import get_format
+from precision.formats import QuantizedTensor, get_format
 from precision.policy import Rule
 from precision.recipe import LinearPrecision, SpecError
 from precision.rounding_record import RoundingRecord, record_rounding, recordable_formats
@@ -73,11 +73,14 @@ class RoundingRecorder:
 
     The engine calls :meth:`expect` before each forward with the batch rows' prompt indices and the
     ``[b, s]`` mask of slots whose tokens are new in that call; every chosen linear's forward
-    pre-hook then records those rows of its ``x`` (``[s, b, in]``); :meth:`records` assembles them."""
+    pre-hook then records those rows of its ``x`` (``[s, b, in]``); :meth:`records` assembles them.
+    ``keep_codes``: also keep the rollout's own codes (:meth:`codes`), to measure how many of them a
+    trainer reproduces -- a measurement, not part of the record (4 more bits per FP4 element)."""
 
-    def __init__(self, model, formats: dict[str, object], n_sequences: int):
+    def __init__(self, model, formats: dict[str, object], n_sequences: int, keep_codes: bool = False):
         self.model = model
         self.formats = formats
+        self.keep_codes = keep_codes
         self._parts = [{n: [] for n in formats} for _ in range(n_sequences)]
         self._rows: list[int] = []
         self._new: torch.Tensor | None = None
@@ -92,11 +95,11 @@ class RoundingRecorder:
             raise RuntimeError(f"rounding records: {name}'s input is {tuple(x.shape)}, expected [s, b, in] = "
                                f"[{new.shape[1]}, {new.shape[0]}, in]")
         x_new = x.detach().transpose(0, 1)[new]  # [n, in]: rows in (batch row, slot) order
-        _, rec = record_rounding(x_new, self.formats[name], axis=1)
-        up, scales = rec.directions(), rec.scales
+        q, rec = record_rounding(x_new, self.formats[name], axis=1)
+        columns = (rec.scales, rec.directions()) + ((q.codes,) if self.keep_codes else ())
         start = 0
         for k, count in enumerate(new.sum(1).tolist()):
-            self._parts[self._rows[k]][name].append((scales[start : start + count], up[start : start + count]))
+            self._parts[self._rows[k]][name].append(tuple(c[start : start + count] for c in columns))
             start += count
 
     @contextlib.contextmanager
@@ -111,15 +114,19 @@ class RoundingRecorder:
             for h in handles:
                 h.remove()
 
+    def _cat(self, column: int) -> list[dict[str, torch.Tensor]]:
+        return [{n: torch.cat([c[column] for c in chunks]).cpu() for n, chunks in parts.items() if chunks}
+                for parts in self._parts]
+
     def records(self) -> list[dict[str, RoundingRecord]]:
-        """Per sequence: ``{linear: RoundingRecord}`` of ``[tokens run, in]`` (module docstring)."""
-        out = []
-        for parts in self._parts:
-            seq = {}
-            for name, chunks in parts.items():
-                if chunks:
-                    scales = torch.cat([c[0] for c in chunks])
-                    up = torch.cat([c[1] for c in chunks])
-                    seq[name] = RoundingRecord.from_directions(self.formats[name].fmt, 1, scales, up)
-            out.append(seq)
-        return out
+        """Per sequence: ``{linear: RoundingRecord}`` of ``[tokens run, in]`` (module docstring), on
+        the CPU like ``RolloutBatch``'s tensors."""
+        return [{n: RoundingRecord.from_directions(self.formats[n].fmt, 1, scales[n], up[n]) for n in scales}
+                for scales, up in zip(self._cat(0), self._cat(1))]
+
+    def codes(self) -> list[dict[str, QuantizedTensor]] | None:
+        """Per sequence: ``{linear: the rollout's quantized x}``, rows as :meth:`records` (``keep_codes``)."""
+        if not self.keep_codes:
+            return None
+        return [{n: QuantizedTensor(self.formats[n].fmt, codes[n], scales[n], 1) for n in scales}
+                for scales, codes in zip(self._cat(0), self._cat(2))]

@@ -23,6 +23,13 @@ FP4 upstream moves these inputs by whole grid steps.
 
     rows = rounding_alignment(model, batch, vocab_size=V, rollout="mxfp4", layers=["*.linear_fc1"])
     print(alignment_table(rows))
+
+With records the engine took while it generated (``Engine(record_layers=..., record_codes=True)``,
+``model.rollout_records``) nothing is re-scored under the rollout: :func:`engine_alignment` runs the
+trainer's forward on the batch and compares with the rollout's own codes, replaying its records.
+
+    rows = engine_alignment(model, gen.rollout_batch(), gen.record_codes, engine.recorded, vocab_size=V,
+                            trainer="bf16")
 """
 
 from __future__ import annotations
@@ -37,10 +44,10 @@ from model.gpt import policy_linears
 from model.rollout import RolloutModel
 from precision.quantize import quantize
 from precision.rounding_record import code_agreement, record_rounding, recordable_formats, replay_quantize
-from pretrain.rl.attribution import _plan, score_logprobs
+from pretrain.rl.attribution import _plan, score_logprobs, sequences
 from pretrain.rl.report import trainer_precision
 
-__all__ = ["alignment_table", "capture_inputs", "rounding_alignment"]
+__all__ = ["alignment_table", "capture_inputs", "engine_alignment", "rounding_alignment"]
 
 
 @contextlib.contextmanager
@@ -97,6 +104,38 @@ def rounding_alignment(model, batch, *, vocab_size: int, rollout: str, layers: S
                      "own": code_agreement(own, q_roll),
                      "replay": code_agreement(replay_quantize(x_train[n], rec, window=window), q_roll),
                      "bits_per_element": rec.bits_per_element})
+    return rows
+
+
+@torch.no_grad()
+def engine_alignment(model, batch, codes: Sequence[dict] | None, formats: dict, *, vocab_size: int,
+                     trainer: str | None = "bf16", trainer_rules: Sequence[str] = (), kv_quant: str | None = None,
+                     window: float = 0.25) -> list[dict]:
+    """:func:`rounding_alignment`'s rows for records taken by the engine while generating:
+    ``batch.records`` (the replayed records), ``codes`` (``Generation.record_codes``, the rollout's
+    own codes) per sequence and linear, ``formats`` the linears' activation formats
+    (``Engine.recorded``: the trainer's own rounding uses them); the trainer (``trainer`` None: the
+    model's own plan) runs one forward on the batch. Agreements are over all sequences' elements."""
+    if not batch.records or codes is None:
+        raise ValueError("engine alignment: the batch has no rounding records; generate with "
+                         "Engine(record_layers=..., record_codes=True)")
+    names = list(formats)
+    tokens, valid, _ = sequences(batch)
+    with trainer_precision(model, trainer, trainer_rules, kv_quant), capture_inputs(model, names) as x_train:
+        score_logprobs(model, batch, vocab_size=vocab_size)
+    rows = []
+    for n in names:
+        x = x_train[n].reshape(tokens.shape[1], tokens.shape[0], -1)  # [slots, b, in], as the forward ran
+        own = replay = elements = bits = 0.0
+        for i, (rec, q_roll) in enumerate(zip((r[n] for r in batch.records), (c[n] for c in codes))):
+            x_i = x[:, i][valid[i]][: rec.shape[0]]  # prompt + response tokens the rollout ran
+            m = rec.numel
+            own += m * code_agreement(quantize(x_i, formats[n], axis=1), q_roll)
+            replay += m * code_agreement(replay_quantize(x_i, rec, window=window), q_roll)
+            elements += m
+            bits += m * rec.bits_per_element
+        rows.append({"layer": n, "format": str(formats[n]), "elements": int(elements),
+                     "own": own / elements, "replay": replay / elements, "bits_per_element": bits / elements})
     return rows
 
 

@@ -20,10 +20,11 @@ from precision import PrecisionPolicy
 from precision.quantize import quantize
 from precision.recipe import SpecError
 from precision.rounding_record import code_agreement, record_rounding, replay_fake_quantize, replay_quantize
-from pretrain.rl.alignment import capture_inputs
+from pretrain.rl.alignment import capture_inputs, engine_alignment
 from tests.model.test_generate import GREEDY, PROMPTS, VOCAB, _rollout, build
 
 FC1_0, QKV_1 = "decoder.layers.0.mlp.linear_fc1", "decoder.layers.1.self_attention.linear_qkv"
+QKV_0 = "decoder.layers.0.self_attention.linear_qkv"
 SELECT = ["kind:fc1", QKV_1]  # a --precision-rule selector and a plain name
 
 
@@ -111,3 +112,26 @@ def test_unrecordable_layers_are_refused(llama):
         Engine(model, vocab_size=VOCAB, rollout=_rollout(model, cfg, "mxfp4"), record_layers=["decoder.layers.7.*"])
     with pytest.raises(ValueError, match="pass rollout="):
         Engine(model, vocab_size=VOCAB, record_layers=["kind:fc1"])
+
+
+def test_engine_alignment_against_the_rollouts_own_codes(llama):
+    """``pretrain.rl.alignment.engine_alignment``: the trainer's forward against the codes the engine
+    kept while generating (``record_codes=True``), with and without replaying its records."""
+    model, cfg = llama
+    rollout = _rollout(model, cfg, "mxfp4")
+    engine = Engine(model, vocab_size=VOCAB, rollout=rollout, record_layers=[QKV_0, FC1_0, QKV_1], record_codes=True)
+    out = engine.generate(PROMPTS, GREEDY)
+    for prompt, resp, codes in zip(PROMPTS, out.tokens, out.record_codes):  # the codes the rollout ran
+        seq = prompt + resp
+        x = _teacher_forced(model, rollout, [FC1_0], seq)[FC1_0][: len(seq) - 1]
+        assert torch.equal(codes[FC1_0].codes, record_rounding(x, rollout.plan.fprop(FC1_0).a, axis=1)[0].codes)
+    batch = out.rollout_batch()
+    same = engine_alignment(model, batch, out.record_codes, engine.recorded, vocab_size=VOCAB,
+                            trainer="base=bf16,fprop=mxfp4@mxfp4", kv_quant="mxfp4")
+    assert all(r["own"] == r["replay"] == 1.0 and r["bits_per_element"] == 1.25 for r in same), same
+    rows = {r["layer"]: r for r in engine_alignment(model, batch, out.record_codes, engine.recorded,
+                                                    vocab_size=VOCAB, trainer="bf16")}
+    assert rows[QKV_0]["own"] == rows[QKV_0]["replay"] == 1.0  # embeddings + norm: the same x
+    for n in (FC1_0, QKV_1):  # after a BF16 attention and KV-cache: other inputs; replay recovers codes
+        assert rows[n]["own"] < 1.0 and rows[n]["replay"] > rows[n]["own"], rows[n]
+    assert rows[QKV_1]["elements"] == sum(len(p) + len(t) - 1 for p, t in zip(PROMPTS, out.tokens)) * 64
