@@ -19,7 +19,12 @@ of each response token under the distribution it was sampled from, finish reason
 ``OUT/rollout.json`` (plan, weight bytes, KV bytes per token, sampling, tokens/s), and
 ``OUT/mismatch.md`` + plots: the trainer (``--precision``) re-scores the sampled tokens and the
 mismatch is reported under verl's names, by response position, and with ``--attribution`` split
-into weights / activations / KV-cache (``pretrain.rl.report``). Programmatic
+into weights / activations / KV-cache (``pretrain.rl.report``). ``--record-rounding SELECTOR``
+(``--precision-rule`` selectors, repeatable) records the chosen linears' activation rounding while
+the engine generates (``model.rollout_records``: block scales + one direction bit per element) and
+writes to ``rollout.json`` each linear's record size in bits per element and the fraction of the
+rollout's codes the trainer (``--precision``) reproduces, own rounding and replaying the records
+(``pretrain.rl.alignment.engine_alignment``). Programmatic
 use: :func:`load_session` then :func:`generate_rollouts`, which returns the padded rollout batch
 (prompt ids, response ids, rollout log-probs, masks) a trainer re-scores.
 """
@@ -65,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--tokenizer-model", default=None, help="sentencepiece model (pretrain.data.Tokenizer)")
     add("--hf-tokenizer", default=None, help="local Hugging Face tokenizer directory")
     add("--device", default="auto", help="cpu, cuda, or auto (default)")
+    add("--record-rounding", action="append", default=[], metavar="SELECTOR",
+        help="record these linears' activation rounding while generating (TRACE), e.g. kind:fc1 (repeatable); "
+        "rollout.json gets bits/element and trainer agreement")
     add("--attribution", action="store_true",
         help="mismatch.md also attributes the mismatch to weights / activations / KV-cache (8+ re-scores)")
     return p
@@ -136,8 +144,12 @@ def load_session(args) -> Session:
                                 cfg.hidden_size // cfg.num_attention_heads)
     rollout = RolloutModel(loaded.model, plan)
     rollout.update()
-    engine = Engine(loaded.model, vocab_size=cfg.vocab_size, rollout=rollout, padding=args.padding,
-                    use_cache=args.use_cache)
+    try:
+        engine = Engine(loaded.model, vocab_size=cfg.vocab_size, rollout=rollout, padding=args.padding,
+                        use_cache=args.use_cache, record_layers=args.record_rounding,
+                        record_codes=bool(args.record_rounding))
+    except ValueError as e:
+        raise ValueError(str(e).replace("record_layers", "--record-rounding", 1)) from None
     return Session(loaded, tokenizer, rollout, engine, device)
 
 
@@ -203,7 +215,11 @@ def generate_rollouts(session: Session, prompt_ids: list[list[int]], params, bat
         batch_params = dataclasses.replace(params, seed=params.seed + k)
         parts.append(session.engine.generate(prompt_ids[start : start + batch_size], batch_params))
     fields = ("prompts", "tokens", "logprobs", "finish_reasons", "last_logits")
-    return Generation(*([x for p in parts for x in getattr(p, f)] for f in fields))
+    gen = Generation(*([x for p in parts for x in getattr(p, f)] for f in fields))
+    if session.engine.recorded:  # rounding records (--record-rounding), per prompt
+        gen.records = [r for p in parts for r in p.records]
+        gen.record_codes = [c for p in parts for c in p.record_codes]
+    return gen
 
 
 def write_outputs(out_dir: str, session: Session, rows: list[dict], gen, params, seconds: float, args) -> dict:
@@ -239,10 +255,10 @@ def run(args) -> dict:
     gen = generate_rollouts(session, [r["prompt_ids"] for r in rows], params, args.batch_size)
     summary = write_outputs(args.out, session, rows, gen, params, time.perf_counter() - t0, args)
     batch = gen.rollout_batch()
+    label = f"--precision {args.precision}" if args.precision else "the checkpoint's plan (else bf16)"
     if batch.response_mask.any():  # mismatch.md: the trainer (session.loaded.plan) re-scores the rollouts
         from pretrain.rl.report import write_generation_mismatch
 
-        label = f"--precision {args.precision}" if args.precision else "the checkpoint's plan (else bf16)"
         mm = write_generation_mismatch(
             args.out, session.loaded.model, batch, vocab_size=session.loaded.cfg.vocab_size,
             rollout=args.rollout_precision, rollout_rules=args.rollout_precision_rule, trainer_precision=None,
@@ -250,7 +266,18 @@ def run(args) -> dict:
             truncated=args.temperature > 0 and (args.top_k > 0 or args.top_p < 1.0), attribution=args.attribution)
         summary["mismatch"] = {k: mm["overall"][k] for k in ("rollout_corr/kl", "rollout_corr/k3_kl",
                                                               "rollout_corr/log_ppl_abs_diff")}
-        with open(os.path.join(args.out, "rollout.json"), "w") as f:  # now with the mismatch summary
+    if batch.response_mask.any() and session.engine.recorded:  # the trainer against the rollout's codes
+        from pretrain.rl.alignment import engine_alignment
+
+        rows = engine_alignment(session.loaded.model, batch, gen.record_codes, session.engine.recorded,
+                                vocab_size=session.loaded.cfg.vocab_size, trainer=None)
+        summary["rounding_records"] = {
+            "selectors": args.record_rounding, "trainer": label,
+            "linears": {r["layer"]: {"format": r["format"], "elements": r["elements"],
+                                     "bits_per_element": r["bits_per_element"], "agreement_own": r["own"],
+                                     "agreement_replay": r["replay"]} for r in rows}}
+    if "mismatch" in summary or "rounding_records" in summary:
+        with open(os.path.join(args.out, "rollout.json"), "w") as f:  # now with the trainer's comparisons
             json.dump(summary, f, indent=1)
     return summary
 

@@ -95,11 +95,30 @@ def test_rollout_batch_is_what_the_cli_wrote(ckpt, tmp_path):
         assert batch.prompt_ids[i, : len(r["prompt_ids"])].tolist() == r["prompt_ids"]
 
 
+def test_record_rounding_writes_bits_and_agreement(ckpt, tmp_path):
+    """--record-rounding: the engine's records of the chosen linears, their size and the trainer's agreement."""
+    plain, prompts, _ = ckpt
+    argv = ["--load", plain, "--prompts", prompts, "--rollout-precision", "mxfp4", "--max-new-tokens", "3",
+            "--record-rounding", "kind:fc1", "--record-rounding", "decoder.layers.0.self_attention.linear_qkv",
+            "--precision", "bf16", "--out", str(tmp_path)]
+    assert _run(argv) == 0
+    rec = json.loads((tmp_path / "rollout.json").read_text())["rounding_records"]
+    assert set(rec["linears"]) == {"decoder.layers.0.mlp.linear_fc1", "decoder.layers.0.self_attention.linear_qkv"}
+    tokens = sum(len(r["prompt_ids"]) + len(r["response_ids"]) - 1 for r in _samples(tmp_path))
+    for r in rec["linears"].values():
+        assert r["format"] == "mxfp4" and r["bits_per_element"] == 1.25 and r["elements"] == tokens * 64
+        assert 0 < r["agreement_own"] <= r["agreement_replay"] <= 1
+    qkv = rec["linears"]["decoder.layers.0.self_attention.linear_qkv"]
+    assert qkv["agreement_own"] == 1.0  # embeddings + norm: the trainer's x is the rollout's
+
+
 @pytest.mark.parametrize("extra,match", [
     (["--rollout-precision", "mxfp5"], "--rollout-precision 'mxfp5': unknown rollout preset; valid: "),
     (["--rollout-precision", "base=mxfp4,kv=int4"], "unknown KV-cache format 'int4'; valid: "),
     (["--rollout-precision-rule", "last:3=bf16"], "--rollout-precision-rule 'last:3=bf16': the model has 1 layers"),
     (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--record-rounding", "kind:fc1"], ("--record-rounding 'kind:fc1': decoder.layers.0.mlp.linear_fc1 runs x as "
+                                         "bf16 under the rollout plan bf16; recordable during generation: ")),
 ])
 def test_bad_flags_are_refused_in_one_line(ckpt, tmp_path, capsys, extra, match):
     plain, prompts, _ = ckpt
