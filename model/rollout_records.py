@@ -25,6 +25,12 @@ does not depend on the call (prefill, decode step or a teacher-forced pass) that
 FP32 tensor scale is per call (a decode step's amax vs the whole prefix's), and a per-sequence
 record has room for one; it is refused, as is the output layer (it runs on one slot per row).
 Records are of this rank's shard of ``x`` under TP (a row-parallel linear's input is sharded).
+
+Measured (``tests/model/test_rollout_records.py``'s tiny 2-layer GPT, 4 prompts, 5 greedy tokens,
+MXFP4 rollout incl. KV-cache, ``pretrain.rl.alignment.engine_alignment``): against a BF16 trainer
+19-52 % of the codes agree by the trainer's own rounding, 22-59 % replaying the engine's records
+(layer 0's ``linear_qkv``, embeddings + norm only: 100 %); against a trainer with the rollout's
+Fprop recipes and ``--kv-quant mxfp4``, 100 % either way. The record costs 1.25 bits per element.
 """
 
 from __future__ import annotations
