@@ -151,13 +151,15 @@ def test_mxfp6_through_the_spec_grammar_policy_gemm_and_telemetry():
 
 
 def test_mxfp6_stays_emulated_on_every_device():
-    """No torch._scaled_mm path for MXFP6 here: auto picks the emulated backend on sm_100 and
-    gfx950, and asking for mx_scaled_mm is refused in one line naming the GEMM."""
+    """No torch._scaled_mm path for MXFP6 here: on GPUs auto picks the emulation on BF16 tensor cores
+    (``bf16_mm``: MXFP6 values are BF16-exact), on CPU the FP32 emulated spec; asking for
+    mx_scaled_mm is refused in one line naming the GEMM."""
     from kernels.backends import BackendError, select_backend
 
     lp = LinearPrecision.parse("fprop=mxfp6_e2m3,dgrad=mxfp6_e3m2,wgrad=mxfp6_e2m3/sr")
-    for cap in ((10, 0), "gfx950", (9, 0), None):
-        assert set(select_backend(lp, cap).values()) == {"emulated"}
+    for cap in ((10, 0), "gfx950", (9, 0)):
+        assert set(select_backend(lp, cap).values()) == {"bf16_mm"}
+    assert set(select_backend(lp, None).values()) == {"emulated"}
     with pytest.raises(BackendError, match="fprop: backend mx_scaled_mm cannot run mxfp6_e2m3"):
         select_backend(lp.fprop, (10, 0), "mx_scaled_mm")
 
