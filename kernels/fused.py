@@ -22,6 +22,7 @@ import functools
 import logging
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from precision import blocks
 from precision.elements import round_to_grid
@@ -116,21 +117,31 @@ def _kernel(kind: str, compiled: bool, **static):
     compiled_fn = torch.compile(bound, fullgraph=True, dynamic=False)
 
     def run(*args):
+        # Under a Python dispatch mode (profilers, FLOP and host-read counters) dynamo does not
+        # trace, and a refused frame can stay refused after the mode is gone: run eagerly, and
+        # never call the compiled function there.
+        if _get_current_dispatch_mode() is not None:
+            return bound(*args)
         # Past the recompile limit (workloads with ever new shapes, e.g. lm-eval's variable batch
-        # widths and decode steps) fullgraph raises; the eager expression gives the same bits.
+        # widths and decode steps) fullgraph raises, and a frame dynamo has stopped compiling
+        # raises "found no compiled frames"; the eager expression gives the same bits.
         try:
             return compiled_fn(*args)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
-            _warn_recompile_limit(kind)
+            _warn_not_compiled(kind, "torch.compile's recompile limit reached (too many tensor shapes)")
+            return bound(*args)
+        except RuntimeError as e:
+            if "found no compiled frames" not in str(e):
+                raise
+            _warn_not_compiled(kind, "torch.compile did not compile this call")
             return bound(*args)
 
     return run
 
 
 @functools.lru_cache(maxsize=None)
-def _warn_recompile_limit(kind: str) -> None:
-    log.warning("fused %s quantizer: torch.compile's recompile limit reached (too many tensor shapes); "
-                "new shapes run the same expression eagerly", kind)
+def _warn_not_compiled(kind: str, why: str) -> None:
+    log.warning("fused %s quantizer: %s; such calls run the same expression eagerly", kind, why)
 
 
 def _sr_uniforms(x: torch.Tensor, axis: int, block: int, generator) -> torch.Tensor:

@@ -91,13 +91,36 @@ def test_past_the_recompile_limit_new_shapes_run_eagerly(caplog):
     from kernels import fused
 
     fake_quantize(torch.randn(3, 64), "mxfp4", impl="compiled")  # the kernel exists (limits raised)
-    fused._warn_recompile_limit.cache_clear()
+    fused._warn_not_compiled.cache_clear()
     with torch._dynamo.config.patch(recompile_limit=1):
         for rows in (5, 6, 7):
             x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
             out, _ = fake_quantize(x, "mxfp4", impl="compiled")
             assert torch.equal(out, quantize(x, "mxfp4").dequantize(torch.float32))
     assert "recompile limit reached" in caplog.text
+
+
+@pytest.mark.skipif(not compile_available(), reason="torch.compile unavailable here")
+def test_under_a_dispatch_mode_the_kernel_runs_eagerly_and_compiles_again_after():
+    """A Python dispatch mode (profilers, counters) stops dynamo from tracing; fullgraph would raise
+    and leave the frame refused. The kernel runs eagerly under the mode (the mode sees its ops) and
+    compiled again once the mode is gone, with the reference's bits both times."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(9))
+    ref = quantize(x, "mxfp4").dequantize(torch.float32)
+    with Count():
+        out, _ = fake_quantize(x, "mxfp4", impl="compiled")
+    assert Count.ops > 0 and torch.equal(out, ref)
+    out, _ = fake_quantize(x, "mxfp4", impl="compiled")
+    assert torch.equal(out, ref)
 
 
 # ------------------------------------------------------------------ counter-based SR, tensor amax

@@ -31,9 +31,15 @@ TINY = [
 ]  # fmt: skip
 
 
+# torchrun's variables: a child that inherited them would try to join the parent's world
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+                 "TORCHELASTIC_RUN_ID")
+
+
 def env() -> dict:
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    inherited = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    return {**inherited, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
 def command(argv: list[str], nproc: int = 2, script: str = LAUNCH) -> list[str]:

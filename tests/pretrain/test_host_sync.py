@@ -10,6 +10,7 @@ torch.compile does not run under a dispatch mode, so the fused quantizers run th
 here (the same operations).
 """
 
+import os
 import signal
 import traceback
 
@@ -74,6 +75,7 @@ def trainer(tmp_path, data_cache):
     args = parse_args_or_raise(argv)
     validate_args(args, 1, False)
     before = signal.getsignal(signal.SIGTERM)
+    environ = dict(os.environ)  # setup() writes a world of one's RANK / MASTER_PORT into it
     t = pretrain_train.setup(args)
     yield t
     if t.tb is not None:
@@ -81,6 +83,9 @@ def trainer(tmp_path, data_cache):
     signal.signal(signal.SIGTERM, before)
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
+    pretrain_train._error_group = pretrain_train._host_group = None
+    os.environ.clear()
+    os.environ.update(environ)  # later tests' subprocesses must not join this (gone) world
 
 
 def test_training_steps_read_nothing_to_the_host_between_log_intervals(trainer, monkeypatch):
