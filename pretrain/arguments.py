@@ -103,10 +103,18 @@ def build_parser() -> argparse.ArgumentParser:
     add = g.add_argument
     add(
         "--precision",
-        default="bf16",
         metavar="NAME|SPEC|FILE",
         help="default recipe of every linear: a preset (precision.presets), a per-GEMM spec, "
-        "or a YAML/JSON file",
+        "or a YAML/JSON file (default: bf16; not with --precision-schedule)",
+    )
+    add(
+        "--precision-schedule",
+        metavar="START:PRECISION,...",
+        help="a precision per phase instead of --precision (precision.schedule): START:P runs P from "
+        "iteration START+1 on (after START iterations); P is anything --precision takes, or observe (BF16 "
+        "GEMMs filling the next phase's amax histories); --precision-rule applies in every phase. E.g. "
+        "'0:fp8,200:wgrad_hadamard,900:bf16', the NVFP4 paper's BF16 end '0:nvfp4,900:bf16', an FP8-to-MXFP4 "
+        "warm start '0:fp8,100:mxfp4', QAT '0:observe,500:hif8_w8a8' (= --qat-warmup-iters 500)",
     )
     add(
         "--precision-rule",
@@ -145,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="N",
         help="train the first N iterations in BF16 while the amax histories fill, then switch to the "
-        "quantized plan (HiF8 QAT recipe: 500)",
+        "quantized plan (HiF8 QAT recipe: 500); the same as --precision-schedule 0:observe,N:PRECISION "
+        "with --precision PRECISION (not with --precision-schedule)",
     )
     add(
         "--kv-quant",
@@ -430,6 +439,8 @@ def parse_args_or_raise(argv: list[str] | None = None) -> argparse.Namespace:
         args.num_query_groups = args.num_attention_heads
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    if args.precision is None and args.precision_schedule is None:
+        args.precision = "bf16"
     return args
 
 
@@ -446,14 +457,43 @@ def _positive(args, *names: str, allow_zero: bool = False) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be {bound}")
 
 
+def precision_schedule(args):
+    """The run's ``precision.schedule.PrecisionSchedule``: ``--precision-schedule``, or ``--precision``
+    with ``--qat-warmup-iters N`` spelled ``0:observe,N:PRECISION`` (one phase without a warm-up).
+    Raises ``SpecError`` (one line naming the flag). ``args`` may lack the schedule flags (callers
+    with their own parsers): then it is ``--precision`` alone."""
+    from precision.schedule import PrecisionSchedule
+
+    text = getattr(args, "precision_schedule", None)
+    if text is not None:
+        return PrecisionSchedule.parse(text)
+    return PrecisionSchedule.qat_warmup(getattr(args, "qat_warmup_iters", 0) or 0, args.precision or "bf16")
+
+
 def _check_precision(args) -> None:
-    from precision import PrecisionPolicy, SpecError, parse_precision
+    from precision import PrecisionPolicy, SpecError
     from precision.policy import Rule
 
-    try:
-        parse_precision(args.precision)
-    except ValueError as e:  # SpecError, or an unknown preset named by base=
-        raise ConfigError(f"--precision: {e}") from None
+    if args.precision_schedule is not None:
+        if args.precision is not None:
+            raise ConfigError("--precision-schedule and --precision: give each phase's precision in the schedule "
+                              f"(e.g. --precision-schedule '0:{args.precision},200:bf16'), not --precision; "
+                              "--precision-rule applies in every phase")
+        if args.qat_warmup_iters:
+            raise ConfigError(f"--precision-schedule and --qat-warmup-iters {args.qat_warmup_iters}: spell the "
+                              f"warm-up as an observe phase, e.g. --precision-schedule "
+                              f"'0:observe,{args.qat_warmup_iters}:hif8_w8a8'")
+    if args.precision_schedule is None:
+        try:  # what --precision takes is what PrecisionPolicy.from_args takes
+            PrecisionPolicy.from_args(args.precision)
+        except ValueError as e:  # SpecError, or an unknown preset named by base=
+            raise ConfigError(f"--precision: {e}") from None
+    try:  # the schedule's messages name --precision-schedule (or --qat-warmup-iters)
+        schedule = precision_schedule(args)
+        if args.precision_schedule is not None and args.train_iters is not None:
+            schedule.check_train_iters(args.train_iters)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     for rule in args.precision_rule:
         try:
             Rule.parse(rule)
@@ -462,10 +502,11 @@ def _check_precision(args) -> None:
             raise ConfigError(
                 msg if msg.startswith("--precision-rule") else f"--precision-rule {rule!r}: {msg}"
             ) from None
-    try:  # layer numbers beyond the model; rules that match no layer are refused in build_model
-        PrecisionPolicy.from_args(args.precision, args.precision_rule).check_rules(args.num_layers)
-    except SpecError as e:
-        raise ConfigError(str(e)) from None
+    for precision in phase_precisions(schedule):
+        try:  # layer numbers beyond the model; rules that match no layer are refused in build_model
+            PrecisionPolicy.from_args(precision, args.precision_rule).check_rules(args.num_layers)
+        except SpecError as e:
+            raise ConfigError(str(e)) from None
     for flag in ("numerics_interval", "qat_warmup_iters"):
         if getattr(args, flag) < 0:
             raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 0")
@@ -478,6 +519,12 @@ def _check_precision(args) -> None:
             KVFormat.parse(args.kv_quant).check_head_dim(args.hidden_size // args.num_attention_heads)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+
+def phase_precisions(schedule) -> list[str]:
+    """The distinct precisions of a schedule's quantized phases, in order (observe phases hold the next
+    phase's plan)."""
+    return list(dict.fromkeys(p.precision for p in schedule.phases if not p.observe))
 
 
 def data_prefixes(paths: list[str]) -> list[str]:
@@ -698,8 +745,9 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> None
         cfg, tp = model_config(args, vocab_size=1), args.tensor_model_parallel_size
         validate_config(cfg, tp)
         qkv = [f"decoder.layers.{i}.self_attention.linear_qkv" for i in range(args.num_layers)]
-        plan = PrecisionPolicy.from_args(args.precision, args.precision_rule).resolve(qkv, args.num_layers)
-        validate_plan_shapes(cfg, tp, plan)
+        for precision in phase_precisions(precision_schedule(args)):
+            plan = PrecisionPolicy.from_args(precision, args.precision_rule).resolve(qkv, args.num_layers)
+            validate_plan_shapes(cfg, tp, plan)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

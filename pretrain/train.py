@@ -74,6 +74,7 @@ from pretrain.arguments import (
     ConfigError,
     model_config,
     parse_args_or_raise,
+    precision_schedule,
     recompute_config,
     validate_args,
 )
@@ -88,6 +89,7 @@ from pretrain.status import (
 if TYPE_CHECKING:
     from model.gpt import ModelConfig
     from precision import PrecisionPlan
+    from precision.schedule import PrecisionSchedule
     from pretrain.engine import MegatronEngine, TorchEngine
     from pretrain.optim import LRSchedule
 
@@ -174,9 +176,9 @@ def override_amax(plan, algo: str | None, history_len: int | None):
     return PrecisionPlan(entries)
 
 
-def check_gemm_backends(plan, device: torch.device, requested: str) -> None:
+def check_gemm_backends(plan, device: torch.device, requested: str, label: str = "") -> None:
     """Refuse (one line) a forced hardware backend that cannot run some layer's GEMM here, and print
-    once which GEMM of which layer runs on what."""
+    once which GEMM of which layer runs on what (after ``label:``, e.g. a schedule's phase)."""
     from kernels.backends import BackendError, describe_backends, select_backend
 
     if requested in ("fp8_scaled_mm", "mx_scaled_mm"):
@@ -184,15 +186,59 @@ def check_gemm_backends(plan, device: torch.device, requested: str) -> None:
             try:
                 select_backend(p, device, requested, layer=name)
             except BackendError as e:
-                raise ConfigError(f"--gemm-backend {requested}: {e}") from None
-    rank0_print(describe_backends(plan, device, requested))
+                raise ConfigError(f"--gemm-backend {requested}: {e}" + (f" ({label})" if label else "")) from None
+    rank0_print((f"{label}: " if label else "") + describe_backends(plan, device, requested))
 
 
-def build_model(args, vocab_size: int, device: torch.device):
-    """This rank's model with the resolved precision plan applied; returns ``(model, stage plan,
-    whole-model plan)`` (the two plans are the same without pipeline parallelism)."""
-    from model.gpt import apply_precision_plan, build_gpt, policy_linear_names, policy_linears
+@dataclass(frozen=True)
+class SchedulePlans:
+    """Every phase's precision plan, resolved once at setup (``build_scheduled_model``).
+
+    ``stage[k]`` / ``whole[k]``: what the layers of this pipeline stage / of the whole model hold
+    during phase ``k`` of ``schedule`` -- for an ``observe`` phase the next phase's plan (its GEMMs
+    run in BF16 meanwhile, filling that plan's amax histories)."""
+
+    schedule: PrecisionSchedule
+    stage: tuple[PrecisionPlan, ...]
+    whole: tuple[PrecisionPlan, ...]
+
+    def __post_init__(self):
+        n = len(self.schedule)
+        if len(self.stage) != n or len(self.whole) != n:
+            raise ValueError(f"SchedulePlans: {n} phases, {len(self.stage)} stage and {len(self.whole)} whole plans")
+
+    def delayed_scaling(self, k: int) -> bool:
+        """Whether some operand of phase ``k``'s whole-model plan uses delayed scaling."""
+        plan = self.whole[k]
+        return any(op.amax_algo != "current" for name in plan
+                   for recipe in (plan[name].fprop, plan[name].dgrad, plan[name].wgrad) for op in (recipe.a, recipe.b))
+
+
+def _resolve_plan(args, precision: str, every: list[str], names: list[str], label: str | None):
+    """``(stage plan, whole plan)`` of ``precision`` with ``--precision-rule`` (and ``--amax-*``);
+    ``label`` replaces the default's rule label ``--precision P`` (a schedule's phase)."""
     from precision import PrecisionPlan, PrecisionPolicy, SpecError
+
+    # resolved once over the whole model's names, so first:/last: rules mean the whole model's layers
+    policy = PrecisionPolicy.from_args(precision, args.precision_rule)
+    try:  # a --precision-rule that selects no layer of this model is refused, naming the layers
+        policy.check_rules(args.num_layers, every)
+    except SpecError as e:
+        raise ConfigError(str(e)) from None
+    plan = policy.resolve(every, args.num_layers)
+    if label is not None:
+        plan = PrecisionPlan({n: (plan[n], label if plan.rule_for(n) == policy.default_label else plan.rule_for(n))
+                              for n in plan})
+    if args.amax_algo or args.amax_history_len:
+        plan = override_amax(plan, args.amax_algo, args.amax_history_len)
+    return PrecisionPlan({n: (plan[n], plan.rule_for(n)) for n in names}), plan
+
+
+def build_scheduled_model(args, vocab_size: int, device: torch.device):
+    """This rank's model and every phase's plan (``(model, SchedulePlans)``): each quantized phase of
+    the run's schedule (``pretrain.arguments.precision_schedule``) resolved by global layer names and
+    its GEMM backends checked, so a bad phase is refused before training; phase 0's plan applied."""
+    from model.gpt import apply_precision_plan, build_gpt, policy_linear_names, policy_linears
 
     sequence_parallel = args.sequence_parallel and args.tensor_model_parallel_size > 1
     model = build_gpt(model_config(args, vocab_size), sequence_parallel=sequence_parallel, seed=args.seed,
@@ -200,21 +246,31 @@ def build_model(args, vocab_size: int, device: torch.device):
     names = policy_linear_names(model)  # this pipeline stage's, layers numbered globally
     layer_linears = list(dict.fromkeys(n.split(".", 3)[3] for n in names if n.startswith("decoder.layers.")))
     every = [f"decoder.layers.{i}.{s}" for i in range(args.num_layers) for s in layer_linears] + ["output_layer"]
-    # resolved once over the whole model's names, so first:/last: rules mean the whole model's layers
-    policy = PrecisionPolicy.from_args(args.precision, args.precision_rule)
-    try:  # a --precision-rule that selects no layer of this model is refused, naming the layers
-        policy.check_rules(args.num_layers, every)
-    except SpecError as e:
-        raise ConfigError(str(e)) from None
-    plan = policy.resolve(every, args.num_layers)
-    if args.amax_algo or args.amax_history_len:
-        plan = override_amax(plan, args.amax_algo, args.amax_history_len)
-    stage_plan = PrecisionPlan({n: (plan[n], plan.rule_for(n)) for n in names})
-    apply_precision_plan(model, stage_plan)
-    check_gemm_backends(stage_plan, device, args.gemm_backend)
+    schedule = precision_schedule(args)
+    scheduled = getattr(args, "precision_schedule", None) is not None
+    resolved = {}
+    for k, phase in enumerate(schedule.phases):
+        if phase.observe:
+            continue
+        label = f"--precision-schedule {phase}" if scheduled else None
+        resolved[k] = _resolve_plan(args, phase.precision, every, names, label)
+        many = len(schedule) > 1
+        where = f"precision phase {k} ({phase})" if many else ""
+        check_gemm_backends(resolved[k][0], device, args.gemm_backend, label=where)
+    plans = SchedulePlans(schedule, tuple(resolved[schedule.plan_index(k)][0] for k in range(len(schedule))),
+                          tuple(resolved[schedule.plan_index(k)][1] for k in range(len(schedule))))
+    apply_precision_plan(model, plans.stage[0])
     for _, module in policy_linears(model):
         module.gemm_backend = args.gemm_backend
-    return model.to(device), stage_plan, plan
+    return model.to(device), plans
+
+
+def build_model(args, vocab_size: int, device: torch.device):
+    """This rank's model with the resolved precision plan applied; returns ``(model, stage plan,
+    whole-model plan)`` (the two plans are the same without pipeline parallelism). With a schedule:
+    phase 0's plans (``build_scheduled_model`` has every phase's)."""
+    model, plans = build_scheduled_model(args, vocab_size, device)
+    return model, plans.stage[0], plans.whole[0]
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
@@ -277,7 +333,83 @@ class Trainer:
     last_checkpoint: str | None = None  # its directory (the last good one, should the run diverge)
     nonfinite_steps: int = 0  # non-finite steps met so far (skipped, or the one that diverged)
     tb: object = None  # rank 0's SummaryWriter with --tensorboard-dir
-    delayed_scaling: bool = False  # some operand of the whole model's plan uses delayed scaling
+    delayed_scaling: bool = False  # some operand of the whole model's plan in force uses delayed scaling
+    plans: SchedulePlans | None = None  # every schedule phase's plans (None: ``plan`` for the whole run)
+    phase: int | None = None  # the schedule phase whose plan the layers hold (``enter_phase``); None before
+
+    def __post_init__(self):
+        if self.plans is None:  # one phase: the plan given
+            from precision.schedule import PrecisionSchedule
+
+            self.plans = SchedulePlans(PrecisionSchedule.single(getattr(self.args, "precision", None) or "bf16"),
+                                       (self.plan,), (self.plan,))
+
+    # ---------------------------------------------------------------- precision schedule
+    @property
+    def precision_schedule(self) -> PrecisionSchedule:
+        """The run's precision schedule (``schedule`` is the lr schedule)."""
+        return self.plans.schedule
+
+    @property
+    def observing(self) -> bool:
+        """Whether the phase in force is ``observe`` (BF16 GEMMs filling the next phase's histories)."""
+        return self.phase is not None and self.precision_schedule.phases[self.phase].observe
+
+    def enter_phase(self, iteration: int) -> None:
+        """Before the step taken when ``iteration`` iterations are done (log iteration ``iteration + 1``):
+        make the layers hold the plan of that step's schedule phase (``precision.schedule``). Called at
+        the end of setup and before every step; a no-op within a phase.
+
+        At a phase's start (a switch, or a resume exactly there) each layer keeps the amax history of
+        an operand that the previous phase's plan recorded (delayed scaling with the same rotation on
+        that GEMM; an ``observe`` phase records for its next phase's plan) and drops the others, so
+        a history never scales by amaxes recorded before a gap: an operand whose delayed scaling
+        starts in this phase starts empty (scaled by its own amax until its first step ends), unless
+        an ``observe`` phase filled it. SR call counters carry on. Rank 0 logs the switch
+        (``iteration N: precision phase K -> PLAN``), the plan table and TensorBoard text."""
+        from model.gpt import apply_precision_plan
+
+        sched = self.precision_schedule
+        k = sched.index_at(iteration)
+        if k == self.phase:
+            return
+        before, self.phase = self.phase, k
+        at_start = sched.phases[k].start == iteration
+        if at_start and k > 0:
+            self._keep_recorded_histories(self.plans.stage[k - 1], self.plans.stage[k])
+        apply_precision_plan(self.model, self.plans.stage[k])
+        self.plan = self.plans.stage[k]
+        self.delayed_scaling = self.plans.delayed_scaling(k)
+        if len(sched) == 1:
+            return
+        phase, nxt = sched.phases[k], iteration + 1
+        first, last = sched.iterations(k, self.args.train_iters)
+        what = (f"observe (BF16 GEMMs fill the amax histories of phase {k + 1}'s plan, "
+                f"{sched.phases[k + 1].precision})" if phase.observe else phase.precision)
+        note = f"iterations {first}..{last}"
+        if not at_start:
+            note += "; resumed within the phase"
+        elif k > 0 and sched.phases[k - 1].observe:
+            note += (f"; QAT warm-up done: {phase.start - sched.phases[k - 1].start} BF16 iterations filled "
+                     f"the amax histories")
+        rank0_print(f"iteration {nxt}: precision phase {k} -> {what} ({note})")
+        if before is None or self.plans.whole[k] != self.plans.whole[before]:
+            rank0_print(self.plans.whole[k].table())
+        if self.tb is not None:
+            self.tb.add_text("precision_plan", f"phase {k} ({phase}) from iteration {nxt}:\n\n```\n"
+                             + self.plans.whole[k].table() + "\n```", nxt)
+
+    def _keep_recorded_histories(self, before: PrecisionPlan, after: PrecisionPlan) -> None:
+        """Drop every layer's amax histories that ``before`` (the previous phase's plan) did not record
+        into with the rotation ``after`` uses (``enter_phase``)."""
+        from precision import Gemm
+
+        for name, m in self.policy_linears():
+            for g in Gemm:
+                old, new = before[name].recipe(g), after[name].recipe(g)
+                for operand, fmt in zip(g.operands, (old.a, old.b)):
+                    if fmt.amax_algo == "current" or old.rotation != new.rotation:
+                        m.quant_state.amax.pop(f"{g.value}/{operand}", None)
 
     # ---------------------------------------------------------------- distributed helpers
     @property
@@ -302,7 +434,7 @@ class Trainer:
 
     def set_telemetry(self, collect: bool, observe_only: bool) -> None:
         """This iteration: collect per-operand numerics (``--numerics-interval``); run BF16 while
-        the amax histories fill (``--qat-warmup-iters``)."""
+        the amax histories fill (an ``observe`` phase; ``--qat-warmup-iters``)."""
         for _, m in self.policy_linears():
             m.quant_state.collect_stats = collect
             m.quant_state.observe_only = observe_only
@@ -454,7 +586,9 @@ class Trainer:
             "optimizer": self.engine.optimizer_state_dict(),
             "opt_param_scheduler": self.schedule.state_dict(),
             "consumed_train_samples": self.consumed_samples,
-            "precision_plan": self.plan.to_dict(),
+            "precision_plan": self.plan.to_dict(),  # the plan in force (its phase's)
+            "precision_schedule": self.precision_schedule.to_dict(),
+            "precision_phase": self.phase,  # the phase that trained the last iteration
             "model_config": dataclasses.asdict(self.model_config),
             "tokenizer_model": self.tokenizer_model,
             "args": dict(vars(self.args)),
@@ -484,9 +618,39 @@ class Trainer:
             + f"); starting at iteration 0 ({time.perf_counter() - t0:.1f}s)"
         )
 
+    def _check_saved_schedule(self, ckpt: dict, saved_args: dict, iteration: int) -> bool:
+        """Whether the checkpoint was saved under this run's precision schedule; if not, a note says
+        which phase each schedule puts the resumed iterations in (this run's schedule is followed)."""
+        from precision.schedule import PrecisionSchedule
+
+        try:
+            if "precision_schedule" in ckpt:
+                theirs = PrecisionSchedule.from_dict(ckpt["precision_schedule"])
+            else:  # saved before schedules: --precision with --qat-warmup-iters
+                theirs = PrecisionSchedule.qat_warmup(int(saved_args.get("qat_warmup_iters") or 0),
+                                                      saved_args.get("precision") or "bf16")
+        except (ValueError, TypeError, KeyError):
+            rank0_print(f"note: {ckpt['path']} holds no readable precision schedule; following this run's "
+                        f"({self.precision_schedule})")
+            return False
+        ours = self.precision_schedule
+        if str(theirs) == str(ours):
+            return True
+        past = [str(p) for p in ours.phases if p.start < iteration] == [str(p) for p in theirs.phases
+                                                                          if p.start < iteration]
+        k = ours.index_at(iteration)
+        rank0_print(
+            f"note: {ckpt['path']} was saved under precision schedule {theirs}, this run's is {ours}"
+            + (f" (the same for iterations 1..{iteration})" if past else
+               f" (iterations 1..{iteration} trained under another schedule: not this schedule's straight run)")
+            + f"; iteration {iteration + 1} on follows this run's: phase {k} ({ours.phases[k]})"
+        )
+        return False
+
     def load(self) -> bool:
         """``--load``: everything (resume), or model weights only (``--finetune``); False if
-        ``--load`` holds no checkpoint yet."""
+        ``--load`` holds no checkpoint yet. A checkpoint saved under another precision schedule is
+        noted (this run's schedule is followed from the saved iteration on)."""
         from pretrain.checkpointing import CheckpointError, load_checkpoint, restore_rng_state, this_rank_file
 
         args = self.args
@@ -514,12 +678,16 @@ class Trainer:
                 f"--load: {ckpt['path']} does not fit this model: {' '.join(str(e).split())[:300]}"
             ) from None
         self.engine.weights_loaded(ckpt["model"])
+        saved_iter = int(ckpt["iteration"]) if ckpt["iteration"] != "release" else 0
+        same_schedule = args.finetune or self._check_saved_schedule(ckpt, saved, saved_iter)
+        # the plan that trained the checkpoint's last iteration, in this run's schedule
+        ours = self.plan if args.finetune or saved_iter == 0 else self.plans.stage[self.precision_schedule.index_at(saved_iter - 1)]
         changed = [
             n
             for n, v in ckpt.get("precision_plan", {}).items()
-            if n in self.plan and self.plan.to_dict()[n]["precision"] != v["precision"]
+            if n in ours and ours.to_dict()[n]["precision"] != v["precision"]
         ]
-        if changed:
+        if changed and same_schedule:
             rank0_print(
                 f"note: the precision of {len(changed)} linear layer(s) differs from the checkpoint's plan "
                 f"(e.g. {changed[0]}); using this run's --precision / --precision-rule"
@@ -651,6 +819,7 @@ class _Progress:
                 ("train/grad_norm", norm),
                 ("train/tokens_per_sec", tokens / max(seconds, 1e-9)),
                 ("train/tflops_per_device", self.tflops(tokens / max(seconds, 1e-9))),
+                ("precision/phase", t.precision_schedule.index_at(it - 1)),  # the schedule phase that trained it
             ):
                 t.tb.add_scalar(tag, value, it)
         if self.compiling:  # the run's first iteration compiles: leave it out of the rate
@@ -769,18 +938,13 @@ def setup(args) -> Trainer:
         f"valid samples of {args.seq_length} tokens | {time.perf_counter() - t0:.1f}s"
     )
 
-    model, plan, whole_plan = build_model(args, vocab_size, device)
+    model, plans = build_scheduled_model(args, vocab_size, device)
     engine = build_engine(model, args, device)
     trainer = Trainer(
-        args, model, engine, LRSchedule.from_args(engine.optimizer, args), plan, cfg, tokenizer.path,
-        train_ds, valid_ds, device,
+        args, model, engine, LRSchedule.from_args(engine.optimizer, args), plans.stage[0], cfg, tokenizer.path,
+        train_ds, valid_ds, device, plans=plans,
     )  # fmt: skip
-    trainer.delayed_scaling = any(
-        op.amax_algo != "current"
-        for name in whole_plan
-        for recipe in (whole_plan[name].fprop, whole_plan[name].dgrad, whole_plan[name].wgrad)
-        for op in (recipe.a, recipe.b)
-    )
+    trainer.delayed_scaling = plans.delayed_scaling(0)
     if not (args.load and trainer.load()) and args.pretrained_checkpoint:
         trainer.load_pretrained()
     engine.wrap()
@@ -797,23 +961,32 @@ def setup(args) -> Trainer:
     total, local = count_parameters(model)
     rank0_print(model)
     rank0_print(f"parameters: {total:,} ({local:,} on each of {tp * pp} model-parallel rank(s))")
-    rank0_print(
-        f"precision plan (--precision {args.precision}"
-        + "".join(f" --precision-rule {r}" for r in args.precision_rule)
-        + f"):\n{whole_plan.table()}"
-    )
+    given = (f"--precision-schedule {args.precision_schedule}" if getattr(args, "precision_schedule", None)
+             else f"--precision {args.precision}" + (f" --qat-warmup-iters {args.qat_warmup_iters}"
+                                                     if args.qat_warmup_iters else ""))
+    given += "".join(f" --precision-rule {r}" for r in args.precision_rule)
+    schedule = plans.schedule
+    if len(schedule) == 1:
+        rank0_print(f"precision plan ({given}):\n{plans.whole[0].table()}")
+    else:  # each phase's plan table is printed when the phase begins (Trainer.enter_phase)
+        rank0_print(f"precision schedule ({given}): {schedule.describe(args.train_iters)}")
     if args.tensorboard_dir and is_rank0():
         from torch.utils.tensorboard import SummaryWriter
 
         trainer.tb = SummaryWriter(
             args.tensorboard_dir, purge_step=trainer.iteration + 1 if trainer.iteration else None
         )
-        trainer.tb.add_text("precision_plan", "```\n" + whole_plan.table() + "\n```", trainer.iteration)
+        if len(schedule) == 1:
+            trainer.tb.add_text("precision_plan", "```\n" + plans.whole[0].table() + "\n```", trainer.iteration)
+        else:
+            trainer.tb.add_text("precision_schedule", f"`{schedule}`: {schedule.describe(args.train_iters)}",
+                                trainer.iteration)
         trainer.tb.add_text(
             "args",
             "```\n" + "\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())) + "\n```",
             trainer.iteration,
         )
+    trainer.enter_phase(trainer.iteration)  # the plan of the next step's phase (logged with a schedule)
     return trainer
 
 
@@ -838,19 +1011,12 @@ def train(trainer: Trainer, sigterm: _SigtermFlag) -> int:
     )
     if args.save and is_rank0() and clear_run_status(args.save):
         rank0_print(f"note: removed {args.save}/run_status.json of an earlier attempt")
-    if args.qat_warmup_iters and trainer.iteration < args.qat_warmup_iters:
-        rank0_print(f"QAT warm-up: iterations {trainer.iteration + 1}..{args.qat_warmup_iters} run in BF16 "
-                    "while the amax histories fill; then the quantized plan")
     while trainer.iteration < args.train_iters:
         t0 = time.perf_counter()
         nxt = trainer.iteration + 1
         collect = bool(args.numerics_interval) and nxt % args.numerics_interval == 0
-        warm = nxt <= args.qat_warmup_iters
-        if args.qat_warmup_iters and nxt == args.qat_warmup_iters + 1:
-            rank0_print(f"iteration {nxt}: QAT warm-up done ({args.qat_warmup_iters} BF16 iterations); "
-                        f"switching to the quantized plan (--precision {args.precision})")
-            if trainer.tb is not None:
-                trainer.tb.add_text("qat", f"switched to the quantized plan at iteration {nxt}", nxt)
+        trainer.enter_phase(trainer.iteration)  # a schedule's switch happens here, between steps
+        warm = trainer.observing  # an observe phase (--qat-warmup-iters): BF16 GEMMs, histories fill
         trainer.set_telemetry(collect, warm)
         try:
             loss, norm, lr, outcome = trainer.train_step(data)
