@@ -36,7 +36,10 @@ Each layer holds, as plain attributes:
   ``gemm_backend`` which ``kernels`` backend runs the GEMMs (``"emulated"`` by default);
   ``rollout_weight`` None, or while the generation engine runs under a rollout plan the layer's
                    weight quantized once into packed storage (``model.rollout.PackedWeight``):
-                   Fprop then reads it instead of quantizing ``weight`` at every call.
+                   Fprop then reads it instead of quantizing ``weight`` at every call;
+  ``fprop_x``      None, or a function of the input whose result Fprop consumes as its ``x``
+                   operand while Dgrad/Wgrad see the input itself (``model.linear``; set by
+                   rollout-guided QAT, ``pretrain.rl.qat``, to replay the rollout's rounding).
 
 Under activation recomputation a layer's Fprop runs twice per micro-batch; both passes quantize
 at the same call index and only the second records anything (``model.recompute``).
@@ -79,6 +82,7 @@ class _PolicyLinearMixin:
         self.gemm_backend = "emulated"
         self._awaiting_recompute = 0  # checkpointed first passes not yet recomputed (model.recompute)
         self.rollout_weight = None
+        self.fprop_x = None
         if config.gradient_accumulation_fusion:
             raise ValueError(
                 f"{type(self).__name__}: --gradient-accumulation-fusion is not supported; it fuses "
@@ -109,7 +113,8 @@ class _PolicyLinearMixin:
         calls = self.quant_state.calls
         calls[Gemm.FPROP.value] += ahead
         try:
-            return policy_linear(x, w, self.precision, bias, state=self.quant_state, backend=self.gemm_backend)
+            return policy_linear(x, w, self.precision, bias, state=self.quant_state, backend=self.gemm_backend,
+                                 fprop_x=self.fprop_x)
         finally:
             calls[Gemm.FPROP.value] -= ahead
 

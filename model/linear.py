@@ -30,9 +30,15 @@ GEMM's output (the GEMM-isolation property, tested bit-for-bit).
 A forward run without autograd (``torch.no_grad``: evaluation, generation) reads the layer's
 quantization state and changes nothing -- no call counter advances, no amax is recorded -- so
 evaluating between training steps leaves training bit-identical (``precision.state``).
+
+``fprop_x`` (rollout-guided QAT, ``pretrain.rl.qat``): a function of ``x`` whose result Fprop
+consumes as its ``x`` operand (e.g. the rollout's recorded rounding replayed on ``x``); Dgrad and
+Wgrad still consume the high-precision ``x`` itself -- a straight-through estimator.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -46,12 +52,14 @@ __all__ = ["policy_linear"]
 
 class _PolicyLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_hp, w_hp, bias, precision: LinearPrecision, state: LayerQuantState, backend: str):
+    def forward(ctx, x_hp, w_hp, bias, precision: LinearPrecision, state: LayerQuantState, backend: str,
+                fprop_x: Callable | None):
         in_features = x_hp.shape[-1]
         lead = x_hp.shape[:-1]
         x2d = x_hp.reshape(-1, in_features)
+        x_fprop = x2d if fprop_x is None else fprop_x(x_hp).reshape(-1, in_features)
         # === FPROP: y = x @ w.T ===  [T, in] x [out, in] -> [T, out]
-        y = gemm(Gemm.FPROP, x2d, w_hp, precision.fprop, backend, state=state)
+        y = gemm(Gemm.FPROP, x_fprop, w_hp, precision.fprop, backend, state=state)
         if bias is not None:
             y = y + bias.float()
         ctx.save_for_backward(x2d, w_hp)
@@ -76,7 +84,7 @@ class _PolicyLinearFn(torch.autograd.Function):
                 dw = gemm(Gemm.WGRAD, dy2d, x2d, p.wgrad, backend, state=state).to(ctx.dtypes[1])
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.float().sum(0).to(ctx.dtypes[2])
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def policy_linear(
@@ -87,12 +95,15 @@ def policy_linear(
     *,
     state: LayerQuantState | None = None,
     backend: str = "emulated",
+    fprop_x: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``y = x·wᵀ + bias`` with Fprop, Dgrad and Wgrad each run under ``precision``'s recipe.
 
     ``x``: ``[..., in]``; ``w``: ``[out, in]``; returns ``[..., out]`` in ``x``'s dtype.
     ``state``: the layer's :class:`LayerQuantState` (random streams, amax histories); layers
     keep one for their lifetime -- without it each call starts a fresh seed-0 state.
+    ``fprop_x``: Fprop's ``x`` operand is ``fprop_x(x)`` (same shape) instead of ``x``; Dgrad and
+    Wgrad see ``x`` (module docstring).
     """
     if not isinstance(precision, LinearPrecision):
         raise TypeError(f"policy_linear: precision must be a LinearPrecision, got {type(precision).__name__}")
@@ -105,7 +116,7 @@ def policy_linear(
     if not torch.is_grad_enabled() and not state.frozen:
         # no autograd: evaluation or generation, never a training step -- read the state, change nothing
         with state.read_only():
-            y2d = _PolicyLinearFn.apply(x, w, bias, precision, state, backend)
+            y2d = _PolicyLinearFn.apply(x, w, bias, precision, state, backend, fprop_x)
     else:
-        y2d = _PolicyLinearFn.apply(x, w, bias, precision, state, backend)
+        y2d = _PolicyLinearFn.apply(x, w, bias, precision, state, backend, fprop_x)
     return y2d.reshape(*x.shape[:-1], w.shape[0])
