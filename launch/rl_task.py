@@ -1,0 +1,217 @@
+"""The RL task's data and its starting policy: write the SFT corpus, or evaluate a checkpoint on it.
+
+    python launch/rl_task.py --task configs/rl/arith.yaml --out DIR
+    # -> DIR/sft.jsonl (the starting policy's corpus: {"text": "12+345=357"} per line),
+    #    DIR/eval.jsonl (the held-out problems: {"prompt", "answer"}), and prints the
+    #    launch/preprocess_data.py and launch/pretrain.py commands that train the starting policy
+
+    python launch/rl_task.py --task configs/rl/arith.yaml --evaluate CKPT_DIR --rollout-precision mxfp4 \\
+        --group-size 8 --out DIR
+    # greedy held-out accuracy of a checkpoint through model.generate.Engine under the rollout plan
+    # (default bf16); --group-size G also samples G responses at temperature 1 for each of the first
+    # --group-prompts held-out prompts (how often a group's rewards disagree: GRPO's signal);
+    # prints one line and writes DIR/eval_<rollout-precision>.json
+
+Exit status 0, or 2 with one line ``rl_task.py: error: ...`` on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_PROG = "rl_task.py"
+_SPECIAL_IDS = 256 + 3 + 1  # byte pieces, <unk> <s> </s>, and "\n" (pretrain.data.tokenizer.train_tokenizer)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=_PROG, description=__doc__.split("\n\n")[0])
+    add = p.add_argument
+    add("--task", required=True, metavar="FILE", help="task seed file, e.g. configs/rl/arith.yaml")
+    add("--out", required=True, metavar="DIR", help="output directory")
+    add("--sft-examples", type=int, default=50000, help="documents in DIR/sft.jsonl (default 50000)")
+    g = p.add_argument_group("evaluation of a checkpoint (--evaluate)")
+    add = g.add_argument
+    add("--evaluate", metavar="CKPT_DIR", help="a training checkpoint directory (launch/pretrain.py --save)")
+    add("--rollout-precision", default="bf16", metavar="PRESET_OR_SPEC",
+        help="the engine's rollout plan (model.rollout_plan), e.g. bf16, mxfp4, nvfp4 (default bf16)")
+    add("--rollout-precision-rule", action="append", default=[], metavar="SELECTOR=VALUE",
+        help="per-layer rollout recipe (repeatable)")
+    add("--tokenizer-model", default=None, help="default: the checkpoint's --tokenizer-model")
+    add("--batch-size", type=int, default=50, help="prompts per engine batch (default 50)")
+    add("--group-size", type=int, default=0, metavar="G",
+        help="also sample G responses at temperature 1 per prompt (0: off; else >= 2)")
+    add("--group-prompts", type=int, default=32, help="held-out prompts sampled with --group-size (default 32)")
+    add("--seed", type=int, default=1234, help="sampling seed")
+    add("--device", default="cpu", help="cpu or cuda")
+    return p
+
+
+def _fail(message: str) -> int:
+    print(f"{_PROG}: error: {message}", file=sys.stderr)
+    return 2
+
+
+# ================================================================================================
+# The corpus
+# ================================================================================================
+
+
+def tokenizer_vocab_size(texts) -> int:
+    """The sentencepiece vocabulary that holds exactly one piece per character of ``texts`` (digits are
+    split by the tokenizer anyway; no merges, so every number is spelled digit by digit)."""
+    return _SPECIAL_IDS + len({c for t in texts for c in t if c != "\n"})
+
+
+def write_corpus(spec, out: str, n_sft: int) -> dict:
+    from pretrain.rl.task import eval_problems, sft_examples
+
+    os.makedirs(out, exist_ok=True)
+    texts = sft_examples(spec, n_sft)
+    with open(os.path.join(out, "sft.jsonl"), "w", encoding="utf-8") as f:
+        for t in texts:
+            f.write(json.dumps({"text": t}) + "\n")
+    held = eval_problems(spec)
+    with open(os.path.join(out, "eval.jsonl"), "w", encoding="utf-8") as f:
+        for p in held:
+            f.write(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n")
+    return {"sft": len(texts), "eval": len(held), "vocab": tokenizer_vocab_size(texts)}
+
+
+def commands(task: str, out: str, vocab: int, save: str) -> list[str]:
+    """The two commands that train the starting policy on ``out``'s corpus (see configs/rl/arith.yaml)."""
+    tok = os.path.join(out, "tokenizer.model")
+    return [
+        f"python launch/preprocess_data.py --input {out}/sft.jsonl --output-prefix {out}/sft "
+        f"--tokenizer-model {tok} --train-tokenizer {vocab} --append-eod",
+        f"python launch/pretrain.py --model-size tiny --seq-length 64 --micro-batch-size 16 --global-batch-size 16 "
+        f"--data-path {out}/sft_text_document --tokenizer-model {tok} --split 98,2,0 --precision bf16 "
+        f"--lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 30 --train-iters 600 --eval-interval 200 --eval-iters 4 "
+        f"--log-interval 50 --save {save} --save-interval 600",
+    ]
+
+
+# ================================================================================================
+# Evaluation of a checkpoint
+# ================================================================================================
+
+
+def evaluate(args, spec) -> dict:
+    import torch
+
+    from model.generate import Engine, SamplingParams
+    from model.gpt import policy_linear_names
+    from model.rollout import RolloutModel
+    from model.rollout_plan import resolve_rollout_plan
+    from pretrain.data.tokenizer import Tokenizer
+    from pretrain.evaluation.loading import init_single_process, load_for_eval
+    from pretrain.rl.task import eval_problems, extract_answer, reward
+
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    init_single_process()
+    tok_path = args.tokenizer_model
+    vocab = Tokenizer(tok_path).vocab_size if tok_path else None
+    loaded = load_for_eval(args.evaluate, vocab_size=vocab, device=args.device, seed=args.seed)
+    tok_path = tok_path or loaded.tokenizer_model
+    if not tok_path or not os.path.isfile(tok_path):
+        raise ValueError(f"--evaluate {args.evaluate}: its tokenizer {tok_path!r} is not readable; pass --tokenizer-model")
+    tok = Tokenizer(tok_path)
+    cfg = loaded.cfg
+    plan = resolve_rollout_plan(args.rollout_precision, args.rollout_precision_rule,
+                                policy_linear_names(loaded.model), cfg.num_layers,
+                                cfg.hidden_size // cfg.num_attention_heads)
+    rollout = RolloutModel(loaded.model, plan)
+    rollout.update()
+    engine = Engine(loaded.model, vocab_size=tok.vocab_size, rollout=rollout)
+    problems = eval_problems(spec)
+    max_new = max(len(p.answer) for p in problems) + 2
+
+    def run(probs, params):
+        gen_tokens = []
+        for k, start in enumerate(range(0, len(probs), args.batch_size)):
+            chunk = probs[start : start + args.batch_size]
+            params_k = SamplingParams(**{**params.__dict__, "seed": params.seed + k})
+            gen_tokens += engine.generate([tok.tokenize(p.prompt) for p in chunk], params_k).tokens
+        texts = [tok.detokenize([t for t in ids if t != tok.eod]) for ids in gen_tokens]
+        stopped = [bool(ids) and ids[-1] == tok.eod for ids in gen_tokens]
+        return texts, stopped, gen_tokens
+
+    t0 = time.perf_counter()
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new, stop_tokens=(tok.eod,), seed=args.seed)
+    texts, stopped, ids = run(problems, greedy)
+    rewards = [reward(p, t, spec) for p, t in zip(problems, texts)]
+    result = {
+        "checkpoint": os.path.abspath(args.evaluate), "task": os.path.abspath(args.task), "task_name": spec.name,
+        "rollout_precision": args.rollout_precision, "rollout_precision_rule": args.rollout_precision_rule,
+        "heldout_problems": len(problems), "heldout_accuracy": sum(r == 1.0 for r in rewards) / len(problems),
+        "well_formed": sum(extract_answer(t) is not None for t in texts) / len(problems),
+        "stopped": sum(stopped) / len(problems), "greedy_tokens": sum(len(x) for x in ids),
+        "examples": [{"prompt": p.prompt, "answer": p.answer, "response": t}
+                     for p, t in list(zip(problems, texts))[:8]],
+    }
+    if args.group_size:
+        probs = problems[: args.group_prompts]
+        sampled = SamplingParams(temperature=1.0, max_new_tokens=max_new, stop_tokens=(tok.eod,), seed=args.seed + 1)
+        rep = [p for p in probs for _ in range(args.group_size)]
+        s_texts, _, _ = run(rep, sampled)
+        s_rewards = [reward(p, t, spec) for p, t in zip(rep, s_texts)]
+        groups = [s_rewards[i : i + args.group_size] for i in range(0, len(rep), args.group_size)]
+        result.update({
+            "group_size": args.group_size, "group_prompts": len(probs),
+            "sampled_reward_mean": sum(s_rewards) / len(s_rewards),
+            "groups_with_reward_variance": sum(len(set(g)) > 1 for g in groups) / len(groups),
+            "groups_all_correct": sum(min(g) == 1.0 for g in groups) / len(groups),
+            "groups_all_wrong": sum(max(g) < 1.0 for g in groups) / len(groups),
+        })
+    result["seconds"] = time.perf_counter() - t0
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from pretrain.rl.task import TaskError, load_task
+
+    try:
+        spec = load_task(args.task)
+    except TaskError as e:
+        return _fail(str(e))
+    if args.sft_examples < 1:
+        return _fail(f"--sft-examples {args.sft_examples}: must be >= 1")
+    if args.batch_size < 1:
+        return _fail(f"--batch-size {args.batch_size}: must be >= 1")
+    if args.group_size == 1 or args.group_size < 0:
+        return _fail(f"--group-size {args.group_size}: must be 0 (off) or >= 2 (a group needs two responses)")
+    if args.group_prompts < 1:
+        return _fail(f"--group-prompts {args.group_prompts}: must be >= 1")
+    if args.evaluate is None:
+        info = write_corpus(spec, args.out, args.sft_examples)
+        print(f"{args.out}/sft.jsonl: {info['sft']} documents; {args.out}/eval.jsonl: {info['eval']} held-out "
+              f"problems (task {spec.name!r}, seed {spec.seed})")
+        print("train the starting policy with:")
+        for cmd in commands(args.task, args.out, info["vocab"], os.path.join(args.out, "sft")):
+            print(f"  {cmd}")
+        return 0
+    try:
+        result = evaluate(args, spec)
+    except (ValueError, FileNotFoundError) as e:
+        return _fail(str(e).splitlines()[0])
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"eval_{args.rollout_precision.replace('/', '_')}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    line = (f"held-out accuracy {result['heldout_accuracy']:.3f} ({result['heldout_problems']} problems, greedy, "
+            f"rollout {args.rollout_precision}; well-formed {result['well_formed']:.2f}, stopped {result['stopped']:.2f})")
+    if args.group_size:
+        line += (f"; G={args.group_size} at T=1: reward {result['sampled_reward_mean']:.3f}, groups with variance "
+                 f"{result['groups_with_reward_variance']:.2f}")
+    print(f"{line} in {result['seconds']:.1f}s -> {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
