@@ -20,6 +20,23 @@ On the command line a rule is ``SELECTOR=VALUE`` where VALUE is a preset name or
 (``--precision-rule first:2=bf16``, ``--precision-rule 'kind:mlp=base=fp8,wgrad=mxfp4+had16'``).
 A command-line rule that selects nothing is refused (``PrecisionPolicy.check_rules``): a reversed
 range, layer numbers beyond the model, no matching layer, or every match taken by an earlier rule.
+
+``--precision FILE`` takes three things: a preset name, a per-GEMM spec, or a file. A file is either
+a *spec file* (one ``LinearPrecision``: keys ``base``, ``fprop``, ``dgrad``, ``wgrad``) or a whole
+**plan file** (YAML or JSON; what ``launch/search_plan.py`` writes)::
+
+    default: fp8                       # every linear no entry below matches (preset or spec)
+    linears:                           # optional: exact layer names, checked first
+      output_layer: bf16
+    rules:                             # optional: ordered --precision-rule values, first match wins
+      - layers:0-0=bf16
+      - kind:mlp=base=fp8,wgrad=mxfp4+had16
+    metadata: {cost_ratio: 0.61}       # optional, free: the search's evidence; ignored by training
+
+A plan file's entries come after the user's ``--precision-rule`` values and before the built-in
+output-layer rule (``kind:output=bf16``), so the file resolves to the same per-linear plan wherever
+``PrecisionPolicy.from_args`` reads ``--precision`` (pretrain, sweeps, evaluation). Every error in a
+plan file is one line naming ``--precision`` and the file.
 """
 
 from __future__ import annotations
@@ -34,7 +51,8 @@ from dataclasses import dataclass
 from precision import presets
 from precision.recipe import LinearPrecision, SpecError
 
-__all__ = ["Rule", "PrecisionPolicy", "PrecisionPlan", "parse_precision", "KINDS"]
+__all__ = ["Rule", "PrecisionPolicy", "PrecisionPlan", "PlanFile", "parse_precision", "load_plan_file",
+           "is_plan_file", "write_plan_file", "KINDS"]
 
 KINDS = {
     "qkv": ("linear_qkv",),
@@ -47,6 +65,7 @@ KINDS = {
 }
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _SPEC_FILE_KEYS = ("base", "fprop", "dgrad", "wgrad")
+_PLAN_FILE_KEYS = ("default", "linears", "rules", "metadata")
 
 
 def describe_names(names: Iterable[str]) -> str:
@@ -73,6 +92,8 @@ def parse_precision(value: str) -> LinearPrecision:
     if value in presets.names():
         return presets.get(value)
     if os.path.isfile(value):
+        if is_plan_file(value):  # the plan's default; PrecisionPolicy.from_args adds its entries
+            return parse_precision(load_plan_file(value).default)
         return _load_spec_file(value)
     if "=" not in value:
         raise SpecError(f"unknown precision {value!r}: not a preset, a spec (GEMM=RECIPE,...) or a "
@@ -80,7 +101,7 @@ def parse_precision(value: str) -> LinearPrecision:
     return LinearPrecision.parse(value)
 
 
-def _load_spec_file(path: str) -> LinearPrecision:
+def _read_mapping_file(path: str) -> tuple[str, object]:
     with open(path) as f:
         text = f.read()
     try:
@@ -91,7 +112,13 @@ def _load_spec_file(path: str) -> LinearPrecision:
 
             data = yaml.safe_load(text)
     except Exception as e:  # parse errors from either library
-        raise SpecError(f"{path}: not valid YAML/JSON ({e.__class__.__name__}: {e})") from None
+        msg = " ".join(str(e).split())
+        raise SpecError(f"{path}: not valid YAML/JSON ({e.__class__.__name__}: {msg})") from None
+    return text, data
+
+
+def _load_spec_file(path: str) -> LinearPrecision:
+    text, data = _read_mapping_file(path)
     if not isinstance(data, dict):
         raise SpecError(f"{path}: expected a mapping with keys {', '.join(_SPEC_FILE_KEYS)}")
     unknown = sorted(set(data) - set(_SPEC_FILE_KEYS))
@@ -115,6 +142,120 @@ def _top_level_keys(path: str, text: str) -> list[str]:
     import yaml
 
     return [str(k.value) for k, _ in yaml.compose(text).value]
+
+
+# ====================================================================== plan files
+@dataclass(frozen=True)
+class PlanFile:
+    """A whole-plan file: a default precision, exact per-linear entries, ordered rules, metadata."""
+
+    path: str
+    default: str
+    """A preset name or per-GEMM spec: the precision of every linear no entry matches."""
+    linears: tuple[tuple[str, str], ...] = ()
+    """``(exact layer name, preset or spec)``, checked before ``rules``."""
+    rules: tuple[str, ...] = ()
+    """``SELECTOR=VALUE`` in ``--precision-rule`` syntax, first match wins."""
+    metadata: tuple[tuple[str, object], ...] = ()
+    """Free ``(key, value)`` pairs (the search's cost ratio and evidence); training ignores them."""
+
+    def policy_rules(self) -> list[tuple[str, Rule]]:
+        """``(text, Rule)`` of the file's entries in match order (linears, then rules)."""
+        where = f"--precision {self.path}"
+        out = [(f"linears: {name}", Rule(name, parse_precision(value), f"{where}: {name}={value}"))
+               for name, value in self.linears]
+        for text in self.rules:
+            selector, value = (t.strip() for t in text.split("=", 1))
+            out.append((f"rules: {text}", Rule(selector, parse_precision(value), f"{where}: {text}")))
+        return out
+
+
+def is_plan_file(path: str) -> bool:
+    """Whether ``path`` is a plan file (a mapping with any of default/linears/rules/metadata)."""
+    try:
+        _, data = _read_mapping_file(path)
+    except SpecError:
+        return False
+    return isinstance(data, dict) and bool(set(data) & set(_PLAN_FILE_KEYS))
+
+
+def load_plan_file(path: str) -> PlanFile:
+    """Read and validate a plan file; every error is one line ``--precision PATH: ...``."""
+    where = f"--precision {path}"
+    try:
+        text, data = _read_mapping_file(path)
+    except SpecError as e:
+        raise SpecError(f"--precision {e}") from None
+    except OSError as e:
+        raise SpecError(f"{where}: cannot read ({e.strerror})") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{where}: expected a mapping with keys {', '.join(_PLAN_FILE_KEYS)}")
+    spec_keys = sorted(set(data) & set(_SPEC_FILE_KEYS))
+    if spec_keys:
+        raise SpecError(f"{where}: mixes plan keys ({', '.join(sorted(set(data) & set(_PLAN_FILE_KEYS)))}) with "
+                        f"spec keys ({', '.join(spec_keys)}); a plan file has {', '.join(_PLAN_FILE_KEYS)}")
+    unknown = sorted(str(k) for k in set(data) - set(_PLAN_FILE_KEYS))
+    if unknown:
+        raise SpecError(f"{where}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(_PLAN_FILE_KEYS)}")
+    keys = _top_level_keys(path, text)
+    if twice := next((k for k in keys if keys.count(k) > 1), None):
+        raise SpecError(f"{where}: {twice}: given twice")
+    default = data.get("default")
+    if default is None or not isinstance(default, str) or not default.strip():
+        raise SpecError(f"{where}: default: missing or empty; give a preset or spec, e.g. default: fp8")
+    try:
+        parse_precision(default)
+    except SpecError as e:
+        raise SpecError(f"{where}: default: {e}") from None
+    if os.path.isfile(default.strip()):
+        raise SpecError(f"{where}: default: {default!r} is a file; give a preset name or a per-GEMM spec")
+    linears = data.get("linears") or {}
+    if not isinstance(linears, dict):
+        raise SpecError(f"{where}: linears: expected a mapping of layer name -> preset or spec")
+    for name, value in linears.items():
+        if not isinstance(value, str) or not value.strip():
+            raise SpecError(f"{where}: linears: {name}: expected a preset name or spec, got {value!r}")
+        if any(c in str(name) for c in "*?[:"):
+            raise SpecError(f"{where}: linears: {name}: an exact layer name (no glob or selector); "
+                            "put selectors under rules:")
+        try:
+            parse_precision(value)
+        except SpecError as e:
+            raise SpecError(f"{where}: linears: {name}: {e}") from None
+    rules = data.get("rules") or []
+    if not isinstance(rules, list):
+        raise SpecError(f"{where}: rules: expected a list of SELECTOR=VALUE strings, e.g. - first:1=bf16")
+    for i, text_rule in enumerate(rules):
+        if not isinstance(text_rule, str) or "=" not in text_rule:
+            raise SpecError(f"{where}: rules[{i}]: {text_rule!r}: expected SELECTOR=PRESET_OR_SPEC, "
+                            "e.g. first:1=bf16")
+        selector, value = (t.strip() for t in text_rule.split("=", 1))
+        try:
+            Rule(selector, parse_precision(value))
+        except SpecError as e:
+            raise SpecError(f"{where}: rules[{i}] {text_rule!r}: {e}") from None
+    metadata = data.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise SpecError(f"{where}: metadata: expected a mapping")
+    return PlanFile(path, default.strip(), tuple((str(k), v.strip()) for k, v in linears.items()),
+                    tuple(r.strip() for r in rules), tuple(metadata.items()))
+
+
+def write_plan_file(path: str, default: str, rules: Iterable[str] = (), linears: Mapping[str, str] | None = None,
+                    metadata: Mapping | None = None, header: str = "") -> None:
+    """Write a plan file (YAML) that ``--precision PATH`` takes; ``header`` becomes ``#`` comment lines."""
+    import yaml
+
+    data: dict = {"default": default}
+    if linears:
+        data["linears"] = dict(linears)
+    data["rules"] = list(rules)
+    if metadata:
+        data["metadata"] = json.loads(json.dumps(dict(metadata)))  # plain types only
+    comments = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines())
+    with open(path, "w") as f:
+        f.write(comments + yaml.safe_dump(data, sort_keys=False, width=120))
+    load_plan_file(path)  # what was written reads back
 
 
 @dataclass(frozen=True)
@@ -222,17 +363,22 @@ class PrecisionPolicy:
         self.rules = list(rules)
         self.default_label = default_label
         self.checked: list[tuple[str, Rule]] = []  # (text, rule) of --precision-rule: see check_rules
+        self.plan_file: PlanFile | None = None  # --precision FILE when it is a plan file
 
     @classmethod
     def from_args(cls, precision: str, rules: Iterable[str] = ()) -> "PrecisionPolicy":
         """``--precision`` and ``--precision-rule`` values; the preset's own rules come after the user's."""
         default = parse_precision(precision)
         user = [Rule.parse(r) for r in rules]
+        plan_file = load_plan_file(precision) if os.path.isfile(precision) and is_plan_file(precision) else None
+        from_file = [r for _, r in plan_file.policy_rules()] if plan_file else []
         preset_name = precision if precision in presets.names() else "custom"
         builtin = [Rule(sel, parse_precision(val), f"preset {preset_name}: {sel}={val}")
                    for sel, val in presets.default_rules(preset_name)]
-        policy = cls(default, user + builtin, default_label=f"--precision {precision}")
+        label = f"--precision {precision}" + (f" (default {plan_file.default})" if plan_file else "")
+        policy = cls(default, user + from_file + builtin, default_label=label)
         policy.checked = list(zip(rules, user))
+        policy.plan_file = plan_file
         return policy
 
     def check_rules(self, num_layers: int, names: Iterable[str] | None = None) -> None:
@@ -242,9 +388,17 @@ class PrecisionPolicy:
         for text, rule in self.checked:
             if problem := rule.range_problem(num_layers):
                 raise SpecError(f"--precision-rule {text!r}: {problem}")
+        file_rules = self.plan_file.policy_rules() if self.plan_file else []
+        for text, rule in file_rules:
+            if problem := rule.range_problem(num_layers):
+                raise SpecError(f"--precision {self.plan_file.path}: {text}: {problem}")
         if names is None:
             return
         names = list(names)
+        for text, rule in file_rules:
+            if not any(rule.matches(n, num_layers) for n in names):
+                raise SpecError(f"--precision {self.plan_file.path}: {text}: matches no layer; "
+                                f"layers: {describe_names(names)}")
         for i, (text, rule) in enumerate(self.checked):
             matched = [n for n in names if rule.matches(n, num_layers)]
             if not matched:

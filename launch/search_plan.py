@@ -1,0 +1,453 @@
+#!/usr/bin/env python
+"""Search the cheapest per-layer, per-GEMM precision plan within a loss budget, on a target device.
+
+    python launch/search_plan.py --out runs/plan --baseline bf16 --budget 1% --target b200 \\
+        --seeds 0,1 --probe-iters 100 -- --model-size tiny --train-iters 300 --eval-iters 10
+
+Flags after ``--`` are pretrain flags (model, data, iterations) every run gets; ``--train-iters``
+there is the *full* length of the confirmation runs, ``--probe-iters`` the length of the probes.
+Steps (each run lives in ``OUT/runs/NAME``, as in ``launch/sweep.py``; re-running skips finished
+runs, so an interrupted search resumes where it stopped):
+
+1. **calibration**: the all-cheapest plan's probe runs with ``--numerics-interval`` telemetry; per
+   unit (layer x GEMM) the operands' SQNR, clipped and flushed fractions give its sensitivity;
+2. **rank** the units by sensitivity per unit of modelled cost saving (``precision.cost_model``);
+3. **probes** of candidate plans, most sensitive unit first (``pretrain.plan_search``), each paired
+   by seed with the baseline's probe; a plan fits when the upper bound of its relative validation
+   loss gap (Student-t over seeds; with one seed, the validation batches' paired s.e.) is within
+   ``--budget``;
+4. **confirmation**: the chosen plan and the baseline at full length, same seeds.
+
+Output in ``OUT``: ``plan.yaml`` (``--precision OUT/plan.yaml`` takes it), ``report.md`` (which
+units stayed in higher precision and why, predicted cost ratios against the baseline and against
+``wgrad_hadamard`` with BF16 edge layers, the measured loss delta with its interval),
+``probes.json`` (every probe) and ``plans/`` (one plan file per probe).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from launch.sweep import Run, read_scalars, read_status, read_val_batches, run_dir, run_local  # noqa: E402
+from precision import PrecisionPolicy, SpecError  # noqa: E402
+from precision.cost_model import ASSUMPTIONS, get_target, linear_shapes, plan_cost, target_names  # noqa: E402
+from precision.policy import layer_index, write_plan_file  # noqa: E402
+from precision.recipe import Gemm, LinearPrecision  # noqa: E402
+from pretrain.evaluation.stats import Interval, paired_batch_se, paired_interval  # noqa: E402
+from pretrain.plan_search import (  # noqa: E402
+    DEFAULT_LADDER,
+    GRANULARITIES,
+    Ladder,
+    apply_levels,
+    cheapest_levels,
+    fits,
+    greedy_search,
+    make_units,
+    unit_sensitivity,
+)
+
+RESERVED = ("--precision", "--precision-rule", "--seed", "--save", "--load", "--tensorboard-dir",
+            "--numerics-interval", "--eval-interval", "--precision-schedule")
+REFERENCE = ("wgrad_hadamard", ("first:1=bf16", "last:1=bf16"))  # the study's plan with BF16 edge layers
+
+
+class SearchError(ValueError):
+    """A bad flag; one line naming it and what is valid."""
+
+
+# ---------------------------------------------------------------- flags
+def parse_budget(text: str) -> float:
+    t = text.strip()
+    try:
+        value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        raise SearchError(f"--budget {text!r}: expected a relative loss budget such as 1% or 0.01") from None
+    if not 0 <= value < 1:
+        raise SearchError(f"--budget {text!r}: must be in [0%, 100%)")
+    return value
+
+
+def parse_seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise SearchError(f"--seeds {text!r}: expected distinct integers, e.g. 0,1,2") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise SearchError(f"--seeds {text!r}: expected distinct integers, e.g. 0,1,2")
+    return seeds
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="output directory (runs, plan.yaml, report.md, probes.json)")
+    ap.add_argument("--baseline", default="bf16", help="the plan gaps are measured against: a preset, spec or "
+                    "plan file (default bf16)")
+    ap.add_argument("--budget", default="1%", help="relative validation-loss budget: plan <= baseline x (1 + "
+                    "budget) at the same tokens, on the gap interval's upper bound (default 1%%)")
+    ap.add_argument("--target", default="b200", choices=target_names(), help="device of the cost model")
+    ap.add_argument("--seeds", default="0,1", help="comma-separated seeds; every plan is paired with the "
+                    "baseline by seed (default 0,1)")
+    ap.add_argument("--ladder", default=DEFAULT_LADDER, help="per GEMM, recipes most precise first, e.g. "
+                    f"'{DEFAULT_LADDER}'; each starts at the baseline's recipe")
+    ap.add_argument("--granularity", default="layer-gemm", choices=GRANULARITIES,
+                    help="a search unit: one GEMM of a transformer layer's linears (layer-gemm), of one linear, "
+                    "or of every linear (gemm); the output layer keeps the baseline")
+    ap.add_argument("--probe-iters", type=int, required=True, help="iterations of each probe run")
+    ap.add_argument("--numerics-interval", type=int, default=10, help="telemetry interval of the calibration")
+    ap.add_argument("--max-probes", type=int, default=None, help="at most this many candidate plans")
+    ap.add_argument("--confidence", type=float, default=0.95, help="two-sided interval level (default 0.95)")
+    ap.add_argument("--parallel", type=int, default=1, help="runs at a time (default 1)")
+    ap.add_argument("--nproc-per-node", type=int, default=1, help="processes per run (default 1)")
+    ap.add_argument("--vocab-size", type=int, default=None, help="tokenizer vocabulary for the output layer's "
+                    "cost (default: the built-in corpus's 4096; required with --tokenizer-model)")
+    ap.add_argument("--fused-quantization", action="store_true", help="cost model: quantization fused into the "
+                    "kernel producing each operand (only codes + scales are written; no BF16 read, amax or "
+                    "rotation pass); default: separate quantization kernels")
+    ap.add_argument("--no-confirm", action="store_true", help="skip the full-length confirmation runs")
+    return ap
+
+
+# ---------------------------------------------------------------- the search's context
+class Context:
+    """Everything fixed for one search: model shapes, baseline plan, units, ladder, runs."""
+
+    def __init__(self, args, extra: list[str]):
+        from pretrain.arguments import ConfigError, model_config, parse_args_or_raise
+
+        for flag in extra:
+            if flag.split("=", 1)[0] in RESERVED:
+                raise SearchError(f"{flag.split('=', 1)[0]} after '--': set by the search itself "
+                                  f"(use --baseline for the baseline plan, --seeds for seeds)")
+        try:
+            pargs = parse_args_or_raise(extra + ["--precision", args.baseline])
+        except (ConfigError, SystemExit) as e:
+            raise SearchError(f"pretrain flags after '--': {e}") from None
+        if args.probe_iters < 1 or args.probe_iters > pargs.train_iters:
+            raise SearchError(f"--probe-iters {args.probe_iters}: must be in 1..--train-iters ({pargs.train_iters})")
+        if args.numerics_interval < 1 or args.numerics_interval > args.probe_iters:
+            raise SearchError(f"--numerics-interval {args.numerics_interval}: must be in 1..--probe-iters")
+        if not 0 < args.confidence < 1:
+            raise SearchError(f"--confidence {args.confidence}: must be in (0, 1)")
+        if args.max_probes is not None and args.max_probes < 1:
+            raise SearchError(f"--max-probes {args.max_probes}: must be >= 1")
+        if args.parallel < 1 or args.nproc_per_node < 1:
+            raise SearchError("--parallel and --nproc-per-node must be >= 1")
+        vocab = args.vocab_size
+        if vocab is None:
+            if pargs.tokenizer_model:
+                raise SearchError("--vocab-size: required with --tokenizer-model (the output layer's shape)")
+            from pretrain.data.tokenizer import DEFAULT_VOCAB_SIZE
+
+            vocab = DEFAULT_VOCAB_SIZE
+        self.args, self.extra, self.pargs = args, extra, pargs
+        self.budget = parse_budget(args.budget)
+        self.seeds = parse_seeds(args.seeds)
+        self.target = get_target(args.target)
+        cfg = model_config(pargs, vocab_size=vocab)
+        self.shapes = linear_shapes(cfg, pargs.micro_batch_size, pargs.tensor_model_parallel_size)
+        self.names = [s.name for s in self.shapes]
+        self.num_layers = pargs.num_layers
+        try:
+            self.baseline = dict(PrecisionPolicy.from_args(args.baseline).resolve(self.names, self.num_layers))
+        except SpecError as e:
+            raise SearchError(f"--baseline: {e}") from None
+        try:
+            self.units = make_units(self.names, args.granularity)
+            searched = [n for n in self.names if n != "output_layer"]
+            base_recipes = {}
+            for g in Gemm:
+                recipes = {self.baseline[n].recipe(g) for n in searched}
+                if len(recipes) != 1:
+                    raise SearchError(f"--baseline {args.baseline}: its {g.value} differs between layers; the "
+                                      "ladder needs one baseline recipe per GEMM")
+                base_recipes[g] = recipes.pop()
+            self.ladder = Ladder.parse(args.ladder).from_baseline(base_recipes)
+        except SpecError as e:
+            raise SearchError(str(e)) from None
+        self.unit_keys = [u.key for u in self.units]
+        self.n_levels = {u.key: self.ladder.count(u.gemm) for u in self.units}
+        self.out = Path(args.out)
+        self.fused = args.fused_quantization
+        self.base_cost = plan_cost(self.shapes, self.baseline, self.target, self.fused)
+
+    # ------------------------------------------------------------ plans
+    def plan(self, levels) -> dict[str, LinearPrecision]:
+        return apply_levels(self.baseline, self.units, self.ladder, levels)
+
+    def cost(self, levels) -> float:
+        return plan_cost(self.shapes, self.plan(levels), self.target, self.fused).ratio(self.base_cost)
+
+    def plan_id(self, plan: dict[str, LinearPrecision]) -> str:
+        text = json.dumps({n: str(p) for n, p in plan.items()}, sort_keys=True)
+        return hashlib.sha1(text.encode()).hexdigest()[:10]
+
+    def write_plan(self, path: Path, plan: dict[str, LinearPrecision], metadata: dict | None = None,
+                   header: str = "") -> None:
+        """A plan file resolving to ``plan`` (one rule per transformer layer whose linears share a
+        precision, exact entries otherwise); the output layer is pinned. Checked by reading it back."""
+        rules, linears = [], {"output_layer": str(plan["output_layer"])}
+        by_layer: dict[int, list[str]] = {}
+        for n in self.names:
+            if (i := layer_index(n)) is not None:
+                by_layer.setdefault(i, []).append(n)
+        default = self.args.baseline if not Path(self.args.baseline).is_file() else str(self.baseline[self.names[0]])
+        default_lp = PrecisionPolicy.from_args(default).default
+        for i, members in by_layer.items():
+            lps = {str(plan[n]) for n in members}
+            if len(lps) == 1:
+                if str(plan[members[0]]) != str(default_lp):
+                    rules.append(f"layers:{i}-{i}={lps.pop()}")
+            else:
+                linears.update({n: str(plan[n]) for n in members if str(plan[n]) != str(default_lp)})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_plan_file(str(path), default, rules, linears, metadata, header)
+        back = PrecisionPolicy.from_args(str(path)).resolve(self.names, self.num_layers)
+        if {n: str(back[n]) for n in self.names} != {n: str(p) for n, p in plan.items()}:
+            raise RuntimeError(f"{path}: the written plan file does not resolve to the intended plan")
+
+    def describe(self, levels) -> str:
+        """``layer0/wgrad=mxfp4+had16, ...`` (the units below rung 0), or ``baseline``."""
+        moved = [f"{k}={self.ladder.rungs[Gemm(k.split('/')[1])][v]}" for k, v in levels.items() if v]
+        return ", ".join(moved) or "baseline"
+
+    # ------------------------------------------------------------ runs
+    def runs_for(self, label: str, precision: str, iters: int, numerics: bool = False) -> list[Run]:
+        flags = list(self.extra) + ["--train-iters", str(iters), "--eval-interval", str(iters)]
+        if numerics:
+            flags += ["--numerics-interval", str(self.args.numerics_interval)]
+        return [Run(f"{label}__seed-{s}", precision, flags + ["--seed", str(s)], label, {}, s) for s in self.seeds]
+
+    def execute(self, runs: list[Run]) -> None:
+        run_local(self.out, runs, self.args.nproc_per_node, self.args.parallel, [])
+
+    def final_val(self, run: Run, iters: int) -> tuple[float, list[float] | None]:
+        """(validation loss at ``iters``, its per-batch losses) -- NaN if the run did not get there."""
+        if read_status(self.out, run) != "done":
+            return math.nan, None
+        tb = run_dir(self.out, run) / "tensorboard"
+        val = dict(read_scalars(tb).get("val/loss", []))
+        return val.get(iters, math.nan), read_val_batches(tb).get(iters)
+
+    def gap(self, runs: list[Run], base_runs: list[Run], iters: int) -> tuple[Interval, list[dict]]:
+        """The relative gap ``val / val_baseline - 1`` paired by seed, with its interval."""
+        per_seed, rels, ses = [], [], []
+        for r, b in zip(runs, base_runs):
+            v, vb = self.final_val(r, iters)
+            bv, bb = self.final_val(b, iters)
+            rel = v / bv - 1 if math.isfinite(v) and math.isfinite(bv) else math.inf
+            se = paired_batch_se(vb, bb) / bv if vb and bb and math.isfinite(bv) else math.nan
+            per_seed.append({"seed": r.seed, "val": v, "baseline_val": bv, "rel_gap": rel, "batch_se": se,
+                             "status": read_status(self.out, r)})
+            rels.append(rel)
+            ses.append(se)
+        if any(math.isinf(x) for x in rels):  # a failed or diverged run: never fits
+            return Interval(math.inf, math.inf, math.inf, len(rels), math.nan, self.args.confidence), per_seed
+        if len(rels) >= 2:
+            return paired_interval(rels, self.args.confidence), per_seed
+        from scipy.stats import norm  # one seed: the validation batches' noise only
+
+        z = float(norm.ppf(0.5 + self.args.confidence / 2))
+        h = z * ses[0] if math.isfinite(ses[0]) else math.nan
+        return Interval(rels[0], rels[0] - h, rels[0] + h, 1, math.nan, self.args.confidence), per_seed
+
+
+# ---------------------------------------------------------------- the search
+def search(ctx: Context) -> dict:
+    args, out = ctx.args, ctx.out
+    out.mkdir(parents=True, exist_ok=True)
+    iters = args.probe_iters
+    base_runs = ctx.runs_for("baseline-probe", args.baseline, iters)
+    cheapest = cheapest_levels(ctx.unit_keys, ctx.n_levels, ctx.cost)
+    if not any(cheapest.values()):
+        print("the cost model finds no unit cheaper below its baseline rung on this target and shape: the "
+              "baseline is the cheapest plan (see --fused-quantization)", flush=True)
+    records: dict[str, dict] = {}
+
+    def plan_runs(levels, numerics=False):
+        plan = ctx.plan(levels)
+        pid = ctx.plan_id(plan)
+        path = out / "plans" / f"{pid}.yaml"
+        if not path.exists():
+            ctx.write_plan(path, plan, {"levels": {k: v for k, v in levels.items() if v}})
+        return pid, ctx.runs_for(f"probe-{pid}", str(path), iters, numerics)
+
+    # 1. calibration: the all-cheapest plan with telemetry (also its probe) and the baseline's probes
+    cal_id, cal_runs = plan_runs(cheapest, numerics=True)
+    print(f"calibration: the all-cheapest plan ({cal_id}) with --numerics-interval {args.numerics_interval}, "
+          f"and the baseline's probes: {len(cal_runs) + len(base_runs)} runs of {iters} iterations", flush=True)
+    ctx.execute(base_runs + cal_runs)
+    if read_status(out, cal_runs[0]) != "done":
+        raise SearchError(f"the calibration run failed; see {run_dir(out, cal_runs[0]) / 'train.log'}")
+    scalars = read_scalars(run_dir(out, cal_runs[0]) / "tensorboard")
+    sens = unit_sensitivity(scalars, ctx.units)
+    if not any(s["linears_seen"] for s in sens.values()):
+        raise SearchError("the calibration run logged no numerics/ telemetry; is --numerics-interval reaching "
+                          "a logged iteration?")
+    # 2. rank: sensitivity per unit of modelled saving, most sensitive first
+    saving = {}
+    for u in ctx.units:
+        saving[u.key] = 1.0 - ctx.cost({u.key: ctx.n_levels[u.key] - 1})
+    score = {k: (sens[k]["nsr"] if math.isfinite(sens[k]["nsr"]) else math.inf) / max(saving[k], 1e-12)
+             for k in ctx.unit_keys}
+    priority = sorted(ctx.unit_keys, key=lambda k: -score[k])
+
+    # 3. probes
+    def evaluate(levels):
+        pid, runs = plan_runs(levels, numerics=levels == cheapest)
+        print(f"probe {pid}: {ctx.describe(levels)}", flush=True)
+        ctx.execute(runs)
+        gap, per_seed = ctx.gap(runs, base_runs, iters)
+        records[pid] = {"plan_id": pid, "levels": {k: v for k, v in levels.items() if v}, "gap": _iv(gap),
+                        "per_seed": per_seed, "cost_ratio": ctx.cost(levels), "fits": fits(gap, ctx.budget)}
+        (out / "probes.json").write_text(json.dumps(list(records.values()), indent=1))
+        print(f"  gap {gap.text(4)} (relative), fits {fits(gap, ctx.budget)} (budget {ctx.budget:.2%}), "
+              f"modelled cost {ctx.cost(levels):.3f} x baseline", flush=True)
+        return gap
+
+    result = greedy_search(ctx.unit_keys, ctx.n_levels, ctx.cost, evaluate, ctx.budget, priority, args.max_probes)
+    chosen = ctx.plan(result.levels)
+    ref_plan = dict(PrecisionPolicy.from_args(REFERENCE[0], list(REFERENCE[1])).resolve(ctx.names, ctx.num_layers))
+    ref_ratio = plan_cost(ctx.shapes, ref_plan, ctx.target, ctx.fused).ratio(ctx.base_cost)
+    other = plan_cost(ctx.shapes, ctx.baseline, ctx.target, not ctx.fused)  # the other quantization model
+    other_ratios = {"chosen": plan_cost(ctx.shapes, ctx.plan(result.levels), ctx.target, not ctx.fused).ratio(other),
+                    "reference": plan_cost(ctx.shapes, ref_plan, ctx.target, not ctx.fused).ratio(other)}
+    ratio = ctx.cost(result.levels)
+
+    # 4. confirmation at full length
+    full = ctx.pargs.train_iters
+    confirm = None
+    chosen_id = ctx.plan_id(chosen)
+    plan_path = out / "plan.yaml"
+    ctx.write_plan(plan_path, chosen, {"target": args.target, "baseline": args.baseline})  # first, for the runs
+    if not args.no_confirm:
+        c_runs = ctx.runs_for(f"confirm-{chosen_id}", str(out / "plans" / f"confirm-{chosen_id}.yaml"), full)
+        ctx.write_plan(out / "plans" / f"confirm-{chosen_id}.yaml", chosen)
+        cb_runs = ctx.runs_for("baseline-confirm", args.baseline, full)
+        print(f"confirmation: the chosen plan and the baseline at {full} iterations, {len(ctx.seeds)} seed(s)",
+              flush=True)
+        ctx.execute(cb_runs + c_runs)
+        gap, per_seed = ctx.gap(c_runs, cb_runs, full)
+        confirm = {"iterations": full, "gap": _iv(gap), "per_seed": per_seed, "fits": fits(gap, ctx.budget)}
+    summary = {
+        "target": args.target, "baseline": args.baseline, "budget": ctx.budget, "seeds": ctx.seeds,
+        "probe_iters": iters, "ladder": ctx.ladder.text(), "granularity": args.granularity,
+        "levels": {k: v for k, v in result.levels.items() if v}, "cost_ratio": ratio,
+        "reference": {"plan": f"{REFERENCE[0]} with {', '.join(REFERENCE[1])}", "cost_ratio": ref_ratio},
+        "all_cheapest_cost_ratio": ctx.cost(cheapest), "reason": result.reason, "confirmation": confirm,
+        "fused_quantization": ctx.fused,
+        "other_quantization_model": {"fused": not ctx.fused, **other_ratios},
+        "priority": priority, "sensitivity": sens, "saving": saving, "assumptions": ASSUMPTIONS,
+        "cost_model_target": ctx.target.description,
+    }
+    ctx.write_plan(plan_path, chosen, {
+        "target": args.target, "baseline": args.baseline, "budget": ctx.budget,
+        "cost_ratio_vs_baseline": round(ratio, 4), "cost_ratio_reference": round(ref_ratio, 4),
+        "measured_gap": confirm["gap"] if confirm else None, "seeds": ctx.seeds,
+        "evidence": f"{out / 'report.md'}",
+    }, header=(f"written by launch/search_plan.py: cheapest plan within +{ctx.budget:.2%} validation loss of "
+               f"--baseline {args.baseline} on --target {args.target}\nuse: --precision {plan_path}"))
+    (out / "search.json").write_text(json.dumps(summary, indent=1, default=str))
+    (out / "report.md").write_text(report(ctx, summary, result, records, chosen, cal_id))
+    return summary
+
+
+def _iv(gap: Interval) -> dict:
+    return {"mean": gap.mean, "lo": gap.lo, "hi": gap.hi, "n": gap.n, "confidence": gap.confidence}
+
+
+def _pct(x: float) -> str:
+    return "n/a" if not math.isfinite(x) else f"{100 * x:+.2f}%"
+
+
+def report(ctx: Context, s: dict, result, records: dict, chosen: dict, cal_id: str) -> str:
+    a = ctx.args
+    lines = [f"# Plan search: --baseline {a.baseline}, budget +{ctx.budget:.2%}, --target {a.target}", "",
+             f"Seeds {ctx.seeds}, probes of {a.probe_iters} iterations, confirmation at {ctx.pargs.train_iters}; "
+             f"ladder `{ctx.ladder.text()}`; units: {a.granularity}; {result.reason}.", "",
+             "## Result", "",
+             f"- plan: `{ctx.out / 'plan.yaml'}` (`--precision {ctx.out / 'plan.yaml'}`)",
+             f"- predicted linear-GEMM time on {ctx.target.description}: **{s['cost_ratio']:.3f} x** the baseline; "
+             f"`{s['reference']['plan']}`: {s['reference']['cost_ratio']:.3f} x; all units at their cheapest "
+             f"rung: {s['all_cheapest_cost_ratio']:.3f} x ({'fused' if ctx.fused else 'separate'} quantization "
+             f"kernels; with {'separate' if ctx.fused else 'fused'} ones: chosen "
+             f"{s['other_quantization_model']['chosen']:.3f} x, reference "
+             f"{s['other_quantization_model']['reference']:.3f} x)"]
+    if s["confirmation"]:
+        c = s["confirmation"]
+        g = c["gap"]
+        lines.append(f"- measured at {c['iterations']} iterations: validation loss {_pct(g['mean'])} vs the "
+                     f"baseline, {int(g['confidence'] * 100)}% interval [{_pct(g['lo'])}, {_pct(g['hi'])}] "
+                     f"(n={g['n']}): {'within' if c['fits'] else 'NOT within'} the budget")
+        for p in c["per_seed"]:
+            lines.append(f"  - seed {p['seed']}: {p['val']:.4f} vs {p['baseline_val']:.4f} ({_pct(p['rel_gap'])}; "
+                         f"val-batch s.e. {_pct(p['batch_se'])})")
+    lines += ["", "## Units: what each got and why", "",
+              "Sensitivity from the calibration run (the all-cheapest plan, "
+              f"`{cal_id}`, seed {ctx.seeds[0]}): nsr = summed noise-to-signal power of the GEMM's two operands "
+              "(10^(-SQNR/10)); saving = modelled time saved by the unit alone at its cheapest rung (fraction "
+              "of the baseline). Rank 1 is raised first.", "",
+              "| rank | unit | chosen | SQNR dB (both operands) | clipped | flushed | saving | decided by |",
+              "|---|---|---|---|---|---|---|---|"]
+    decided = {}
+    for p in result.probes:
+        for word in ("raise", "lower"):
+            if p.why.startswith(word):
+                unit = p.why.split()[1]
+                decided.setdefault(unit, []).append(f"{p.why.split(' to ')[0].split()[0]} to rung "
+                                                    f"{p.why.split('rung ')[1].split()[0]}: gap hi "
+                                                    f"{_pct(p.gap.hi)} ({'fits' if p.fits else 'over'})")
+    for rank, k in enumerate(s["priority"], 1):
+        sv = s["sensitivity"][k]
+        lvl = result.levels.get(k, 0)
+        rung = ctx.ladder.rungs[Gemm(k.split("/")[1])][lvl]
+        why = "; ".join(decided.get(k, [])) or ("all-cheapest plan fit" if lvl == ctx.n_levels[k] - 1
+                                                 else "not probed")
+        lines.append(f"| {rank} | {k} | {rung}{' (higher)' if lvl < ctx.n_levels[k] - 1 else ''} | "
+                     f"{sv['sqnr_db']:.1f} | {sv['clipped']:.2e} | {sv['flushed']:.2e} | {s['saving'][k]:.4f} | "
+                     f"{why} |")
+    lines += ["", "## Probes (paired by seed with the baseline's probe; gap = val / val_baseline - 1)", "",
+              "| plan | move | modelled cost | gap (mean) | interval | fits |", "|---|---|---|---|---|---|"]
+    for p in result.probes:
+        lines.append(f"| {ctx.plan_id(ctx.plan(dict(p.levels)))} | {p.why} | {p.cost:.3f} | {_pct(p.gap.mean)} | "
+                     f"[{_pct(p.gap.lo)}, {_pct(p.gap.hi)}] | {p.fits} |")
+    lines += ["", "## Chosen plan", "", "```", PrecisionPolicy.from_args(str(ctx.out / "plan.yaml"))
+              .resolve(ctx.names, ctx.num_layers).table(), "```", "",
+              "## Cost model assumptions", "", ASSUMPTIONS + ".", "",
+              f"Peak rates ({ctx.target.name}): " + ", ".join(f"{k} {v:g} TFLOP/s" for k, v in
+                                                           ctx.target.tflops.items())
+              + f"; HBM {ctx.target.hbm_tb_s:g} TB/s (sources: precision/cost_model.py)."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    args = build_parser().parse_args(argv)
+    try:
+        ctx = Context(args, extra)
+        s = search(ctx)
+    except (SearchError, SpecError) as e:
+        print(f"search_plan.py: error: {e}", file=sys.stderr)
+        return 2
+    c = s["confirmation"]
+    print(f"plan: {ctx.out / 'plan.yaml'} | modelled cost {s['cost_ratio']:.3f} x baseline "
+          f"({s['reference']['plan']}: {s['reference']['cost_ratio']:.3f} x) | "
+          + (f"confirmed gap {_pct(c['gap']['mean'])} [{_pct(c['gap']['lo'])}, {_pct(c['gap']['hi'])}]"
+             if c else "no confirmation") + f" | report: {ctx.out / 'report.md'}")
+    return 0 if (c is None or c["fits"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
