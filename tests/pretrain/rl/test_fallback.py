@@ -119,7 +119,7 @@ def test_fp8_target_and_layers_per_trigger(setup):
     plan = resolve_rollout_plan(ROLLOUT, fb.rollout_rules(), names, 3, 32)
     assert plan.fprop("decoder.layers.1.mlp.linear_fc1").spec() == "fp8_e4m3"
     assert [plan.fprop(f"decoder.layers.{i}.mlp.linear_fc2").spec() for i in range(3)].count("mxfp4") == 1
-    fb.moved.append([s for s in ("layers:0-0", "layers:1-1", "layers:2-2") if s not in fb.moved][0])
+    fb.moved.append(next(s for s in ("layers:0-0", "layers:1-1", "layers:2-2") if s not in fb.moved))
     assert fb.exhausted and not fb.triggered({"rollout_corr/k3_kl": 1.0})
 
 

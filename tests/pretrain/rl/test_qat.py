@@ -21,7 +21,7 @@ import torch
 
 from kernels.gemm import gemm
 from model.attention import core_attentions
-from model.generate import Engine, SamplingParams, forward_logits
+from model.generate import Engine, SamplingParams, attention_mask, forward_logits
 from model.gpt import ModelConfig, apply_precision_plan, build_gpt, policy_linear_names, policy_linears
 from model.rollout import RolloutModel
 from precision import PrecisionPolicy
@@ -134,7 +134,6 @@ def test_gradients_are_the_trainers_dgrad_and_wgrad(model, rollout, mode):
 
     tokens, valid, slot = sequences(batch)
     positions = (valid.long().cumsum(1) - 1).clamp(min=0)
-    from model.generate import attention_mask
 
     model.train()
     model.zero_grad(set_to_none=True)
@@ -175,8 +174,8 @@ def test_context_restores_the_model(model, rollout):
     with pytest.raises(RuntimeError, match="boom"), qat.trainer_forward(batch.records):
         assert dict(policy_linears(model))[FC1].fprop_x is not None and attn[0].kv_format == plan.kv
         raise RuntimeError("boom")
-    for restored in ([(m.precision, m.fprop_x) for _, m in policy_linears(model)],):
-        assert all(a[0] is b[0] and a[1] is b[1] for a, b in zip(restored, before))
+    restored = [(m.precision, m.fprop_x) for _, m in policy_linears(model)]
+    assert all(a[0] is b[0] and a[1] is b[1] for a, b in zip(restored, before))
     assert [(a.kv_format, a.kv_amax) for a in attn] == kv_before
     with qat.trainer_forward(batch.records):
         pass
@@ -208,6 +207,6 @@ def test_bad_input_is_refused(model, rollout):
     assert qat.record_layers == ["decoder.layers.0.mlp.linear_fc1", FC1]
     with pytest.raises(ValueError, match="no rounding records for this batch"), qat.trainer_forward(None):
         pass
-    with pytest.raises(RuntimeError, match="the forward has 4 rows, the records 2 sequences"):
-        with qat.trainer_forward(batch.records[:2]):
-            score_logprobs(model, batch, vocab_size=V)
+    with (pytest.raises(RuntimeError, match="the forward has 4 rows, the records 2 sequences"),
+          qat.trainer_forward(batch.records[:2])):
+        score_logprobs(model, batch, vocab_size=V)
