@@ -22,6 +22,16 @@ A sweep file (YAML)::
     #   fprop: [fp8, mxfp4]
     #   dgrad: [fp8, mxfp4]
     #   wgrad: [fp8, mxfp4, mxfp4+sr, mxfp4+had16, mxfp4+rht16]
+    # precision schedules (--precision-schedule), beside or instead of presets:
+    #   schedules: [{fp8_warm: "0:fp8,100:mxfp4"}, {bf16_tail: "0:nvfp4,900:bf16"}]
+    # or treatments: labelled flag sets, when a grid point is more than a precision:
+    #   treatments: [{fp4_tis: {rollout-precision: mxfp4, rollout-correction: tis}}]
+
+``script: rl`` runs ``launch/rl.py`` (RL post-training with FP4 rollouts) instead of
+``pretrain.py``: base flags and treatments are rl.py's, the baseline is a treatment (e.g. BF16
+rollouts), and the results are held-out accuracy, the area under the reward curve, the
+trainer-vs-rollout mismatch and rollout speed and memory (``pretrain.rl.sweep_results``; plot
+``OUT/rl_curves.png``); ``configs/sweeps/fp4_rollout.yaml`` is one.
 
 Flags after ``--`` are appended to every run's command line (e.g. a smaller model, fewer
 iterations). Each run lives in ``OUT/runs/NAME/`` (``train.log``, ``tensorboard/``,
@@ -65,9 +75,13 @@ sys.path.insert(0, str(ROOT))
 from pretrain.evaluation.stats import Interval, paired_batch_se, paired_interval, spread
 
 GEMMS = ("fprop", "dgrad", "wgrad")
-SWEEP_KEYS = {"base", "grid", "baseline", "nproc-per-node", "name", "description", "seeds"}
+SWEEP_KEYS = {"base", "grid", "baseline", "nproc-per-node", "name", "description", "seeds", "script"}
+# What a sweep runs: pretraining (the default) or RL post-training (``script: rl``).
+SCRIPTS = {"pretrain": "pretrain.py", "rl": "rl.py"}
+# The grid keys that name the runs' precision (or, for treatments, whole flag sets).
+POINT_KEYS = ("presets", "schedules", "treatments")
 # Flags a grid may not range over: the sweep sets them itself.
-RESERVED_FLAGS = {"precision", "seed", "save", "load", "tensorboard-dir"}
+RESERVED_FLAGS = {"precision", "precision-schedule", "seed", "save", "load", "tensorboard-dir"}
 RUN_STATUS_FILE = "run_status.json"  # written by pretrain.py into --save on divergence
 
 
@@ -85,6 +99,8 @@ class Run:
     label: str = ""  # the precision's name in tables (a preset name, or the matrix cell's name)
     point: dict = field(default_factory=dict)  # hyper-parameters of the grid, e.g. {"lr": 0.002}
     seed: int | None = None
+    precision_flag: str = "--precision"  # or --precision-schedule; "" for a treatment (its flags say all)
+    script: str = "pretrain"  # a key of SCRIPTS
 
     def __post_init__(self):
         self.label = self.label or self.name
@@ -117,7 +133,11 @@ def load_sweep(path: str) -> dict:
         raise SweepError(f"sweep file {path}: unknown key(s) {', '.join(unknown)}; "
                          f"valid: {', '.join(sorted(SWEEP_KEYS))}")
     if "grid" not in data or not isinstance(data["grid"], dict):
-        raise SweepError(f"sweep file {path}: 'grid' must map 'presets' or fprop/dgrad/wgrad to lists")
+        raise SweepError(f"sweep file {path}: 'grid' must map presets, schedules, treatments or "
+                         f"fprop/dgrad/wgrad to lists")
+    script = data.get("script", "pretrain")
+    if script not in SCRIPTS:
+        raise SweepError(f"sweep file {path}: script {script!r}: valid: {', '.join(SCRIPTS)}")
     seeds = data.get("seeds")
     if seeds is not None and (not isinstance(seeds, list) or not seeds
                               or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)
@@ -152,23 +172,38 @@ def _pretrain_options() -> set[str]:
     """Every long option ``launch/pretrain.py`` accepts, without the leading ``--``."""
     from pretrain.arguments import build_parser
 
-    return {o[2:] for a in build_parser()._actions for o in a.option_strings if o.startswith("--")}
+    return _long_options(build_parser())
 
 
-def _hyper_grid(grid: dict, path: str) -> list[tuple[str, list]]:
-    """The grid's non-precision keys: pretrain flags with the values to range over."""
-    keys = [k for k in grid if k not in ("presets", *GEMMS)]
+def _long_options(parser) -> set[str]:
+    return {o[2:] for a in parser._actions for o in a.option_strings if o.startswith("--")}
+
+
+def _script_options(script: str) -> set[str]:
+    """The long options of the script a sweep runs (``launch/pretrain.py`` or ``launch/rl.py``)."""
+    if script == "rl":
+        from pretrain.rl.arguments import build_parser
+
+        return _long_options(build_parser())
+    return _pretrain_options()
+
+
+def _hyper_grid(grid: dict, path: str, script: str = "pretrain") -> list[tuple[str, list]]:
+    """The grid's non-precision keys: flags of the script with the values to range over."""
+    keys = [k for k in grid if k not in (*POINT_KEYS, *GEMMS)]
     if not keys:
         return []
-    options = _pretrain_options()
+    options = _script_options(script)
     out = []
     for k in keys:
         if k in RESERVED_FLAGS:
             raise SweepError(f"{path}: grid.{k}: set by the sweep itself"
-                             + ("; list seeds under 'seeds:'" if k == "seed" else ""))
+                             + ("; list seeds under 'seeds:'" if k == "seed" else "")
+                             + ("; give precisions under 'presets:' or 'schedules:'" if k.startswith("precision")
+                                else ""))
         if k not in options:
-            raise SweepError(f"{path}: grid key(s) {k}; valid: presets, fprop, dgrad, wgrad, or a "
-                             f"pretrain.py flag such as lr (python launch/pretrain.py --help)")
+            raise SweepError(f"{path}: grid key(s) {k}; valid: {', '.join(POINT_KEYS)}, fprop, dgrad, wgrad, "
+                             f"or a {SCRIPTS[script]} flag such as lr (python launch/{SCRIPTS[script]} --help)")
         values = grid[k]
         if not isinstance(values, list) or not values:
             raise SweepError(f"{path}: grid.{k}: expected a non-empty list of values")
@@ -176,19 +211,45 @@ def _hyper_grid(grid: dict, path: str) -> list[tuple[str, list]]:
     return out
 
 
-def _precision_points(grid: dict, path: str) -> list[tuple[str, str]]:
-    """(label, precision) of every precision in the grid, in a stable order."""
+def _labelled(item, where: str) -> tuple[str, object]:
+    """A grid list item: a bare name (its own label) or a one-key mapping ``{label: value}``."""
+    if isinstance(item, dict):
+        if len(item) != 1:
+            raise SweepError(f"{where}: expected a name or a one-key mapping {{label: value}}; got {item!r}")
+        label, value = next(iter(item.items()))
+        return str(label), value
+    return str(item), item
+
+
+def _treatment_flags(label: str, value, where: str, options: set[str]) -> list[str]:
+    """A treatment's flags: a mapping of flag -> value (no leading --)."""
+    if not isinstance(value, dict) or not value:
+        raise SweepError(f"{where}: {label}: expected a mapping of flags, e.g. {{rollout-precision: mxfp4}}")
+    for k in value:
+        reserved = k in RESERVED_FLAGS - {"precision", "precision-schedule"}
+        if reserved or k not in options:
+            raise SweepError(f"{where}: {label}: {k}: " + ("set by the sweep itself" if reserved
+                             else "not a flag of the script (see its --help)"))
+    return [x for k, v in value.items() for x in _flag(k, v)]
+
+
+def _precision_points(grid: dict, path: str, script: str = "pretrain") -> list[tuple[str, str, str, list[str]]]:
+    """(label, precision, precision flag, extra flags) of every precision point of the grid, in a
+    stable order: ``presets`` (a preset or ``{label: per-GEMM spec}``), ``schedules``
+    (``{label: --precision-schedule value}``) and ``treatments`` (``{label: {flag: value, ...}}``:
+    whole flag sets, e.g. an RL sweep's rollout precision x correction), or the per-GEMM matrix."""
     from precision import LinearPrecision, SpecError, presets
     from precision.recipe import Gemm, parse_gemm
 
-    if "presets" in grid:
+    named = [k for k in POINT_KEYS if k in grid]
+    if named:
         extra = sorted(set(grid) & set(GEMMS))
         if extra:
-            raise SweepError(f"{path}: grid mixes 'presets' with {', '.join(extra)}; use one or the other")
+            raise SweepError(f"{path}: grid mixes {'/'.join(named)} with {', '.join(extra)}; use one or the other")
         points = []
-        for item in grid["presets"]:
+        for item in grid.get("presets") or []:
             # a preset name, or {label: per-GEMM spec} for a precision no preset names
-            label, spec = next(iter(item.items())) if isinstance(item, dict) and len(item) == 1 else (item, item)
+            label, spec = _labelled(item, f"{path}: grid.presets")
             try:
                 if spec in presets.names():
                     presets.get(spec)
@@ -199,10 +260,32 @@ def _precision_points(grid: dict, path: str) -> list[tuple[str, str]]:
             except ValueError as e:
                 where = f"grid.presets: {label}" if isinstance(item, dict) else "grid.presets"
                 raise SweepError(f"{path}: {where}: {e}") from None
-            points.append((str(label), str(spec)))
+            points.append((label, str(spec), "--precision", []))
+        for item in grid.get("schedules") or []:
+            from precision.schedule import PrecisionSchedule
+
+            label, text = _labelled(item, f"{path}: grid.schedules")
+            try:
+                PrecisionSchedule.parse(str(text))
+            except ValueError as e:
+                raise SweepError(f"{path}: grid.schedules: {label}: {e}") from None
+            points.append((label, str(text), "--precision-schedule", []))
+        if grid.get("treatments"):
+            options = _script_options(script)
+            for item in grid["treatments"]:
+                label, value = _labelled(item, f"{path}: grid.treatments")
+                flags = _treatment_flags(label, value, f"{path}: grid.treatments", options)
+                points.append((label, " ".join(flags), "", flags))
+        if not points:
+            raise SweepError(f"{path}: grid.{named[0]}: expected a non-empty list")
+        labels = [p[0] for p in points]
+        if len(set(labels)) != len(labels):
+            raise SweepError(f"{path}: the grid has duplicate labels: "
+                             f"{', '.join(sorted({x for x in labels if labels.count(x) > 1}))}")
         return points
     if not set(grid) & set(GEMMS):
-        raise SweepError(f"{path}: the grid names no precision: give presets, or fprop/dgrad/wgrad")
+        raise SweepError(f"{path}: the grid names no precision: give presets, schedules, treatments, or "
+                         f"fprop/dgrad/wgrad")
     lists = []
     for g in GEMMS:
         values = grid.get(g, ["fp8"])
@@ -217,25 +300,26 @@ def _precision_points(grid: dict, path: str) -> list[tuple[str, str]]:
         spec = ",".join(f"{g}={v}" for g, v in zip(GEMMS, combo))
         LinearPrecision.parse(spec)
         name = "__".join(f"{g}-{v}" for g, v in zip(GEMMS, combo)).replace("+", "_").replace("@", "x")
-        points.append((name, spec))
+        points.append((name, spec, "--precision", []))
     return points
 
 
 def expand_runs(sweep: dict, path: str = "sweep") -> list[Run]:
     """The runs of a sweep, in a stable order (grid points, then seeds), each with a validated precision."""
     grid = sweep["grid"]
+    script = sweep.get("script", "pretrain")
     base = _flags_from_mapping(sweep.get("base"))
-    hyper = _hyper_grid(grid, path)
+    hyper = _hyper_grid(grid, path, script)
     seeds = sweep.get("seeds") or [None]
     runs: list[Run] = []
-    for label, precision in _precision_points(grid, path):
+    for label, precision, precision_flag, point_flags in _precision_points(grid, path, script):
         for values in itertools.product(*(v for _, v in hyper)):
             point = {k: v for (k, _), v in zip(hyper, values)}
-            flags = base + [x for k, v in point.items() for x in _flag(k, v)]
+            flags = base + point_flags + [x for k, v in point.items() for x in _flag(k, v)]
             for seed in seeds:
                 name = _point_name(label, point) + ("" if seed is None else f"__seed-{seed}")
                 runs.append(Run(name, precision, flags + ([] if seed is None else ["--seed", str(seed)]),
-                                label, dict(point), seed))
+                                label, dict(point), seed, precision_flag, script))
     names = [r.name for r in runs]
     if len(set(names)) != len(names):
         raise SweepError(f"{path}: the grid has duplicate runs")
@@ -279,8 +363,9 @@ def write_status(d: Path, **info) -> None:
 def run_command(out: Path, run: Run, nproc: int, extra: list[str]) -> list[str]:
     d = run_dir(out, run)
     ckpt = d / "checkpoints"
+    precision = [run.precision_flag, run.precision] if run.precision_flag else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(ROOT / "launch" / "pretrain.py"), *run.flags, "--precision", run.precision,
+           str(ROOT / "launch" / SCRIPTS[run.script]), *run.flags, *precision,
            "--tensorboard-dir", str(d / "tensorboard"), "--save", str(ckpt), *extra]
     if (ckpt / "latest_checkpointed_iteration.txt").exists():
         cmd += ["--load", str(ckpt)]  # a restarted run resumes where it stopped
@@ -566,6 +651,8 @@ def best_points(summary: list[dict]) -> dict[str, dict]:
 
 def collect(out: Path, runs: list[Run], baseline: str | None, window: int = 10) -> list[dict]:
     """Analyse every run, write results.csv / summary.csv / results.md and the plots; return the run rows."""
+    if runs and runs[0].script == "rl":
+        return collect_rl(out, runs, baseline)
     rows = []
     for r in runs:
         tb = run_dir(out, r) / "tensorboard"
@@ -595,6 +682,22 @@ def collect(out: Path, runs: list[Run], baseline: str | None, window: int = 10) 
             tuned = summarize(rows, baseline, groups, base_runs)
     write_tables(out, rows, summary, tuned, baseline, hyper)
     write_plots(out, rows, summary, tuned or summary, baseline)
+    return rows
+
+
+def collect_rl(out: Path, runs: list[Run], baseline: str | None) -> list[dict]:
+    """An RL sweep's results (``pretrain.rl.sweep_results``): accuracy, reward AUC, mismatch, speed."""
+    from pretrain.rl.sweep_results import analyse_rl, read_summary, summarize_rl, write_rl_results
+
+    rows = []
+    for r in runs:
+        d = run_dir(out, r)
+        tb = d / "tensorboard"
+        row = analyse_rl(r.name, read_scalars(tb) if tb.exists() else {},
+                         read_summary(d / "checkpoints" / "rl_summary.json"))
+        row.update(status=read_status(out, r), label=r.label, seed=r.seed, _run=r)
+        rows.append(row)
+    write_rl_results(out, rows, summarize_rl(rows, baseline), baseline, sorted({k for r in runs for k in r.point}))
     return rows
 
 
@@ -777,8 +880,10 @@ def main(argv=None) -> int:
                   f"{len(seeds or [0])} seed(s)), {args.parallel} at a time, {nproc} process(es) each")
             failed = run_local(out, runs, nproc, args.parallel, extra, args.retry_diverged)
         collect(out, runs, sweep.get("baseline"), args.smooth)
+        plots = ([out / "rl_curves.png"] if runs and runs[0].script == "rl"
+                 else [out / "loss_curves.png", out / "gap.png"])
         print(f"results: {out / 'results.md'}, {out / 'results.csv'}, {out / 'summary.csv'}, plots: "
-              f"{out / 'loss_curves.png'}, {out / 'gap.png'}")
+              + ", ".join(map(str, plots)))
         return 1 if failed else 0
     except SweepError as e:
         print(f"error: {e}", file=sys.stderr)

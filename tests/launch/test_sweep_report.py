@@ -48,7 +48,7 @@ def test_matrix_grid_expands_every_combination(tmp_path):
     ("grid:\n  wgrad: [mxfp4+had17]\n", "grid.wgrad: wgrad: unknown modifier 'had17'"),
     ("grid:\n  presets: [fp8]\nbaseline: bf16\n", "baseline 'bf16' is not one of the runs"),
     ("grid:\n  presets: [fp8]\nbase_flags: {}\n", "unknown key(s) base_flags"),
-    ("grid:\n  xgrad: [fp8]\n", "grid key(s) xgrad; valid: presets, fprop, dgrad, wgrad"),
+    ("grid:\n  xgrad: [fp8]\n", "grid key(s) xgrad; valid: presets, schedules, treatments, fprop, dgrad, wgrad"),
     ("seeds: [0, 0]\ngrid:\n  presets: [fp8]\n", "seeds must be a list of distinct integers"),
     ("grid:\n  presets: [fp8]\n  seed: [1, 2]\n", "grid.seed: set by the sweep itself; list seeds under 'seeds:'"),
     ("grid:\n  presets: [fp8]\n  lr: 0.1\n", "grid.lr: expected a non-empty list"),

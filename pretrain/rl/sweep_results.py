@@ -1,0 +1,232 @@
+"""Results of an RL sweep (``launch/sweep.py`` with ``script: rl``): one table row per treatment.
+
+Each run of ``launch/rl.py`` logs TensorBoard scalars (``rl/reward_mean``, ``rl/heldout_accuracy``,
+``mismatch/k3_kl``, ``correction/ess``, ``rollout/tokens_per_sec``, ...) and writes
+``<--save>/rl_summary.json`` at the end. Per run this module reads:
+
+=======================  ==========================================================================
+``final_accuracy``       the last held-out accuracy (greedy, under the run's rollout precision)
+``reward_auc``           area under the training-reward curve: the mean of ``rl/reward_mean`` over
+                         every iteration (1.0 = every response right from the first step)
+``accuracy_auc``         the same for the held-out accuracy, over its evaluation points
+``k3_kl``                mean over iterations of ``mismatch/k3_kl`` (trainer vs rollout log-probs)
+``ess``, ``masked``      mean effective sample size and masked fraction of the correction
+``tokens_per_sec``       mean rollout tokens/s (emulated FP4 on CPU: a label, not a speed)
+``memory_bytes``         peak rollout memory (KV + packed weights on CPU, CUDA peak on GPUs)
+=======================  ==========================================================================
+
+Runs with the same seed start from the same weights and see the same prompts, so each treatment's
+gap to the baseline (``baseline:``, e.g. BF16 rollouts) is paired by seed, with a 95% Student-t
+interval over seeds (``pretrain.evaluation.stats``); higher accuracy and reward are better, so a
+gap whose interval lies below 0 is *worse*, one containing 0 *within noise*.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+from pretrain.evaluation.stats import Interval, paired_interval, spread
+
+__all__ = ["RL_COLUMNS", "analyse_rl", "summarize_rl", "rl_summary_table", "write_rl_results"]
+
+RL_COLUMNS = ["run", "status", "label", "seed", "iterations", "final_accuracy", "accuracy_auc", "reward_auc",
+              "final_reward", "k3_kl", "ess", "masked", "tokens_per_sec", "memory_bytes"]
+SUMMARY_METRICS = ["final_accuracy", "accuracy_auc", "reward_auc", "k3_kl", "ess", "masked", "tokens_per_sec",
+                   "memory_bytes"]
+GAPS = ("final_accuracy", "reward_auc")  # paired by seed against the baseline
+
+
+def _values(scalars: dict, tag: str) -> list[float]:
+    return [v for _, v in scalars.get(tag, []) if math.isfinite(v)]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def analyse_rl(name: str, scalars: dict[str, list[tuple[int, float]]], summary: dict | None = None) -> dict:
+    """One run's row from its TensorBoard scalars; ``rl_summary.json`` (``summary``) wins where it
+    has the number (it is written once the run finished)."""
+    summary = summary or {}
+    reward = scalars.get("rl/reward_mean", [])
+    acc = _values(scalars, "rl/heldout_accuracy")
+    memory = _values(scalars, "rollout/peak_memory_bytes")
+    row = {
+        "run": name,
+        "iterations": reward[-1][0] if reward else 0,
+        "final_accuracy": acc[-1] if acc else math.nan,
+        "accuracy_auc": _mean(acc),
+        "reward_auc": _mean(_values(scalars, "rl/reward_mean")),
+        "final_reward": _mean(_values(scalars, "rl/reward_mean")[-5:]),
+        "k3_kl": _mean(_values(scalars, "mismatch/k3_kl")),
+        "ess": _mean(_values(scalars, "correction/ess")),
+        "masked": _mean(_values(scalars, "correction/masked_fraction")),
+        "tokens_per_sec": _mean(_values(scalars, "rollout/tokens_per_sec")),
+        "memory_bytes": max(memory) if memory else math.nan,
+        "_curves": {tag: scalars.get(tag, []) for tag in
+                    ("rl/reward_mean", "rl/heldout_accuracy", "mismatch/k3_kl")},
+    }
+    keys = {"final_accuracy": "final_heldout_accuracy", "reward_auc": "reward_auc", "k3_kl": "mean_k3_kl",
+            "tokens_per_sec": "rollout_tokens_per_sec", "memory_bytes": "rollout_memory_bytes",
+            "iterations": "iterations"}
+    for ours, theirs in keys.items():
+        v = summary.get(theirs)
+        if isinstance(v, (int, float)) and math.isfinite(v):
+            row[ours] = v
+    return row
+
+
+def read_summary(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _verdict(gap: Interval, is_baseline: bool) -> str:
+    if is_baseline:
+        return "baseline"
+    if gap.n == 0:
+        return "n/a"
+    if gap.within_noise is None:
+        return "1 seed: no interval"
+    if gap.within_noise:
+        return "within noise"
+    return "better" if gap.mean > 0 else "worse"
+
+
+def summarize_rl(rows: list[dict], baseline: str | None) -> list[dict]:
+    """One row per grid point (treatment x hyper-parameters): means and spreads over seeds, and the
+    accuracy and reward-AUC gaps to the baseline at the same hyper-parameters, paired by seed."""
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(row["_run"].group, []).append(row)
+    out = []
+    for group, members in groups.items():
+        run = members[0]["_run"]
+        s = {"point": group, "label": run.label, **run.point, "seeds": len(members),
+             "failed": sum(1 for m in members if m["status"] not in ("done", "running"))}
+        for metric in SUMMARY_METRICS:
+            s[metric], s[metric + "_sd"] = spread([m[metric] for m in members])
+        for metric in GAPS:
+            diffs = []
+            for m in members:
+                b = next((r for r in rows if r["_run"].label == baseline and r["_run"].seed == m["_run"].seed
+                          and r["_run"].point == m["_run"].point), None)
+                if b is not None:
+                    diffs.append(m[metric] - b[metric])
+            s["gap_" + metric] = paired_interval(diffs)
+        s["verdict"] = _verdict(s["gap_final_accuracy"], run.label == baseline)
+        out.append(s)
+    return out
+
+
+def _f(v: float, digits: int = 3) -> str:
+    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
+
+
+def _msd(mean: float, sd: float, digits: int = 3) -> str:
+    if math.isnan(mean):
+        return "n/a"
+    return _f(mean, digits) if math.isnan(sd) else f"{mean:.{digits}f} ± {sd:.{digits}f}"
+
+
+def rl_summary_table(summary: list[dict], hyper: list[str]) -> list[str]:
+    head = ["treatment", *hyper, "seeds", "final held-out acc", "gap to baseline (95% CI)", "reward AUC",
+            "reward AUC gap (95% CI)", "mean k3_kl", "ESS", "masked", "rollout tok/s (emulated)",
+            "rollout memory (MiB)", "verdict"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in summary:
+        mib = s["memory_bytes"] / 2**20 if math.isfinite(s["memory_bytes"]) else math.nan
+        verdict = s["verdict"] + (f"; {s['failed']} failed" if s["failed"] else "")
+        cells = [s["label"], *(str(s.get(h)) for h in hyper), str(s["seeds"]),
+                 _msd(s["final_accuracy"], s["final_accuracy_sd"]), s["gap_final_accuracy"].text(3),
+                 _msd(s["reward_auc"], s["reward_auc_sd"]), s["gap_reward_auc"].text(3),
+                 _f(s["k3_kl"], 5), _f(s["ess"]), _f(s["masked"]), _f(s["tokens_per_sec"], 1), _f(mib, 2), verdict]
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    return lines
+
+
+def write_rl_results(out: Path, rows: list[dict], summary: list[dict], baseline: str | None,
+                     hyper: list[str]) -> None:
+    """``results.csv`` (runs), ``summary.csv`` (grid points), ``results.md`` and ``rl_curves.png``."""
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(RL_COLUMNS)
+        for row in rows:
+            w.writerow([row.get(c) for c in RL_COLUMNS])
+    cols = ["point", "label", *hyper, "seeds", *[c for m in SUMMARY_METRICS for c in (m, m + "_sd")],
+            *[f"gap_{m}_{k}" for m in GAPS for k in ("mean", "lo", "hi")], "verdict"]
+    with open(out / "summary.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols)
+        for s in summary:
+            flat = dict(s)
+            for m in GAPS:
+                g = s["gap_" + m]
+                flat.update({f"gap_{m}_mean": g.mean, f"gap_{m}_lo": g.lo, f"gap_{m}_hi": g.hi})
+            w.writerow([flat.get(c) for c in cols])
+    seeds = max((s["seeds"] for s in summary), default=0)
+    lines = [f"# RL sweep results ({len(rows)} runs, {len(summary)} grid points x {seeds} seed(s), "
+             f"baseline: {baseline or 'none'})", ""]
+    lines += rl_summary_table(summary, hyper)
+    lines += ["", "## Runs", "", "| " + " | ".join(RL_COLUMNS) + " |", "|" + "---|" * len(RL_COLUMNS)]
+    for row in rows:
+        lines.append("| " + " | ".join(_f(row.get(c), 4) if isinstance(row.get(c), float) else str(row.get(c))
+                                       for c in RL_COLUMNS) + " |")
+    lines += ["", ("final held-out acc: greedy accuracy on the task's held-out prompts at the last evaluation, "
+                   "under the run's rollout precision. reward AUC: mean training reward over all iterations. "
+                   "gaps: treatment minus baseline per seed (same start and prompts), mean ± half-width of the "
+                   "95% Student-t interval over seeds. mean k3_kl: trainer-vs-rollout log-prob mismatch "
+                   "(verl's k3), averaged over iterations. Rollout speed on CPU is emulated: the FP4 GEMMs run "
+                   "as FP32 arithmetic, so tokens/s says nothing about FP4 hardware.")]
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    write_rl_plots(out, rows, summary, baseline)
+
+
+def _mean_curve(members: list[dict], tag: str, window: int):
+    curves = []
+    for m in members:
+        pts = m["_curves"].get(tag) or []
+        vals, acc = [], []
+        for step, v in pts:
+            acc = (acc + [v])[-window:]
+            vals.append((step, sum(acc) / len(acc)))
+        if vals:
+            curves.append(dict(vals))
+    if not curves:
+        return [], []
+    steps = sorted(set.intersection(*(set(c) for c in curves)))
+    return steps, [sum(c[s] for c in curves) / len(curves) for s in steps]
+
+
+def write_rl_plots(out: Path, rows: list[dict], summary: list[dict], baseline: str | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(row["_run"].group, []).append(row)
+    panels = [("rl/reward_mean", "training reward (smoothed, mean over seeds)", 5),
+              ("rl/heldout_accuracy", "held-out accuracy (mean over seeds)", 1),
+              ("mismatch/k3_kl", "trainer vs rollout k3_kl (smoothed)", 5)]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for ax, (tag, title, window) in zip(axes, panels):
+        for s in summary:
+            steps, mean = _mean_curve(groups[s["point"]], tag, window)
+            if steps:
+                ax.plot(steps, mean, label=s["point"], linewidth=2.5 if s["label"] == baseline else 1.2)
+        ax.set_xlabel("RL iteration")
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+        if tag == "mismatch/k3_kl":
+            ax.set_yscale("symlog", linthresh=1e-5)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "rl_curves.png", dpi=110)
+    plt.close(fig)
