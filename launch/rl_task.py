@@ -74,25 +74,28 @@ def write_corpus(spec, out: str, n_sft: int) -> dict:
     os.makedirs(out, exist_ok=True)
     texts = sft_examples(spec, n_sft)
     with open(os.path.join(out, "sft.jsonl"), "w", encoding="utf-8") as f:
-        for t in texts:
-            f.write(json.dumps({"text": t}) + "\n")
+        f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
     held = eval_problems(spec)
     with open(os.path.join(out, "eval.jsonl"), "w", encoding="utf-8") as f:
-        for p in held:
-            f.write(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n")
+        f.writelines(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n" for p in held)
     return {"sft": len(texts), "eval": len(held), "vocab": tokenizer_vocab_size(texts)}
 
 
-def commands(task: str, out: str, vocab: int, save: str) -> list[str]:
-    """The two commands that train the starting policy on ``out``'s corpus (see configs/rl/arith.yaml)."""
+# The starting policy's training run (measured on this 2-core machine: see configs/rl/arith.yaml).
+SFT_MODEL = ("--model-size tiny --num-layers 3 --hidden-size 128 --ffn-hidden-size 512 --num-attention-heads 4 "
+             "--num-query-groups 2 --seq-length 64")
+SFT_TRAINING = ("--micro-batch-size 16 --global-batch-size 16 --precision bf16 --lr 3e-3 --min-lr 3e-4 "
+                "--lr-warmup-iters 30 --train-iters 1000 --eval-interval 1000 --eval-iters 4 --log-interval 50")
+
+
+def commands(out: str, vocab: int, save: str) -> list[str]:
+    """The two commands that train the starting policy on ``out``'s corpus."""
     tok = os.path.join(out, "tokenizer.model")
     return [
-        f"python launch/preprocess_data.py --input {out}/sft.jsonl --output-prefix {out}/sft "
-        f"--tokenizer-model {tok} --train-tokenizer {vocab} --append-eod",
-        f"python launch/pretrain.py --model-size tiny --seq-length 64 --micro-batch-size 16 --global-batch-size 16 "
-        f"--data-path {out}/sft_text_document --tokenizer-model {tok} --split 98,2,0 --precision bf16 "
-        f"--lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 30 --train-iters 600 --eval-interval 200 --eval-iters 4 "
-        f"--log-interval 50 --save {save} --save-interval 600",
+        (f"python launch/preprocess_data.py --input {out}/sft.jsonl --output-prefix {out}/sft "
+         f"--tokenizer-model {tok} --train-tokenizer {vocab} --append-eod"),
+        (f"python launch/pretrain.py {SFT_MODEL} {SFT_TRAINING} --data-path {out}/sft_text_document "
+         f"--tokenizer-model {tok} --split 98,2,0 --save {save} --save-interval 100"),
     ]
 
 
@@ -193,13 +196,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.out}/sft.jsonl: {info['sft']} documents; {args.out}/eval.jsonl: {info['eval']} held-out "
               f"problems (task {spec.name!r}, seed {spec.seed})")
         print("train the starting policy with:")
-        for cmd in commands(args.task, args.out, info["vocab"], os.path.join(args.out, "sft")):
+        for cmd in commands(args.out, info["vocab"], os.path.join(args.out, "sft")):
             print(f"  {cmd}")
         return 0
+    if not os.path.isdir(args.evaluate):
+        return _fail(f"--evaluate {args.evaluate}: no such checkpoint directory (give a launch/pretrain.py --save DIR)")
     try:
         result = evaluate(args, spec)
     except (ValueError, FileNotFoundError) as e:
-        return _fail(str(e).splitlines()[0])
+        return _fail(str(e).splitlines()[0].replace("--load", "--evaluate", 1))
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"eval_{args.rollout_precision.replace('/', '_')}.json")
     with open(path, "w") as f:
