@@ -78,6 +78,8 @@ class RLConfig:
     rollout_qat_kv: bool
     rollout_fallback: str | None
     """METRIC=THRESHOLD[,to=bf16|fp8][,layers=K] (``pretrain.rl.fallback``), or None."""
+    reward_function: str | None
+    """FILE.py:NAME, a function (problem, response text, spec) -> float instead of the task's reward."""
     eval_interval: int
     """Held-out greedy accuracy every N iterations (0: only at the end)."""
     eval_prompts: int | None
@@ -93,7 +95,7 @@ class RLConfig:
 def add_rl_arguments(p: argparse.ArgumentParser) -> None:
     """The "reinforcement learning" group (names as verl / TRL users know them)."""
     from model.rollout_plan import ROLLOUT_PRESETS
-    from pretrain.rl.objective import ADVANTAGE_ESTIMATORS, CORRECTIONS, LOSS_AGG_MODES
+    from pretrain.rl.objective import ADVANTAGE_ESTIMATORS, CORRECTIONS, KL_KINDS, LOSS_AGG_MODES
     from pretrain.rl.qat import QAT_MODES
 
     g = p.add_argument_group("reinforcement learning")
@@ -121,7 +123,7 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
     add("--ppo-epochs", type=int, default=1, help="passes over each iteration's rollouts")
     add("--ppo-mini-batches", type=int, default=1, help="optimizer steps per pass (the batch split by prompts)")
     add("--kl-coef", type=float, default=0.0, help="KL penalty to the starting policy (0: no reference model)")
-    add("--kl-type", choices=("k1", "abs", "mse", "low_var_kl"), default="low_var_kl",
+    add("--kl-type", choices=KL_KINDS, default="low_var_kl",
         help="KL estimator (verl's kl_penalty): k1, abs, mse (k2), low_var_kl (k3)")
     add("--rollout-correction", choices=CORRECTIONS, default="none",
         help="trainer/rollout mismatch correction: tis (truncated IS), mis (masked IS / IcePop), seq_tis, "
@@ -139,6 +141,8 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
     add("--rollout-fallback", default=None, metavar="METRIC=THRESHOLD[,to=bf16|fp8][,layers=K]",
         help="move the layers with the largest attributed mismatch back to BF16/FP8 rollouts when METRIC "
         "(e.g. k3_kl=0.02) crosses THRESHOLD")
+    add("--reward-function", default=None, metavar="FILE.py:NAME",
+        help="custom reward (problem, response_text, spec) -> float instead of the task's exact-answer reward")
     add("--eval-prompts", type=int, default=None, help="held-out problems per evaluation (default: all)")
 
 
@@ -232,6 +236,7 @@ def _positive_rl(args) -> None:
 def rl_config(args, dp_size: int) -> RLConfig:
     """Validate the RL flags of ``args`` (pretraining's part already validated) into an :class:`RLConfig`."""
     from model.rollout_plan import parse_rollout
+    from precision.policy import Rule
     from precision.recipe import SpecError
     from pretrain.rl.objective import Correction
     from pretrain.rl.task import TaskError, load_task
@@ -253,6 +258,13 @@ def rl_config(args, dp_size: int) -> RLConfig:
     except (SpecError, ValueError) as e:
         msg = str(e)
         raise ConfigError(msg if msg.startswith("--rollout-precision") else f"--rollout-precision: {msg}") from None
+    for rule in args.rollout_precision_rule:  # the selector's syntax; the value's is the rollout plan's
+        if "=" not in rule:
+            raise ConfigError(f"--rollout-precision-rule {rule!r}: expected SELECTOR=PRESET_OR_SPEC, e.g. first:1=bf16")
+        try:
+            Rule.parse(rule.split("=", 1)[0].strip() + "=bf16")
+        except ValueError as e:
+            raise ConfigError(f"--rollout-precision-rule {rule!r}: {e}") from None
     try:
         corr = Correction.from_args(args.rollout_correction, args.rollout_is_threshold, args.rollout_rs_threshold,
                                     args.rollout_rs_threshold_lower)
@@ -280,7 +292,7 @@ def rl_config(args, dp_size: int) -> RLConfig:
         clip_ratio_high=args.clip_ratio_high, ppo_epochs=args.ppo_epochs, ppo_mini_batches=args.ppo_mini_batches,
         kl_coef=args.kl_coef, kl_type=args.kl_type, correction=corr, rollout_qat=args.rollout_qat,
         rollout_qat_layers=tuple(args.rollout_qat_layers or ("all",)), rollout_qat_kv=args.rollout_qat_kv,
-        rollout_fallback=args.rollout_fallback, eval_interval=args.eval_interval, eval_prompts=args.eval_prompts,
+        rollout_fallback=args.rollout_fallback, reward_function=args.reward_function, eval_interval=args.eval_interval, eval_prompts=args.eval_prompts,
         max_prompt_tokens=args.seq_length - args.max_new_tokens,
     )  # fmt: skip
 

@@ -180,6 +180,7 @@ class RLTrainer:
     rollout: object = None
     engine: object = None
     qat: object = None
+    reward_fn: object = None  # (problem, response text, spec) -> float; None: pretrain.rl.task.reward
 
     # ---------------------------------------------------------------- rollout side
     @property
@@ -189,9 +190,10 @@ class RLTrainer:
         return policy_linear_names(self.model)
 
     def rollout_rules(self) -> list[str]:
-        """Fallback rules first (they must win), then the user's --rollout-precision-rule."""
+        """The user's --rollout-precision-rule values, then the fallback's (``layers:I-I=bf16``; first match wins,
+        so a layer a user rule sets stays the user's -- the fallback's attribution skips it alike)."""
         extra = self.fallback.rollout_rules() if self.fallback is not None else []
-        return list(extra) + list(self.cfg.rollout_precision_rules)
+        return list(self.cfg.rollout_precision_rules) + [r for r in extra if r not in self.cfg.rollout_precision_rules]
 
     def build_rollout(self) -> None:
         """The rollout plan over the model's linears, its packed weights, the QAT view and the engine;
@@ -316,6 +318,7 @@ class RLTrainer:
         problems, gen, gen_seconds = self.generate(self.iteration)
         batch = gen.rollout_batch()
         G = c.group_size
+        reward = self.reward_fn or reward
         rewards = torch.tensor([reward(problems[i // G], self.response_text(toks), self.spec)
                                 for i, toks in enumerate(gen.tokens)], dtype=torch.float32)
         advantages = group_advantages(rewards, G, c.advantage_estimator)
@@ -445,13 +448,15 @@ class RLTrainer:
         return {"kv_bytes_per_token": kv, "packed_weight_bytes": w["packed_linears"], "peak_memory_bytes": peak}
 
     def fallback_check(self, metrics: dict, batch) -> list[str]:
-        """--rollout-fallback: rank 0's choice (every rank attributes its own batch; collectives stay
-        matched), then the new rollout plan on every rank."""
-        short = {k.split("/", 1)[1]: v for k, v in metrics.items()}
-        if not self.fallback.triggered({**metrics, **short}):
+        """--rollout-fallback on the step's global metrics: rank 0's choice (every rank attributes its
+        own batch, so TP collectives stay matched), then the new rollout plan on every rank. The
+        attribution re-scores the batch with the updated policy on both sides (trainer and rollout
+        plans), the weights the next rollout will use."""
+        if not self.fallback.triggered(metrics):
             return []
         moved = self.fallback.choose(self.model, batch, vocab_size=self.vocab_size, rollout=self.cfg.rollout_precision,
-                                     rules=self.rollout_rules(), iteration=self.iteration)
+                                     rules=list(self.cfg.rollout_precision_rules), iteration=self.iteration,
+                                     temperature=self.cfg.temperature)
         if torch.distributed.get_world_size() > 1:
             state = [self.fallback.state_dict()]
             torch.distributed.broadcast_object_list(state, src=0)
@@ -628,6 +633,28 @@ class RLTrainer:
 # ================================================================================================
 
 
+def load_reward_function(value: str):
+    """``--reward-function FILE.py:NAME``: a function ``(problem, response_text, spec) -> float``
+    used instead of the task's exact-answer reward (verl's custom_reward_function)."""
+    import importlib.util
+
+    path, _, name = value.rpartition(":")
+    if not path or not name or not path.endswith(".py"):
+        raise ConfigError(f"--reward-function {value!r}: expected FILE.py:FUNCTION")
+    if not os.path.isfile(path):
+        raise ConfigError(f"--reward-function {value!r}: no such file {path}")
+    spec = importlib.util.spec_from_file_location(f"_rl_reward_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - any error in the user's file, one line
+        raise ConfigError(f"--reward-function {value!r}: {path} does not import ({type(e).__name__}: {e})") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ConfigError(f"--reward-function {value!r}: {path} has no function {name}")
+    return fn
+
+
 def setup(args, cfg) -> RLTrainer:
     """Process group, tokenizer, model + trainer plan, optimizer, --load, the rollout side."""
     from megatron.core import parallel_state
@@ -636,7 +663,17 @@ def setup(args, cfg) -> RLTrainer:
     from pretrain.optim import LRSchedule, MainParams, build_optimizer
     from pretrain.rl.task import load_task
 
-    device = init_distributed(args)
+    if parallel_state.model_parallel_is_initialized():  # in-process use (tests, notebooks): seeds only
+        import random
+
+        import numpy as np
+
+        random.seed(args.seed)
+        np.random.seed(args.seed)
+        torch.manual_seed(args.seed)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    else:
+        device = init_distributed(args)
     tp = args.tensor_model_parallel_size
     rank0_print(f"world size {torch.distributed.get_world_size()} = TP {tp} x DP "
                 f"{parallel_state.get_data_parallel_world_size()} | device {device.type} | seed {args.seed}")
@@ -655,6 +692,8 @@ def setup(args, cfg) -> RLTrainer:
     optimizer = build_optimizer(model, args, main)
     trainer = RLTrainer(args, cfg, load_task(cfg.task), model, main, optimizer, LRSchedule.from_args(optimizer, args),
                         plan, model_config(args, vocab), tokenizer, device, tokenizer.vocab_size)
+    if cfg.reward_function:
+        trainer.reward_fn = load_reward_function(cfg.reward_function)
     if cfg.rollout_fallback:
         from pretrain.rl.fallback import RolloutFallback
 
@@ -692,10 +731,13 @@ def train(trainer: RLTrainer, sigterm) -> int:
         trainer.log(scalars)
         if a.save and a.save_interval and it % a.save_interval == 0:
             trainer.save()
-        if sigterm.any_rank():
+        stop = "SIGTERM" if sigterm.any_rank() else None
+        if stop is None and a.exit_interval and it % a.exit_interval == 0 and it < c.rl_iters:
+            stop = f"--exit-interval {a.exit_interval}"
+        if stop:
             if a.save and trainer.last_saved != it:
                 trainer.save()
-            rank0_print(f"SIGTERM: stopping after iteration {it}" + ("" if a.save else " (no --save: nothing saved)"))
+            rank0_print(f"{stop}: stopping after iteration {it}" + ("" if a.save else " (no --save: nothing saved)"))
             return 0
     if a.save and trainer.last_saved != trainer.iteration:
         trainer.save()
