@@ -42,6 +42,21 @@ Order of events (every rank):
    (``pretrain.status``: the contract with ``launch/sweep.py``). The diverged state is never saved.
    A checkpoint that cannot be written (a full disk) is one line and exit status 4.
 
+Precision schedules (``--precision-schedule``, ``precision.schedule``; ``--qat-warmup-iters N`` is
+``0:observe,N:--precision``): every phase's whole-model plan is resolved once at setup
+(``build_scheduled_model``: rules checked, GEMM backends checked and printed per phase), so a bad
+phase is refused before training. The switch happens between steps: before the step taken when
+``START`` iterations are done (log iteration ``START + 1``), ``Trainer.enter_phase`` applies the
+phase's stage plan (``model.gpt.apply_precision_plan``; the layers' ``LayerQuantState`` is kept,
+amax histories the previous phase did not record are dropped -- see ``enter_phase``) and rank 0
+logs ``iteration N: precision phase K -> PLAN`` with the plan table (TensorBoard: text
+``precision_plan`` at N, scalar ``precision/phase`` every iteration). ``Trainer.plan`` and the
+checkpoints' ``precision_plan`` are the plan in force (a checkpoint at ``START`` holds the phase
+that trained iteration ``START``); checkpoints also hold ``precision_schedule`` and
+``precision_phase``. The phase is a function of the iteration alone, so a resume -- at a switch or
+within a phase -- repeats the straight run bit for bit; a checkpoint saved under another schedule is
+noted and this run's schedule followed.
+
 Exact resume: the iteration's data are a function of the samples consumed; the model's
 ``state_dict`` holds every linear's quantization state (SR call counters, amax histories); RNG
 states are restored; nothing else is random. So on CPU a resumed run repeats the uninterrupted run
