@@ -36,13 +36,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from launch.sweep import Run, read_scalars, read_status, read_val_batches, run_dir, run_local  # noqa: E402
-from precision import PrecisionPolicy, SpecError  # noqa: E402
-from precision.cost_model import ASSUMPTIONS, get_target, linear_shapes, plan_cost, target_names  # noqa: E402
-from precision.policy import layer_index, write_plan_file  # noqa: E402
-from precision.recipe import Gemm, LinearPrecision  # noqa: E402
-from pretrain.evaluation.stats import Interval, paired_batch_se, paired_interval  # noqa: E402
-from pretrain.plan_search import (  # noqa: E402
+from launch.sweep import Run, read_scalars, read_status, read_val_batches, run_dir, run_local
+from precision import PrecisionPolicy, SpecError
+from precision.cost_model import ASSUMPTIONS, get_target, linear_shapes, plan_cost, target_names
+from precision.policy import layer_index, write_plan_file
+from precision.recipe import Gemm, LinearPrecision
+from pretrain.evaluation.stats import Interval, paired_batch_se, paired_interval
+from pretrain.plan_search import (
     DEFAULT_LADDER,
     GRANULARITIES,
     Ladder,
@@ -293,9 +293,7 @@ def search(ctx: Context) -> dict:
         raise SearchError("the calibration run logged no numerics/ telemetry; is --numerics-interval reaching "
                           "a logged iteration?")
     # 2. rank: sensitivity per unit of modelled saving, most sensitive first
-    saving = {}
-    for u in ctx.units:
-        saving[u.key] = 1.0 - ctx.cost({u.key: ctx.n_levels[u.key] - 1})
+    saving = {k: 1.0 - ctx.cost({k: cheapest[k]}) for k in ctx.unit_keys}  # the unit alone at its cheapest
     score = {k: (sens[k]["nsr"] if math.isfinite(sens[k]["nsr"]) else math.inf) / max(saving[k], 1e-12)
              for k in ctx.unit_keys}
     priority = sorted(ctx.unit_keys, key=lambda k: -score[k])
@@ -371,16 +369,16 @@ def _pct(x: float) -> str:
 def report(ctx: Context, s: dict, result, records: dict, chosen: dict, cal_id: str) -> str:
     a = ctx.args
     lines = [f"# Plan search: --baseline {a.baseline}, budget +{ctx.budget:.2%}, --target {a.target}", "",
-             f"Seeds {ctx.seeds}, probes of {a.probe_iters} iterations, confirmation at {ctx.pargs.train_iters}; "
-             f"ladder `{ctx.ladder.text()}`; units: {a.granularity}; {result.reason}.", "",
+             (f"Seeds {ctx.seeds}, probes of {a.probe_iters} iterations, confirmation at {ctx.pargs.train_iters}; "
+             f"ladder `{ctx.ladder.text()}`; units: {a.granularity}; {result.reason}."), "",
              "## Result", "",
              f"- plan: `{ctx.out / 'plan.yaml'}` (`--precision {ctx.out / 'plan.yaml'}`)",
-             f"- predicted linear-GEMM time on {ctx.target.description}: **{s['cost_ratio']:.3f} x** the baseline; "
+             (f"- predicted linear-GEMM time on {ctx.target.description}: **{s['cost_ratio']:.3f} x** the baseline; "
              f"`{s['reference']['plan']}`: {s['reference']['cost_ratio']:.3f} x; all units at their cheapest "
              f"rung: {s['all_cheapest_cost_ratio']:.3f} x ({'fused' if ctx.fused else 'separate'} quantization "
              f"kernels; with {'separate' if ctx.fused else 'fused'} ones: chosen "
              f"{s['other_quantization_model']['chosen']:.3f} x, reference "
-             f"{s['other_quantization_model']['reference']:.3f} x)"]
+             f"{s['other_quantization_model']['reference']:.3f} x)")]
     if s["confirmation"]:
         c = s["confirmation"]
         g = c["gap"]
@@ -391,10 +389,10 @@ def report(ctx: Context, s: dict, result, records: dict, chosen: dict, cal_id: s
             lines.append(f"  - seed {p['seed']}: {p['val']:.4f} vs {p['baseline_val']:.4f} ({_pct(p['rel_gap'])}; "
                          f"val-batch s.e. {_pct(p['batch_se'])})")
     lines += ["", "## Units: what each got and why", "",
-              "Sensitivity from the calibration run (the all-cheapest plan, "
+              ("Sensitivity from the calibration run (the all-cheapest plan, "
               f"`{cal_id}`, seed {ctx.seeds[0]}): nsr = summed noise-to-signal power of the GEMM's two operands "
               "(10^(-SQNR/10)); saving = modelled time saved by the unit alone at its cheapest rung (fraction "
-              "of the baseline). Rank 1 is raised first.", "",
+              "of the baseline). Rank 1 is raised first."), "",
               "| rank | unit | chosen | SQNR dB (both operands) | clipped | flushed | saving | decided by |",
               "|---|---|---|---|---|---|---|---|"]
     decided = {}

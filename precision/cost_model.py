@@ -52,6 +52,7 @@ dense (the often-quoted 1,979 / 3,958 are with 2:4 sparsity), FP32 67 TF, 4.8 TB
 FP4/FP6 or block-scaled tensor cores. HiF8 has tensor cores on none of these (emulated everywhere);
 NVFP4 (E4M3 scales per 16) is native on Blackwell only.
 
+>>> from precision.recipe import parse_gemm
 >>> t = TARGETS["b200"]; round(gemm_cost(LinearShape("l", 4096, 4096, 4096), Gemm.FPROP,
 ...     parse_gemm("mxfp4", Gemm.FPROP), t).compute_s * 1e6, 2)
 15.27
@@ -63,10 +64,22 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from precision.formats import AmaxAlgo, Scaling, get_format
-from precision.recipe import Gemm, GemmRecipe, LinearPrecision, OperandFormat, parse_gemm
+from precision.recipe import Gemm, GemmRecipe, LinearPrecision, OperandFormat
 
-__all__ = ["Target", "TARGETS", "LinearShape", "GemmCost", "PlanCost", "gemm_cost", "plan_cost",
-           "linear_shapes", "rate_class", "ASSUMPTIONS", "target_names", "get_target"]
+__all__ = [
+    "ASSUMPTIONS",
+    "TARGETS",
+    "GemmCost",
+    "LinearShape",
+    "PlanCost",
+    "Target",
+    "gemm_cost",
+    "get_target",
+    "linear_shapes",
+    "plan_cost",
+    "rate_class",
+    "target_names",
+]
 
 _BF16_BYTES = 2.0  # the high-precision operand on GPU (--bf16)
 _OUT_BYTES = {Gemm.FPROP: 2.0, Gemm.DGRAD: 2.0, Gemm.WGRAD: 4.0}  # y, dx BF16; dw FP32
@@ -252,7 +265,7 @@ class PlanCost:
     def total_s(self) -> float:
         return sum(c.time_s for c in self.per.values())
 
-    def ratio(self, other: "PlanCost") -> float:
+    def ratio(self, other: PlanCost) -> float:
         """This plan's modelled time over ``other``'s (< 1: this plan is faster)."""
         return self.total_s / other.total_s
 
@@ -267,8 +280,3 @@ def plan_cost(shapes: Iterable[LinearShape], plan: Mapping[str, LinearPrecision]
             per[(s.name, g)] = gemm_cost(s, g, lp.recipe(g), target, fused)
     return PlanCost(target, per)
 
-
-def gemm_cost_spec(shape: LinearShape, gemm: str, spec: str, target: str) -> GemmCost:
-    """:func:`gemm_cost` from strings (``gemm_cost_spec(s, "wgrad", "mxfp4+had16", "b200")``)."""
-    g = Gemm(gemm)
-    return gemm_cost(shape, g, parse_gemm(spec, g), get_target(target))

@@ -51,8 +51,8 @@ from dataclasses import dataclass
 from precision import presets
 from precision.recipe import LinearPrecision, SpecError
 
-__all__ = ["Rule", "PrecisionPolicy", "PrecisionPlan", "PlanFile", "parse_precision", "load_plan_file",
-           "is_plan_file", "write_plan_file", "KINDS"]
+__all__ = ["KINDS", "PlanFile", "PrecisionPlan", "PrecisionPolicy", "Rule", "is_plan_file", "load_plan_file",
+           "parse_precision", "write_plan_file"]
 
 KINDS = {
     "qkv": ("linear_qkv",),
@@ -87,7 +87,8 @@ def layer_index(name: str) -> int | None:
 
 
 def parse_precision(value: str) -> LinearPrecision:
-    """A preset name, a per-GEMM spec string, or a path to a YAML/JSON spec file."""
+    """A preset name, a per-GEMM spec string, or a path to a YAML/JSON spec file; for a plan file,
+    its ``default`` (its per-linear entries need the layer names: ``PrecisionPolicy.from_args``)."""
     value = value.strip()
     if value in presets.names():
         return presets.get(value)

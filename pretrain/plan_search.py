@@ -41,8 +41,20 @@ from precision.policy import layer_index
 from precision.recipe import Gemm, GemmRecipe, LinearPrecision, SpecError, parse_gemm
 from pretrain.evaluation.stats import Interval
 
-__all__ = ["Unit", "Ladder", "Probe", "SearchResult", "greedy_search", "make_units", "apply_levels",
-           "GRANULARITIES", "DEFAULT_LADDER", "unit_sensitivity", "fits", "cheapest_levels"]
+__all__ = [
+    "DEFAULT_LADDER",
+    "GRANULARITIES",
+    "Ladder",
+    "Probe",
+    "SearchResult",
+    "Unit",
+    "apply_levels",
+    "cheapest_levels",
+    "fits",
+    "greedy_search",
+    "make_units",
+    "unit_sensitivity",
+]
 
 GRANULARITIES = ("layer-gemm", "linear-gemm", "gemm")
 DEFAULT_LADDER = "fprop=bf16>fp8>mxfp4;dgrad=bf16>fp8>mxfp4;wgrad=bf16>fp8>mxfp4+had16"
@@ -88,7 +100,7 @@ class Ladder:
     rungs: Mapping[Gemm, tuple[str, ...]]
 
     @classmethod
-    def parse(cls, text: str, flag: str = "--ladder") -> "Ladder":
+    def parse(cls, text: str, flag: str = "--ladder") -> Ladder:
         """``fprop=bf16>fp8>mxfp4;dgrad=...;wgrad=...`` (a GEMM left out keeps only the baseline)."""
         rungs: dict[Gemm, tuple[str, ...]] = {}
         for part in (p.strip() for p in text.split(";") if p.strip()):
@@ -111,7 +123,7 @@ class Ladder:
             rungs[g] = steps
         return cls(rungs)
 
-    def from_baseline(self, baseline: Mapping[Gemm, GemmRecipe], flag: str = "--ladder") -> "Ladder":
+    def from_baseline(self, baseline: Mapping[Gemm, GemmRecipe], flag: str = "--ladder") -> Ladder:
         """The rungs at and below each GEMM's baseline recipe (the search only lowers precision)."""
         out = {}
         for g in Gemm:

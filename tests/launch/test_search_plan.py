@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from precision import SpecError, presets
+from precision.recipe import Gemm
 from pretrain.evaluation.stats import Interval
 from pretrain.plan_search import (
     Ladder,
@@ -20,8 +22,6 @@ from pretrain.plan_search import (
     make_units,
     unit_sensitivity,
 )
-from precision import SpecError, presets
-from precision.recipe import Gemm
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -67,7 +67,7 @@ PRIORITY = ["a", "b", "c0", "c1", "c2", "c3"]  # most sensitive first
 
 
 def test_greedy_finds_the_known_optimum():
-    units, n, cost, evaluate, calls = toy(PENALTY, SAVING)
+    units, n, cost, evaluate, _calls = toy(PENALTY, SAVING)
     r = greedy_search(units, n, cost, evaluate, BUDGET, PRIORITY)
     best_cost, best_levels = brute_force(PENALTY, SAVING)
     assert r.levels == best_levels == {"a": 0, "b": 2, "c0": 2, "c1": 2, "c2": 2, "c3": 2}

@@ -117,3 +117,11 @@ def test_tiny_model_shapes_and_plan_ratio():
 def test_unknown_target_is_one_line():
     with pytest.raises(ValueError, match=r"--target 'a100': unknown; valid: b200, mi355x, h200"):
         get_target("a100")
+
+
+def test_module_docstring_example():
+    import doctest
+
+    import precision.cost_model as cost_model
+
+    assert doctest.testmod(cost_model).failed == 0

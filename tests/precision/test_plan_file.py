@@ -83,7 +83,7 @@ def test_errors_name_the_flag_and_the_file(tmp_path, body, message):
     text = str(e.value)
     assert "\n" not in text
     if is_plan_file(str(path)) or "YAML" in message:
-        assert text.startswith(f"--precision {path}: ") or text.startswith(f"{path}: ")
+        assert text.startswith((f"--precision {path}: ", f"{path}: "))
 
 
 def test_load_plan_file_of_a_broken_file_names_the_flag(tmp_path):
