@@ -220,7 +220,7 @@ class RolloutQAT:
             yield self
             return
         replays = {}
-        if self.mode == "replay":
+        if self.mode == "replay" and self.replayed:  # (a fallback may have left nothing to replay: rtn)
             if not records:
                 raise ValueError("--rollout-qat replay: no rounding records for this batch; generate with "
                                  "Engine(record_layers=qat.record_layers)")

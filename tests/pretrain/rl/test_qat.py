@@ -187,6 +187,10 @@ def test_context_restores_the_model(model, rollout):
     with RolloutQAT(model, new, "rtn").trainer_forward():
         lp = score_logprobs(model, batch, vocab_size=V)
     assert torch.equal(lp, score_logprobs(model, batch, vocab_size=V, rollout=RolloutModel(model, new)))
+    qat.update_plan(_plan(model, "mxfp4", ["layers:0-1=bf16"]))  # nothing left to replay: rtn, no records needed
+    assert qat.record_layers == []
+    with qat.trainer_forward(None):
+        assert all(m.fprop_x is None for _, m in policy_linears(model))
 
 
 def test_bad_input_is_refused(model, rollout):
