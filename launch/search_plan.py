@@ -326,7 +326,9 @@ def search(ctx: Context) -> dict:
     chosen_id = ctx.plan_id(chosen)
     plan_path = out / "plan.yaml"
     ctx.write_plan(plan_path, chosen, {"target": args.target, "baseline": args.baseline})  # first, for the runs
-    if not args.no_confirm:
+    if not any(result.levels.values()):
+        print("the chosen plan is the baseline: no confirmation runs (its gap is 0 by construction)", flush=True)
+    elif not args.no_confirm:
         c_runs = ctx.runs_for(f"confirm-{chosen_id}", str(out / "plans" / f"confirm-{chosen_id}.yaml"), full)
         ctx.write_plan(out / "plans" / f"confirm-{chosen_id}.yaml", chosen)
         cb_runs = ctx.runs_for("baseline-confirm", args.baseline, full)

@@ -222,14 +222,14 @@ def test_written_plan_file_round_trips(tmp_path):
 
 @pytest.mark.slow
 def test_search_plan_end_to_end(tmp_path):
-    """One tiny search (2 layers, 3-iteration probes, 1 seed): calibration, a probe, a confirmation,
-    and a plan file that pretrain's --precision takes (measured ~4 min on 2 loaded cores)."""
+    """One tiny search (1 layer, 3-iteration probes, 1 seed): calibration, a probe, a confirmation,
+    and a plan file that pretrain's --precision takes (measured ~7 min on 2 heavily loaded cores)."""
     from launch.search_plan import main
 
     out = tmp_path / "search"
     argv = ["--out", str(out), "--baseline", "bf16", "--budget", "50%", "--seeds", "0", "--probe-iters", "3",
             "--numerics-interval", "1", "--max-probes", "1", "--fused-quantization", "--",
-            "--model-size", "tiny", "--num-layers", "1", "--train-iters", "4", "--eval-iters", "1",
+            "--model-size", "tiny", "--num-layers", "1", "--train-iters", "4", "--eval-iters", "2",
             "--log-interval", "1", "--micro-batch-size", "1", "--global-batch-size", "1", "--lr-warmup-iters", "1"]
     assert main(argv) == 0
     summary = json.loads((out / "search.json").read_text())
