@@ -227,8 +227,9 @@ class RLTrainer:
                              record_layers=self.qat.record_layers or ())
 
     def prompt_ids(self, prompt: str) -> list[int]:
-        """A prompt as the starting policy saw its documents begin: after an end-of-document id."""
-        return [self.tokenizer.eod, *self.tokenizer.tokenize(prompt)]
+        """A prompt's token ids: its text tokenized (as ``launch/rl_task.py --evaluate`` prompts the
+        starting policy, so the held-out accuracies agree)."""
+        return list(self.tokenizer.tokenize(prompt))
 
     def response_text(self, ids: list[int]) -> str:
         return self.tokenizer.detokenize([t for t in ids if t != self.tokenizer.eod])
@@ -439,13 +440,22 @@ class RLTrainer:
         return out
 
     def rollout_memory(self, batch) -> dict[str, float]:
-        """The rollout's memory: CUDA's peak while generating, else the engine's KV-cache of the batch
-        (every slot of every row) plus the packed weights and other parameters."""
-        kv = self.engine.kv_bytes_per_token()
+        """The rollout's memory, the whole model's (summed over TP ranks): KV-cache bytes per token,
+        packed linear weights, and the peak -- CUDA's peak while generating (each rank's, summed),
+        else the engine's KV-cache of the batch (every slot of every row) plus every parameter's bytes
+        (packed linears, embeddings and norms at their dtype)."""
+        from megatron.core import parallel_state
+
         w = self.rollout.weight_bytes()
         slots = int(batch.prompt_mask.shape[0] * (batch.prompt_mask.shape[1] + batch.response_mask.shape[1]))
-        peak = torch.cuda.max_memory_allocated() if self.device.type == "cuda" else kv * slots + sum(w.values())
-        return {"kv_bytes_per_token": kv, "packed_weight_bytes": w["packed_linears"], "peak_memory_bytes": peak}
+        kv = self.engine.kv_bytes_per_token()
+        peak = float(torch.cuda.max_memory_allocated()) if self.device.type == "cuda" else kv * slots + sum(w.values())
+        numbers = torch.tensor([kv, float(w["packed_linears"]), peak], dtype=torch.float64)
+        group = parallel_state.get_tensor_model_parallel_group()
+        if group.size() > 1:
+            torch.distributed.all_reduce(numbers, group=group)
+        return {"kv_bytes_per_token": float(numbers[0]), "packed_weight_bytes": float(numbers[1]),
+                "peak_memory_bytes": float(numbers[2])}
 
     def fallback_check(self, metrics: dict, batch) -> list[str]:
         """--rollout-fallback on the step's global metrics: rank 0's choice (every rank attributes its
@@ -592,8 +602,9 @@ class RLTrainer:
     def summary(self) -> dict:
         h = self.history
 
-        def mean(key):
-            vals = [r[key] for r in h if key in r and math.isfinite(r[key])]
+        def mean(key, warm=False):  # warm: leave out the run's first iteration (warm-up) if there are more
+            rows = h[1:] if warm and len(h) > 1 else h
+            vals = [r[key] for r in rows if key in r and math.isfinite(r[key])]
             return sum(vals) / len(vals) if vals else None
 
         return {
@@ -601,11 +612,11 @@ class RLTrainer:
             "initial_heldout_accuracy": self.evals[0][1] if self.evals else None,
             "reward_auc": mean("rl/reward_mean"),
             "mean_k3_kl": mean("mismatch/k3_kl"),
-            "tokens_per_sec": mean("rollout/tokens_per_sec"),
+            "tokens_per_sec": mean("rollout/tokens_per_sec", warm=True),
             "peak_memory_bytes": max((r["rollout/peak_memory_bytes"] for r in h), default=None),
             "kv_bytes_per_token": h[-1]["rollout/kv_bytes_per_token"] if h else None,
             "packed_weight_bytes": h[-1]["rollout/packed_weight_bytes"] if h else None,
-            "seconds_per_iteration": mean("time/seconds_per_iteration"),
+            "seconds_per_iteration": mean("time/seconds_per_iteration", warm=True),
             "iterations": self.iteration,
             "heldout_accuracy": [list(e) for e in self.evals],
             "reward_mean": [r["rl/reward_mean"] for r in h],
@@ -688,6 +699,13 @@ def setup(args, cfg) -> RLTrainer:
     from pretrain.arguments import model_config
 
     model, plan, whole_plan = build_model(args, vocab, device)
+    if device.type == "cpu" and args.gemm_backend == "auto":
+        # auto is the emulated backend on CPU; named so, the engine runs the eager reference quantizers
+        # while it generates (decode shapes change every step: each would recompile a fused quantizer)
+        from model.gpt import policy_linears
+
+        for _, module in policy_linears(model):
+            module.gemm_backend = "emulated"
     main = MainParams(model) if args.bf16 else None
     optimizer = build_optimizer(model, args, main)
     trainer = RLTrainer(args, cfg, load_task(cfg.task), model, main, optimizer, LRSchedule.from_args(optimizer, args),
