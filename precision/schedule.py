@@ -25,7 +25,17 @@ delayed-scaling operands record one amax per optimizer step. ``observe`` cannot 
 and cannot follow another ``observe`` (merge the two).
 
 Per-layer ``--precision-rule`` values apply within every phase (the phase's precision is the
-policy's default; a preset's own rules come after the user's, as for ``--precision``).
+policy's default; a preset's own rules come after the user's, as for ``--precision``). A schedule
+replaces ``--precision``: ``pretrain.py`` refuses the two together, and ``--precision-schedule``
+with ``--qat-warmup-iters`` (write the warm-up as an ``observe`` phase). A start at or beyond
+``--train-iters`` is refused too (the phase would never run).
+
+What the switch keeps (``pretrain.train.Trainer.enter_phase``): each layer's quantization state.
+SR call counters carry on; an amax history survives a switch if the previous phase recorded it (that
+operand in delayed scaling, same rotation on its GEMM; an ``observe`` phase records for the next
+phase's plan) and is dropped otherwise, so an operand whose delayed scaling first appears in a later
+phase starts with an empty history (its own current amax until its first step ends) unless an
+``observe`` phase right before it filled the history.
 
 In a comma-separated schedule a new phase begins at a top-level comma followed by ``DIGITS:``;
 other commas belong to the phase's per-GEMM spec (``base=fp8,wgrad=mxfp4+had16``) and commas inside
@@ -34,6 +44,7 @@ parentheses to its modifiers (``delayed(max,64)``).
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -45,7 +56,7 @@ __all__ = ["OBSERVE", "Phase", "PrecisionSchedule"]
 OBSERVE = "observe"
 FLAG = "--precision-schedule"
 EXAMPLE = "0:fp8,200:wgrad_hadamard,900:bf16"
-_START = re.compile(r"^\s*([^=:()]*?)\s*:(.*)$", re.S)  # "START:REST" with no '=' or '(' before the colon
+_START = re.compile(r"^\s*([^=:()]*?)\s*:(.*)$", re.DOTALL)  # "START:REST" with no '=' or '(' before the colon
 
 
 @dataclass(frozen=True)
@@ -72,7 +83,7 @@ def _problem(phases: tuple[Phase, ...]) -> str | None:
         return f"no phases; expected START:PRECISION,... e.g. {EXAMPLE}"
     if phases[0].start != 0:
         return f"the first phase starts at {phases[0].start}; it must start at 0 (e.g. 0:{phases[0].precision})"
-    for k, (a, b) in enumerate(zip(phases, phases[1:]), start=1):
+    for k, (a, b) in enumerate(itertools.pairwise(phases), start=1):
         if b.start == a.start:
             return f"phases {k - 1} ({a}) and {k} ({b}) both start at {a.start}: give each start once"
         if b.start < a.start:

@@ -84,10 +84,10 @@ BAD = [  # (extra flags, the key part of the one line)
     (["--precision-schedule", "0:observe,2:hif8_w8a8", "--qat-warmup-iters", "2"],
      "--precision-schedule and --qat-warmup-iters 2: spell the warm-up as an observe phase"),
     (["--precision-schedule", "0:fp8,6:bf16"],
-     "--precision-schedule '0:fp8,6:bf16': phase 6:bf16 starts after iteration 6, but --train-iters is 6: "
-     "it would never run"),
-    (["--precision-schedule", "0:fp8,2:fp4"], "--precision-schedule '0:fp8,2:fp4': phase 2:fp4: unknown precision "
-                                              "'fp4': not a preset, a spec (GEMM=RECIPE,...) or a file; presets: bf16"),
+     ("--precision-schedule '0:fp8,6:bf16': phase 6:bf16 starts after iteration 6, but --train-iters is 6: "
+     "it would never run")),
+    (["--precision-schedule", "0:fp8,2:fp4"], ("--precision-schedule '0:fp8,2:fp4': phase 2:fp4: unknown precision "
+                                              "'fp4': not a preset, a spec (GEMM=RECIPE,...) or a file; presets: bf16")),
     (["--precision-schedule", "0:fp8,3:bf16,3:mxfp4"], "phases 1 (3:bf16) and 2 (3:mxfp4) both start at 3"),
     (["--precision-schedule", "0:fp8,4:bf16,3:mxfp4"], "phase 2 (3:mxfp4) starts before phase 1 (4:bf16)"),
     (["--precision-schedule", "2:fp8"], "--precision-schedule '2:fp8': the first phase starts at 2; it must start at 0"),
@@ -169,7 +169,10 @@ def test_resume_across_switches_equals_the_straight_run(tmp_path, data_cache, ca
     status, out = run_main([*common, "--save", str(straight), "--save-interval", "1", "--tensorboard-dir", str(tb)],
                            capsys)
     assert status == 0, out
-    history = lambda i: ckpt(straight, i)["model"]["decoder.layers.0.mlp.linear_fc1._extra_state"]["amax"]  # noqa: E731
+
+    def history(i: int) -> dict:
+        return ckpt(straight, i)["model"]["decoder.layers.0.mlp.linear_fc1._extra_state"]["amax"]
+
     assert len(history(2)["fprop/x"]["history"]) == 2  # iterations 1, 2 recorded
     assert torch.equal(history(4)["fprop/x"]["history"], history(2)["fprop/x"]["history"])  # MXFP4: not recorded
     # phase 2 starts after the MXFP4 gap: the stale history was dropped at the switch, iteration 5 recorded
