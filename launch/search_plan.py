@@ -16,7 +16,9 @@ runs, so an interrupted search resumes where it stopped):
    by seed with the baseline's probe; a plan fits when the upper bound of its relative validation
    loss gap (Student-t over seeds; with one seed, the validation batches' paired s.e.) is within
    ``--budget``;
-4. **confirmation**: the chosen plan and the baseline at full length, same seeds.
+4. **confirmation**: the chosen plan and the baseline at full length, same seeds (none when the
+   chosen plan is the baseline; with ``--probe-iters`` equal to ``--train-iters`` the chosen plan's
+   probes are full-length runs and are its confirmation).
 
 Output in ``OUT``: ``plan.yaml`` (``--precision OUT/plan.yaml`` takes it), ``report.md`` (which
 units stayed in higher precision and why, predicted cost ratios against the baseline and against
@@ -328,6 +330,13 @@ def search(ctx: Context) -> dict:
     ctx.write_plan(plan_path, chosen, {"target": args.target, "baseline": args.baseline})  # first, for the runs
     if not any(result.levels.values()):
         print("the chosen plan is the baseline: no confirmation runs (its gap is 0 by construction)", flush=True)
+    elif full == iters and not args.no_confirm:  # the probes ran at full length: the chosen plan's probe confirms
+        _, p_runs = plan_runs(result.levels, numerics=result.levels == cheapest)
+        gap, per_seed = ctx.gap(p_runs, base_runs, iters)
+        print(f"confirmation: --probe-iters = --train-iters ({full}): the chosen plan's probe runs are full length",
+              flush=True)
+        confirm = {"iterations": full, "gap": _iv(gap), "per_seed": per_seed, "fits": fits(gap, ctx.budget),
+                   "runs": "the chosen plan's probes (full length)"}
     elif not args.no_confirm:
         c_runs = ctx.runs_for(f"confirm-{chosen_id}", str(out / "plans" / f"confirm-{chosen_id}.yaml"), full)
         ctx.write_plan(out / "plans" / f"confirm-{chosen_id}.yaml", chosen)
