@@ -182,9 +182,13 @@ def _long_options(parser) -> set[str]:
 def _script_options(script: str) -> set[str]:
     """The long options of the script a sweep runs (``launch/pretrain.py`` or ``launch/rl.py``)."""
     if script == "rl":
-        from pretrain.rl.arguments import build_parser
+        import warnings
 
-        return _long_options(build_parser())
+        with warnings.catch_warnings():  # megatron-core's import-time notices (apex missing) are no error
+            warnings.simplefilter("ignore")
+            from pretrain.rl.arguments import build_rl_parser
+
+            return _long_options(build_rl_parser())
     return _pretrain_options()
 
 

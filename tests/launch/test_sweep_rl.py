@@ -1,0 +1,118 @@
+"""RL sweeps (``script: rl``) and precision schedules in sweeps: expansion into launch/rl.py /
+--precision-schedule commands, one-line errors, and the RL results table against hand-computed
+numbers."""
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch.utils.tensorboard import SummaryWriter
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "launch"))
+
+import sweep  # noqa: E402
+
+from pretrain.rl.sweep_results import summarize_rl  # noqa: E402
+
+RL_SWEEP = """script: rl
+baseline: bf16
+seeds: [0, 1]
+base:
+  task: configs/rl/arith.yaml
+  precision: wgrad_hadamard
+grid:
+  treatments:
+    - bf16: {rollout-precision: bf16}
+    - fp4_tis: {rollout-precision: mxfp4, rollout-correction: tis}
+"""
+
+
+def _sweep_file(tmp_path, text) -> list[sweep.Run]:
+    f = tmp_path / "s.yaml"
+    f.write_text(text)
+    return sweep.expand_runs(sweep.load_sweep(str(f)), str(f))
+
+
+def test_rl_treatments_expand_into_rl_commands(tmp_path):
+    runs = _sweep_file(tmp_path, RL_SWEEP)
+    assert [r.name for r in runs] == ["bf16__seed-0", "bf16__seed-1", "fp4_tis__seed-0", "fp4_tis__seed-1"]
+    cmd = sweep.run_command(tmp_path / "o", runs[2], 1, ["--rl-iters", "3"])
+    assert cmd[cmd.index("--nproc-per-node") + 2].endswith("launch/rl.py")
+    tail = cmd[cmd.index("--nproc-per-node") + 3:]
+    # base flags, then the treatment's, then the seed; the sweep adds no --precision of its own
+    assert tail[:8] == ["--task", "configs/rl/arith.yaml", "--precision", "wgrad_hadamard",
+                        "--rollout-precision", "mxfp4", "--rollout-correction", "tis"]
+    assert tail.count("--precision") == 1 and tail[-2:] == ["--rl-iters", "3"]
+    assert "--seed" in tail and tail[tail.index("--seed") + 1] == "0"
+
+
+def test_schedules_expand_into_precision_schedule_runs(tmp_path):
+    runs = _sweep_file(tmp_path, "baseline: bf16\ngrid:\n  presets: [bf16]\n"
+                                 "  schedules: [{fp8_warm: '0:fp8,5:mxfp4'}]\n")
+    assert [(r.label, r.precision_flag, r.precision) for r in runs] == [
+        ("bf16", "--precision", "bf16"), ("fp8_warm", "--precision-schedule", "0:fp8,5:mxfp4")]
+    cmd = sweep.run_command(tmp_path / "o", runs[1], 1, [])
+    assert cmd[cmd.index("--precision-schedule") + 1] == "0:fp8,5:mxfp4" and "--precision" not in cmd
+
+
+@pytest.mark.parametrize("text,message", [
+    (RL_SWEEP.replace("rollout-correction: tis", "rollout-corection: tis"),
+     "grid.treatments: fp4_tis: rollout-corection: not a flag of the script"),
+    (RL_SWEEP.replace("rollout-correction: tis", "save: x"), "grid.treatments: fp4_tis: save: set by the sweep"),
+    (RL_SWEEP.replace("script: rl", "script: sft"), "script 'sft': valid: pretrain, rl"),
+    (RL_SWEEP.replace("fp4_tis:", "bf16:"), "the grid has duplicate labels: bf16"),
+    ("grid:\n  schedules: [{bad: '0:fp8,0:mxfp4'}]\n", "grid.schedules: bad: "),
+])
+def test_bad_rl_and_schedule_sweeps_fail_with_one_line(tmp_path, text, message):
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    r = subprocess.run([sys.executable, str(ROOT / "launch/sweep.py"), str(f), "--out", str(tmp_path / "o"),
+                        "--collect"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2, r.stderr
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def _write_rl_run(out: Path, run: sweep.Run, rewards: list[float], accuracies: list[float], k3: float):
+    d = out / "runs" / run.name
+    w = SummaryWriter(str(d / "tensorboard"))
+    for i, r in enumerate(rewards, 1):
+        w.add_scalar("rl/reward_mean", r, i)
+        w.add_scalar("mismatch/k3_kl", k3, i)
+        w.add_scalar("rollout/tokens_per_sec", 100.0, i)
+        w.add_scalar("rollout/peak_memory_bytes", 2.0 * 2**20, i)
+    for j, a in enumerate(accuracies):
+        w.add_scalar("rl/heldout_accuracy", a, (j + 1) * len(rewards) // len(accuracies))
+    w.close()
+    sweep.write_status(d, state="done")
+
+
+def test_rl_results_against_hand_computed_numbers(tmp_path):
+    out = tmp_path / "sweep"
+    runs = [sweep.Run(f"{label}__seed-{s}", "", [], label, {}, s, "", "rl")
+            for label in ("bf16", "fp4") for s in (0, 1, 2)]
+    base_acc, fp4_acc = [0.50, 0.60, 0.55], [0.40, 0.52, 0.44]
+    for r in runs:
+        s = r.seed
+        if r.label == "bf16":
+            _write_rl_run(out, r, [0.2, 0.4, 0.6], [0.3, base_acc[s]], 1e-6)
+        else:
+            _write_rl_run(out, r, [0.2, 0.3, 0.4], [0.3, fp4_acc[s]], 2e-3)
+    rows = sweep.collect(out, runs, "bf16")
+    assert rows[0]["reward_auc"] == pytest.approx(0.4) and rows[3]["reward_auc"] == pytest.approx(0.3)
+    assert rows[0]["final_accuracy"] == pytest.approx(0.50) and rows[0]["accuracy_auc"] == pytest.approx(0.40)
+    summary = {s["label"]: s for s in summarize_rl(rows, "bf16")}
+    gap = summary["fp4"]["gap_final_accuracy"]
+    # diffs -0.10, -0.08, -0.11: mean -0.096667, sd 0.015275, half-width t(0.975,2) * sd / sqrt(3) = 0.037946
+    assert gap.mean == pytest.approx(-0.0966667, abs=1e-6)
+    assert gap.sd == pytest.approx(0.0152753, abs=1e-6)
+    assert gap.half_width == pytest.approx(0.037946, abs=1e-5)
+    assert summary["fp4"]["verdict"] == "worse" and summary["bf16"]["verdict"] == "baseline"
+    assert summary["fp4"]["gap_reward_auc"].mean == pytest.approx(-0.1)
+    assert summary["fp4"]["k3_kl"] == pytest.approx(2e-3) and math.isnan(summary["fp4"]["k3_kl_sd"]) is False
+    md = (out / "results.md").read_text()
+    assert "| fp4 | 3 | 0.453 ± 0.061 | -0.097 ± 0.038 |" in md
+    assert (out / "rl_curves.png").stat().st_size > 0 and (out / "summary.csv").exists()
