@@ -4,7 +4,10 @@
     validate_args(args, world_size)           # everything checkable before torch.distributed / build
     cfg = model_config(args, vocab_size)      # model.gpt.ModelConfig
 
-Precedence: parser defaults < ``--model-size`` file < flags given on the command line. A model-size
+Precedence: parser defaults < ``--model-size`` file < flags given on the command line.
+``--precision-schedule`` (``precision.schedule``) replaces ``--precision`` (which then defaults to
+nothing, else to ``bf16``); ``precision_schedule(args)`` is the run's schedule either way
+(``--qat-warmup-iters N`` is ``0:observe,N:PRECISION``). A model-size
 file (``configs/models/NAME.yaml``, or any ``.yaml`` path) maps argument names (``hidden_size``,
 ``lr``, ...; a flag's name with ``_`` for ``-``) to values; an unknown key is an error.
 
