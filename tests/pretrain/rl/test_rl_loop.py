@@ -108,7 +108,8 @@ def test_one_step_equals_a_reference_update(world_of_one, tokenizer):
     assert moved > 1e-4  # the step did update the policy
     for n, p in model.named_parameters():
         torch.testing.assert_close(after[n], p.detach(), atol=1e-6, rtol=0, msg=n)
-    assert math.isclose(scalars["rl/pg_loss"], float(loss), rel_tol=1e-5, abs_tol=1e-8)
+    # the loss is a sum of +-O(1/N) terms (a group's advantages sum to 0): float32 order shows at 1e-7
+    assert math.isclose(scalars["rl/pg_loss"], float(loss), rel_tol=1e-5, abs_tol=2e-7)
     assert math.isclose(scalars["rl/grad_norm"], float(norm), rel_tol=1e-5)
     assert scalars["mismatch/k3_kl"] > 0  # MXFP4 rollouts, FP32 trainer
     for tag in ("rl/reward_mean", "rl/response_length", "rl/entropy", "rl/clipfrac", "rl/grad_norm",
