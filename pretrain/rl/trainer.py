@@ -67,7 +67,7 @@ import torch
 from pretrain.arguments import ConfigError
 from pretrain.train import build_model, init_distributed, is_rank0, rank0_print
 
-__all__ = ["RLTrainer", "SUMMARY_FILE", "policy_logprobs", "setup", "train"]
+__all__ = ["SUMMARY_FILE", "RLTrainer", "policy_logprobs", "setup", "train"]
 
 SUMMARY_FILE = "rl_summary.json"
 
@@ -307,11 +307,17 @@ class RLTrainer:
         """One RL iteration (module docstring); returns its scalars (the same on every rank)."""
         from megatron.core import parallel_state
 
-        from model.gpt import allreduce_tp_partial_grads
+        from model.gpt import allreduce_tp_partial_grads, policy_linears
         from pretrain.optim import clip_grad_norm
         from pretrain.rl.attribution import sequences
         from pretrain.rl.mismatch import mismatch_metrics
-        from pretrain.rl.objective import agg_loss, group_advantages, kl_penalty, policy_loss, rollout_correction
+        from pretrain.rl.objective import (
+            agg_loss,
+            group_advantages,
+            kl_penalty,
+            policy_loss,
+            rollout_correction,
+        )
         from pretrain.rl.task import reward
 
         c, a = self.cfg, self.args
@@ -392,9 +398,7 @@ class RLTrainer:
                 self.optimizer.step()
                 if self.main is not None:
                     self.main.copy_to_model()
-                from model.gpt import policy_linears
-
-                for _, lin in policy_linears(self.model):
+                for _, lin in policy_linears(self.model):  # delayed-scaling histories take this step's amax
                     lin.quant_state.end_step()
         self.optimizer.zero_grad(set_to_none=True)
         self.iteration += 1
