@@ -18,6 +18,7 @@ Exit status 0, or 2 with one line ``rl_task.py: error: ...`` on bad input.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -81,11 +82,13 @@ def write_corpus(spec, out: str, n_sft: int) -> dict:
     return {"sft": len(texts), "eval": len(held), "vocab": tokenizer_vocab_size(texts)}
 
 
-# The starting policy's training run (measured on this 2-core machine: see configs/rl/arith.yaml).
+# The starting policy's training run. On a shared CPU machine run it with OMP_NUM_THREADS=1: under a
+# load of ~30-50 runnable threads on 2 cores, OpenMP's spinning workers made the same run 20-40x slower
+# (130-400 tokens/s instead of 2,000-6,000).
 SFT_MODEL = ("--model-size tiny --num-layers 3 --hidden-size 128 --ffn-hidden-size 512 --num-attention-heads 4 "
-             "--num-query-groups 2 --seq-length 64")
+             "--num-query-groups 2 --seq-length 32")
 SFT_TRAINING = ("--micro-batch-size 16 --global-batch-size 16 --precision bf16 --lr 3e-3 --min-lr 3e-4 "
-                "--lr-warmup-iters 30 --train-iters 1000 --eval-interval 1000 --eval-iters 4 --log-interval 50")
+                "--lr-warmup-iters 30 --train-iters 3000 --eval-interval 3000 --eval-iters 4 --log-interval 100")
 
 
 def commands(out: str, vocab: int, save: str) -> list[str]:
@@ -94,8 +97,8 @@ def commands(out: str, vocab: int, save: str) -> list[str]:
     return [
         (f"python launch/preprocess_data.py --input {out}/sft.jsonl --output-prefix {out}/sft "
          f"--tokenizer-model {tok} --train-tokenizer {vocab} --append-eod"),
-        (f"python launch/pretrain.py {SFT_MODEL} {SFT_TRAINING} --data-path {out}/sft_text_document "
-         f"--tokenizer-model {tok} --split 98,2,0 --save {save} --save-interval 100"),
+        (f"OMP_NUM_THREADS=1 python launch/pretrain.py {SFT_MODEL} {SFT_TRAINING} --data-path "
+         f"{out}/sft_text_document --tokenizer-model {tok} --split 98,2,0 --save {save} --save-interval 500"),
     ]
 
 
@@ -138,7 +141,7 @@ def evaluate(args, spec) -> dict:
         gen_tokens = []
         for k, start in enumerate(range(0, len(probs), args.batch_size)):
             chunk = probs[start : start + args.batch_size]
-            params_k = SamplingParams(**{**params.__dict__, "seed": params.seed + k})
+            params_k = dataclasses.replace(params, seed=params.seed + k)
             gen_tokens += engine.generate([tok.tokenize(p.prompt) for p in chunk], params_k).tokens
         texts = [tok.detokenize([t for t in ids if t != tok.eod]) for ids in gen_tokens]
         stopped = [bool(ids) and ids[-1] == tok.eod for ids in gen_tokens]

@@ -362,7 +362,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "
     if kind in ("low_var_kl", "k3"):
         d = (ref_logprobs - logprobs).clamp(-SAFETY_BOUND, SAFETY_BOUND)
         return (d.exp() - d - 1).clamp(-10, 10)
-    raise ValueError(f"--kl-loss-type {kind!r}: unknown; valid: {', '.join(KL_KINDS)}")
+    raise ValueError(f"--kl-type {kind!r}: unknown; valid: {', '.join(KL_KINDS)}")
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

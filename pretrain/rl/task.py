@@ -3,10 +3,10 @@
 A task seed file (``configs/rl/arith.yaml``) fixes everything; no data files, no network::
 
     spec = load_task("configs/rl/arith.yaml")          # TaskSpec (frozen); bad file -> TaskError, one line
-    train_problems(spec, iteration=7, n=4)             # [Problem("12+345=", "357"), ...]
+    train_problems(spec, iteration=7, n=4)             # [Problem("\n12+34=", "46"), ...]
     eval_problems(spec)                                # the fixed held-out set (spec.n_eval problems)
-    reward(problem, "357", spec)                       # 1.0;  "0357", "357 ok", "35" -> 0.0 (+ format reward)
-    sft_examples(spec, 20000)                          # ["12+345=357", ...] the starting policy's corpus
+    reward(problem, "46", spec)                        # 1.0;  "046", "46 ok", "4" -> 0.0 (+ format reward)
+    sft_examples(spec, 20000)                          # ["\n12+34=46", ...] the starting policy's corpus
 
 How problems are drawn: each operand first draws its digit count uniformly from its range
 (``a_digits`` / ``b_digits``, inclusive), then a value uniformly among the numbers with that many
@@ -23,6 +23,14 @@ problems without state -- exact resume needs nothing saved. ``rank_offset`` shif
 Held-out set: ``eval_problems`` draws ``n_eval`` distinct problems from the stream ``"{seed}/eval/..."``;
 every training and SFT draw that lands on a held-out problem is redrawn (``attempt`` + 1), so the
 held-out set is disjoint from every problem the policy is ever trained on.
+
+Where a problem starts: in the starting policy's corpus every example follows an end-of-document
+id, but an RL prompt is tokenized from its text alone and sits at position 0. The default template
+therefore begins with a newline (one token of the task tokenizer), so the corpus holds
+``</s>\n12+34=46</s>\n5-7=-2</s>...`` and a prompt ``\n12+34=`` starts the way every training
+example does. Measured on the starting policy's recipe (3 layers, hidden 128, 3,000 iterations):
+without any start marker the held-out greedy accuracy was 2 %, with the end-of-document id in front
+of the same prompts 28.5 %.
 
 Answers and rewards: the answer is the canonical decimal integer (``-`` for negatives, no leading
 zeros, no ``+``). The end of an answer is the tokenizer's end-of-document id, which
@@ -83,8 +91,9 @@ class TaskSpec:
     """Drawn uniformly; each of ``+``, ``-``, ``*``."""
     n_eval: int = 200
     """Size of the fixed held-out set."""
-    prompt_template: str = "{a}{op}{b}="
-    """The prompt text; ``{a}``, ``{op}`` and ``{b}`` are replaced (each must appear once)."""
+    prompt_template: str = "\n{a}{op}{b}="
+    """The prompt text; ``{a}``, ``{op}`` and ``{b}`` are replaced (each must appear once). The leading
+    newline marks where a problem starts, in the SFT corpus as in an RL prompt (see the module docstring)."""
     format_reward: float = 0.0
     """Reward of a well-formed but wrong integer answer (0: off); must be in [0, 1)."""
 

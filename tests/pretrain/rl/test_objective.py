@@ -268,7 +268,7 @@ def test_kl_kinds_by_hand():
     assert close(kl_penalty(lp, ref, "low_var_kl"), 0.5 + ln2 - 1) and close(kl_penalty(lp, ref, "k3"), 0.5 + ln2 - 1)
     assert float(kl_penalty(torch.tensor([0.0]), torch.tensor([30.0]))) == 10.0  # clamped as verl
     assert float(kl_penalty(lp, lp)) == 0.0
-    with pytest.raises(ValueError, match="--kl-loss-type 'full'"):
+    with pytest.raises(ValueError, match="--kl-type 'full'"):
         kl_penalty(lp, ref, "full")
 
 

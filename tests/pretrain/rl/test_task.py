@@ -26,8 +26,8 @@ SMALL = TaskSpec("small", seed=3, a_digits=(1, 1), b_digits=(1, 1), operations=(
 
 
 def _solve(prompt: str) -> int:
-    """The answer of ``a{op}b=`` by plain Python (the operator is the first of + - * after a's digits)."""
-    body = prompt.rstrip("=")
+    """The answer of ``\na{op}b=`` by plain Python (the operator is the first of + - * after a's digits)."""
+    body = prompt.strip().rstrip("=")
     i = next(k for k in range(1, len(body)) if body[k] in "+-*")
     a, op, b = int(body[:i]), body[i], int(body[i + 1 :])
     return {"+": a + b, "-": a - b, "*": a * b}[op]
@@ -37,10 +37,11 @@ def test_the_shipped_task_file():
     spec = load_task(ARITH)
     assert spec.name == "arith" and spec.operations == ("+", "-") and spec.n_eval == 200
     problems = train_problems(spec, 0, 50) + eval_problems(spec)
-    assert all(int(p.answer) == _solve(p.prompt) and p.prompt.endswith("=") for p in problems)
+    assert all(int(p.answer) == _solve(p.prompt) and p.prompt.startswith("\n") and p.prompt.endswith("=")
+               for p in problems)  # the newline marks where a problem starts
     assert any(p.answer.startswith("-") for p in problems)  # subtraction gives negatives
     lengths = {len(p.prompt) for p in problems}
-    assert min(lengths) == 4 and max(lengths) == 2 * spec.a_digits[1] + 2  # easy and hard mixed
+    assert min(lengths) == 5 and max(lengths) == 2 * spec.a_digits[1] + 3  # easy and hard mixed
 
 
 def test_problems_are_a_function_of_seed_iteration_and_index():
@@ -164,6 +165,8 @@ def test_rl_task_writes_the_corpus_and_the_commands(tmp_path, capsys):
     tok = train_tokenizer(sft, str(tmp_path / "tok.model"), vocab)
     ids = tok.tokenize("12-34=-22")
     assert len(ids) == 9 and tok.detokenize(ids) == "12-34=-22"
+    prompt = tok.tokenize(eval_problems(spec)[0].prompt)  # the start marker is one token of its own
+    assert tok.detokenize(prompt[:1]) == "\n" and tok.detokenize(prompt) == eval_problems(spec)[0].prompt
 
 
 def test_rl_task_refuses_bad_input_in_one_line(tmp_path, capsys):
