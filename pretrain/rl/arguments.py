@@ -7,7 +7,10 @@ The parser is ``pretrain.arguments.build_parser()`` (model shape, ``--precision`
 ``--save-interval``, ``--tensorboard-dir``, ``--seed``, ...) with the group "reinforcement
 learning" added (:func:`add_rl_arguments`). RL-specific defaults (``RL_DEFAULTS``): ``--lr 1e-4``,
 ``--lr-decay-style constant`` and ``--weight-decay 0`` (as verl's actor), ``--eval-interval 10``,
-``--log-interval 1``. ``--train-iters`` is derived: the run's optimizer steps,
+``--log-interval 1``, and ``--gemm-backend reference`` on CPU (``auto`` on CUDA): the eager
+reference quantizers, the same bits as the fused ``torch.compile`` ones, which recompile for the new
+batch shapes of every iteration (a ``wgrad_hadamard`` trainer: 6 iterations in 18 s instead of 2 min
+18 s, measured). ``--train-iters`` is derived: the run's optimizer steps,
 ``--rl-iters`` x ``--ppo-epochs`` x ``--ppo-mini-batches`` (the lr schedule's length).
 
 Where the model shape comes from: ``--load`` names the starting policy, a pretraining checkpoint
@@ -36,8 +39,8 @@ __all__ = ["PROG", "RLConfig", "add_rl_arguments", "build_rl_parser", "parse_rl_
 PROG = "rl.py"
 
 # RL defaults that differ from pretraining's (verl's actor: constant lr, no weight decay)
-RL_DEFAULTS = {"lr": 1e-4, "min_lr": 0.0, "lr_decay_style": "constant", "weight_decay": 0.0, "eval_interval": 10,
-               "log_interval": 1, "micro_batch_size": 1}
+RL_DEFAULTS = {"gemm_backend": None, "lr": 1e-4, "min_lr": 0.0, "lr_decay_style": "constant", "weight_decay": 0.0,
+               "eval_interval": 10,               "log_interval": 1, "micro_batch_size": 1}
 
 
 @dataclass(frozen=True)
@@ -292,7 +295,8 @@ def rl_config(args, dp_size: int) -> RLConfig:
         clip_ratio_high=args.clip_ratio_high, ppo_epochs=args.ppo_epochs, ppo_mini_batches=args.ppo_mini_batches,
         kl_coef=args.kl_coef, kl_type=args.kl_type, correction=corr, rollout_qat=args.rollout_qat,
         rollout_qat_layers=tuple(args.rollout_qat_layers or ("all",)), rollout_qat_kv=args.rollout_qat_kv,
-        rollout_fallback=args.rollout_fallback, reward_function=args.reward_function, eval_interval=args.eval_interval, eval_prompts=args.eval_prompts,
+        rollout_fallback=args.rollout_fallback, reward_function=args.reward_function,
+        eval_interval=args.eval_interval, eval_prompts=args.eval_prompts,
         max_prompt_tokens=args.seq_length - args.max_new_tokens,
     )  # fmt: skip
 
@@ -300,6 +304,8 @@ def rl_config(args, dp_size: int) -> RLConfig:
 def parse_rl_args(argv: list[str] | None, world_size: int, cuda: bool) -> tuple[argparse.Namespace, RLConfig]:
     """Parse and validate everything checkable before torch.distributed; :class:`ConfigError` (one line) else."""
     args = _parse(argv)
+    if args.gemm_backend is None:  # RL batches change shape every iteration: no torch.compile on CPU
+        args.gemm_backend = "auto" if cuda else "reference"
     # the optimizer steps of the whole run fix the lr schedule's length
     args.train_iters = args.rl_iters * args.ppo_epochs * args.ppo_mini_batches
     if args.lr_decay_iters is None:

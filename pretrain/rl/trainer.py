@@ -732,7 +732,8 @@ def setup(args, cfg) -> RLTrainer:
     if args.tensorboard_dir and is_rank0():
         from torch.utils.tensorboard import SummaryWriter
 
-        trainer.tb = SummaryWriter(args.tensorboard_dir, purge_step=trainer.iteration + 1 if trainer.iteration else None)
+        trainer.tb = SummaryWriter(args.tensorboard_dir,
+                                   purge_step=trainer.iteration + 1 if trainer.iteration else None)
         trainer.tb.add_text("rollout_plan", "```\n" + trainer.rollout_plan.table() + "\n```", trainer.iteration)
         trainer.tb.add_text("args", "```\n" + "\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())) + "\n```",
                             trainer.iteration)

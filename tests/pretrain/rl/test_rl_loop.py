@@ -71,8 +71,8 @@ def test_one_step_equals_a_reference_update(world_of_one, tokenizer):
     from pretrain.rl.task import train_problems
     from tests.pretrain.rl.rl_rewards import odd
 
-    t = _trainer(base(tokenizer, "--precision", "fp32", "--rollout-precision", "mxfp4", "--rollout-correction", "tis", "--group-size", "4",
-                      "--rollout-is-threshold", "1.01", "--adam-eps", "1e-3"))
+    t = _trainer(base(tokenizer, "--precision", "fp32", "--rollout-precision", "mxfp4", "--rollout-correction", "tis",
+                      "--group-size", "4", "--rollout-is-threshold", "1.01", "--adam-eps", "1e-3"))
     model, G, V = t.model, 4, t.vocab_size
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     problems, gen, _ = t.generate(0)  # the engine reads the state only: the step samples the same
@@ -216,8 +216,8 @@ def test_rollout_plan_the_model_cannot_take(world_of_one, tokenizer):
 def test_cli_refusal_is_one_line_and_exit_2(tokenizer):
     import subprocess
 
-    proc = subprocess.run(command(base(tokenizer, "--group-size", "1"), nproc=0, script=RL), cwd=REPO, env=env(), check=False,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(command(base(tokenizer, "--group-size", "1"), nproc=0, script=RL), cwd=REPO, env=env(),
+                          check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert lines == [lines[-1]] and lines[-1].startswith("rl.py: error: --group-size 1"), proc.stderr
@@ -245,8 +245,8 @@ def test_tp2_runs_like_tp1(tokenizer, tmp_path):
         out = tmp_path / f"tp{tp}"
         argv = base(tokenizer, "--rl-iters", "2", "--eval-interval", "2", "--rollout-precision", "mxfp4",
                     "--tensor-model-parallel-size", str(tp), "--save", str(out), "--tensorboard-dir", str(out / "tb"))
-        proc = subprocess.run(command(argv, nproc=nproc, script=RL), cwd=REPO, env=env(), capture_output=True, check=False,
-                              text=True, timeout=400)
+        proc = subprocess.run(command(argv, nproc=nproc, script=RL), cwd=REPO, env=env(), capture_output=True,
+                              check=False, text=True, timeout=400)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[tp] = json.loads((out / "rl_summary.json").read_text())
         assert read_tracker(str(out)) == 2
