@@ -381,7 +381,8 @@ class Trainer:
         a history never scales by amaxes recorded before a gap: an operand whose delayed scaling
         starts in this phase starts empty (scaled by its own amax until its first step ends), unless
         an ``observe`` phase filled it. SR call counters carry on. Rank 0 logs the switch
-        (``iteration N: precision phase K -> PLAN``), the plan table and TensorBoard text."""
+        (``iteration N: precision phase K -> PLAN``; after an observe phase ``iteration N: QAT warm-up
+        done (...): precision phase K -> PLAN``), the plan table and TensorBoard text."""
         from model.gpt import apply_precision_plan
 
         sched = self.precision_schedule
@@ -401,13 +402,12 @@ class Trainer:
         first, last = sched.iterations(k, self.args.train_iters)
         what = (f"observe (BF16 GEMMs fill the amax histories of phase {k + 1}'s plan, "
                 f"{sched.phases[k + 1].precision})" if phase.observe else phase.precision)
-        note = f"iterations {first}..{last}"
-        if not at_start:
-            note += "; resumed within the phase"
-        elif k > 0 and sched.phases[k - 1].observe:
-            note += (f"; QAT warm-up done: {phase.start - sched.phases[k - 1].start} BF16 iterations filled "
-                     f"the amax histories")
-        rank0_print(f"iteration {nxt}: precision phase {k} -> {what} ({note})")
+        note = f"iterations {first}..{last}" + ("" if at_start else "; resumed within the phase")
+        warmed = ""  # the end of an observe phase keeps --qat-warmup-iters' words
+        if at_start and k > 0 and sched.phases[k - 1].observe:
+            n = phase.start - sched.phases[k - 1].start
+            warmed = f"QAT warm-up done ({n} BF16 iteration{'s' * (n != 1)} filled the amax histories): "
+        rank0_print(f"iteration {nxt}: {warmed}precision phase {k} -> {what} ({note})")
         if before is None or self.plans.whole[k] != self.plans.whole[before]:
             rank0_print(self.plans.whole[k].table())
         if self.tb is not None:

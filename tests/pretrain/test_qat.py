@@ -65,8 +65,8 @@ def test_qat_from_checkpoint_warmup_switch_and_resume(tmp_path, data_cache):
     out = run_pretrain([*common, *QAT, "--load", str(base), "--finetune", "--train-iters", "4",
                         "--save", str(straight), "--tensorboard-dir", str(tb1)], nproc=1).stdout
     # --qat-warmup-iters 2 is the schedule 0:observe,2:hif8_w8a8: its switch, logged
-    assert ("iteration 3: precision phase 1 -> hif8_w8a8 (iterations 3..4; QAT warm-up done: 2 BF16 iterations "
-            "filled the amax histories)") in out
+    assert ("iteration 3: QAT warm-up done (2 BF16 iterations filled the amax histories): precision phase 1 -> "
+            "hif8_w8a8 (iterations 3..4)") in out
     assert "hif8+delayed(max,64)" in out  # the plan table
     clipped = read_scalar(tb1, "qat/decoder.layers.0.mlp.linear_fc1/fprop/x/clipped_fraction")
     ratio = read_scalar(tb1, "qat/decoder.layers.1.mlp.linear_fc2/fprop/w/amax_ratio")

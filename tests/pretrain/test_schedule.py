@@ -224,7 +224,8 @@ def test_qat_warmup_iters_equals_its_schedule(tmp_path, data_cache, capsys):
         assert status == 0, out
         assert ("iteration 1: precision phase 0 -> observe (BF16 GEMMs fill the amax histories of phase 1's plan, "
                 "hif8_w8a8) (iterations 1..2)") in out
-        assert "iteration 3: precision phase 1 -> hif8_w8a8 (iterations 3..3; QAT warm-up done" in out
+        assert ("iteration 3: QAT warm-up done (2 BF16 iterations filled the amax histories): precision phase 1 -> "
+                "hif8_w8a8 (iterations 3..3)") in out
         runs[name] = (ckpt(save, 3), scalars(tb, "train/loss"), scalars(tb, "val/loss"))
     (a, loss_a, val_a), (b, loss_b, val_b) = runs["qat"], runs["schedule"]
     assert loss_a == loss_b and val_a == val_b and sorted(val_a) == [1, 2, 3]
