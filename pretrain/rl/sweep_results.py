@@ -30,7 +30,7 @@ from pathlib import Path
 
 from pretrain.evaluation.stats import Interval, paired_interval, spread
 
-__all__ = ["RL_COLUMNS", "analyse_rl", "summarize_rl", "rl_summary_table", "write_rl_results"]
+__all__ = ["RL_COLUMNS", "analyse_rl", "rl_summary_table", "summarize_rl", "write_rl_results"]
 
 RL_COLUMNS = ["run", "status", "label", "seed", "iterations", "final_accuracy", "accuracy_auc", "reward_auc",
               "final_reward", "k3_kl", "ess", "masked", "tokens_per_sec", "memory_bytes"]
@@ -170,8 +170,8 @@ def write_rl_results(out: Path, rows: list[dict], summary: list[dict], baseline:
                 flat.update({f"gap_{m}_mean": g.mean, f"gap_{m}_lo": g.lo, f"gap_{m}_hi": g.hi})
             w.writerow([flat.get(c) for c in cols])
     seeds = max((s["seeds"] for s in summary), default=0)
-    lines = [f"# RL sweep results ({len(rows)} runs, {len(summary)} grid points x {seeds} seed(s), "
-             f"baseline: {baseline or 'none'})", ""]
+    lines = [(f"# RL sweep results ({len(rows)} runs, {len(summary)} grid points x {seeds} seed(s), "
+              f"baseline: {baseline or 'none'})"), ""]
     lines += rl_summary_table(summary, hyper)
     lines += ["", "## Runs", "", "| " + " | ".join(RL_COLUMNS) + " |", "|" + "---|" * len(RL_COLUMNS)]
     for row in rows:
