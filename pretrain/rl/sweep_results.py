@@ -5,7 +5,7 @@ Each run of ``launch/rl.py`` logs TensorBoard scalars (``rl/reward_mean``, ``rl/
 ``<--save>/rl_summary.json`` at the end. Per run this module reads:
 
 =======================  ==========================================================================
-``final_accuracy``       the last held-out accuracy (greedy, under the run's rollout precision)
+``final_accuracy``       the last held-out accuracy (greedy, the trainer's own numerics: the policy)
 ``reward_auc``           area under the training-reward curve: the mean of ``rl/reward_mean`` over
                          every iteration (1.0 = every response right from the first step)
 ``accuracy_auc``         the same for the held-out accuracy, over its evaluation points
@@ -178,7 +178,8 @@ def write_rl_results(out: Path, rows: list[dict], summary: list[dict], baseline:
         lines.append("| " + " | ".join(_f(row.get(c), 4) if isinstance(row.get(c), float) else str(row.get(c))
                                        for c in RL_COLUMNS) + " |")
     lines += ["", ("final held-out acc: greedy accuracy on the task's held-out prompts at the last evaluation, "
-                   "under the run's rollout precision. reward AUC: mean training reward over all iterations. "
+                   "with the trainer's own numerics (--precision): the policy, not the rollout engine. "
+                   "reward AUC: mean training reward over all iterations. "
                    "gaps: treatment minus baseline per seed (same start and prompts), mean ± half-width of the "
                    "95% Student-t interval over seeds. mean k3_kl: trainer-vs-rollout log-prob mismatch "
                    "(verl's k3), averaged over iterations. Rollout speed on CPU is emulated: the FP4 GEMMs run "
