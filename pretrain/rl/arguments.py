@@ -105,7 +105,7 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
     add = g.add_argument
     add("--task", metavar="FILE", help="task seed file (pretrain/rl/task.py), e.g. configs/rl/arith.yaml (required)")
     add("--rl-iters", type=int, default=100, help="RL iterations (sample, score, update)")
-    add("--prompts-per-step", type=int, default=8, help="prompts per iteration, over all data-parallel ranks")
+    add("--prompts-per-step", type=int, default=32, help="prompts per iteration, over all data-parallel ranks")
     add("--group-size", type=int, default=8, metavar="G", help="responses sampled per prompt (>= 2)")
     add("--max-new-tokens", type=int, default=8, help="longest response in tokens")
     add("--temperature", type=float, default=1.0, help="sampling temperature (> 0; the trainer scores at it)")

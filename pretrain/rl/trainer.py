@@ -33,7 +33,8 @@ layout; the positions and visible tokens the engine had), the logits of this ran
 divided by ``--temperature``, megatron's vocabulary padding masked out (the engine never samples it),
 and megatron's ``vocab_parallel_cross_entropy`` -- differentiable and exact under TP.
 Held-out accuracy: greedy generation on the task's held-out problems with the trainer's own numerics
-(``Engine`` without a rollout plan, the policy under --precision), the same for every rollout plan.
+(``Engine`` without a rollout plan, the policy under --precision), the same for every rollout plan;
+and under the rollout plan (how the rollout engine serves the policy).
 
 Checkpoints (``pretrain.checkpointing``, atomic): pretraining's keys, plus ``rl``: the RL iteration,
 the per-iteration history (for ``rl_summary.json``), the fallback state and the reference policy's
@@ -43,7 +44,7 @@ and starts at iteration 0. If ``--save`` already holds an RL checkpoint, the run
 (so the same command continues a stopped run). SIGTERM: finish the iteration, save, exit 0.
 
 TensorBoard (rank 0; step = iteration): ``rl/reward_mean``, ``rl/heldout_accuracy``,
-``rl/response_length``, ``rl/entropy``, ``rl/kl_ref`` (with --kl-coef), ``rl/pg_loss``,
+``rl/heldout_accuracy_rollout`` (the same under the rollout plan), ``rl/response_length``, ``rl/entropy``, ``rl/kl_ref`` (with --kl-coef), ``rl/pg_loss``,
 ``rl/clipfrac``, ``rl/ppo_kl``, ``rl/grad_norm``, ``rl/lr``, ``mismatch/<key>`` for every key of
 ``mismatch_metrics`` (the part after ``rollout_corr/`` or ``training/``, e.g. ``mismatch/k3_kl``),
 ``correction/<metric>`` (``ess``, ``masked_fraction``, ``is_weight_mean``, ...),
@@ -173,7 +174,7 @@ class RLTrainer:
     ref_state: dict | None = None  # the reference policy's parameters (--kl-coef)
     iteration: int = 0
     history: list[dict] = field(default_factory=list)  # one dict of scalars per iteration (rl_summary.json)
-    evals: list[tuple[int, float]] = field(default_factory=list)  # (iteration, held-out accuracy)
+    evals: list[tuple[int, float, float]] = field(default_factory=list)  # (iteration, accuracy, under the rollout plan)
     last_saved: int | None = None
     tb: object = None
     rollout_plan: object = None
@@ -482,23 +483,28 @@ class RLTrainer:
 
     # ---------------------------------------------------------------- evaluation
     def evaluate(self) -> float:
-        """Held-out greedy accuracy of the policy (the trainer's own numerics), over all DP ranks."""
+        """Held-out greedy accuracy of the policy, over all DP ranks: with the trainer's own numerics
+        (``Engine`` without a rollout plan: the same measurement for every --rollout-precision;
+        ``rl/heldout_accuracy``) and under the rollout plan (the policy as the rollout engine serves
+        it; ``rl/heldout_accuracy_rollout``). Returns the first."""
         from model.generate import Engine
         from pretrain.rl.task import eval_problems, reward
 
         problems = eval_problems(self.spec)[: self.cfg.eval_prompts]
         dp_rank, dp = self.dp
         mine = problems[dp_rank::dp]
-        correct = 0.0
+        correct = [0.0, 0.0]
         if mine:
-            engine = Engine(self.model, vocab_size=self.vocab_size)
-            gen = engine.generate([self.prompt_ids(p.prompt) for p in mine], self.sampling(0, greedy=True))
-            correct = sum(reward(p, self.response_text(t), self.spec) == 1.0 for p, t in zip(mine, gen.tokens))
-        total = _dp_sum_(torch.tensor([float(correct)], dtype=torch.float64))
-        acc = float(total[0]) / len(problems)
-        self.evals.append((self.iteration, acc))
+            prompts = [self.prompt_ids(p.prompt) for p in mine]
+            for k, engine in enumerate((Engine(self.model, vocab_size=self.vocab_size), self.engine)):
+                gen = engine.generate(prompts, self.sampling(0, greedy=True))
+                correct[k] = sum(reward(p, self.response_text(t), self.spec) == 1.0 for p, t in zip(mine, gen.tokens))
+        total = _dp_sum_(torch.tensor(correct, dtype=torch.float64)) / len(problems)
+        acc, acc_rollout = float(total[0]), float(total[1])
+        self.evals.append((self.iteration, acc, acc_rollout))
         if self.tb is not None:
             self.tb.add_scalar("rl/heldout_accuracy", acc, self.iteration)
+            self.tb.add_scalar("rl/heldout_accuracy_rollout", acc_rollout, self.iteration)
             self.tb.flush()
         return acc
 
@@ -589,7 +595,8 @@ class RLTrainer:
             for tag, value in scalars.items():
                 self.tb.add_scalar(tag, value, self.iteration)
         if self.iteration % self.args.log_interval == 0 or self.iteration == self.cfg.rl_iters:
-            acc = f"{self.evals[-1][1]:.3f} (it {self.evals[-1][0]})" if self.evals else "-"
+            acc = (f"{self.evals[-1][1]:.3f} (rollout plan {self.evals[-1][2]:.3f}, it {self.evals[-1][0]})"
+                   if self.evals else "-")
             width = len(str(self.cfg.rl_iters))
             rank0_print(
                 f"iteration {self.iteration:>{width}}/{self.cfg.rl_iters} | reward {scalars['rl/reward_mean']:.3f}"
@@ -614,6 +621,8 @@ class RLTrainer:
         return {
             "final_heldout_accuracy": self.evals[-1][1] if self.evals else None,
             "initial_heldout_accuracy": self.evals[0][1] if self.evals else None,
+            "final_heldout_accuracy_rollout": self.evals[-1][2] if self.evals else None,
+            "initial_heldout_accuracy_rollout": self.evals[0][2] if self.evals else None,
             "reward_auc": mean("rl/reward_mean"),
             "mean_k3_kl": mean("mismatch/k3_kl"),
             "tokens_per_sec": mean("rollout/tokens_per_sec", warm=True),
@@ -744,8 +753,10 @@ def train(trainer: RLTrainer, sigterm) -> int:
     """The loop; returns the exit status (0)."""
     c, a = trainer.cfg, trainer.args
     if trainer.iteration == 0:
-        acc = trainer.evaluate()
-        rank0_print(f"held-out accuracy of the starting policy: {acc:.3f} ({len(trainer.evals) and 'greedy'})")
+        trainer.evaluate()
+        _, acc, acc_rollout = trainer.evals[-1]
+        rank0_print(f"held-out accuracy of the starting policy (greedy): {acc:.3f}, under the rollout plan "
+                    f"{acc_rollout:.3f}")
     while trainer.iteration < c.rl_iters:
         scalars = trainer.step()
         it = trainer.iteration
