@@ -489,8 +489,8 @@ def _check_precision(args) -> None:
     if args.precision_schedule is None:
         try:  # what --precision takes is what PrecisionPolicy.from_args takes
             PrecisionPolicy.from_args(args.precision)
-        except ValueError as e:  # SpecError, or an unknown preset named by base=
-            raise ConfigError(f"--precision: {e}") from None
+        except ValueError as e:  # SpecError, or an unknown preset named by base=; a plan file names itself
+            raise ConfigError(str(e) if str(e).startswith("--precision") else f"--precision: {e}") from None
     try:  # the schedule's messages name --precision-schedule (or --qat-warmup-iters)
         schedule = precision_schedule(args)
         if args.precision_schedule is not None and args.train_iters is not None:
