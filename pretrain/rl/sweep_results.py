@@ -9,6 +9,7 @@ Each run of ``launch/rl.py`` logs TensorBoard scalars (``rl/reward_mean``, ``rl/
 ``reward_auc``           area under the training-reward curve: the mean of ``rl/reward_mean`` over
                          every iteration (1.0 = every response right from the first step)
 ``accuracy_auc``         the same for the held-out accuracy, over its evaluation points
+``rollout_accuracy``     the last held-out accuracy of the rollout engine (its plan, packed weights)
 ``k3_kl``                mean over iterations of ``mismatch/k3_kl`` (trainer vs rollout log-probs)
 ``ess``, ``masked``      mean effective sample size and masked fraction of the correction
 ``tokens_per_sec``       mean rollout tokens/s (emulated FP4 on CPU: a label, not a speed)
@@ -32,9 +33,10 @@ from pretrain.evaluation.stats import Interval, paired_interval, spread
 
 __all__ = ["RL_COLUMNS", "analyse_rl", "rl_summary_table", "summarize_rl", "write_rl_results"]
 
-RL_COLUMNS = ["run", "status", "label", "seed", "iterations", "final_accuracy", "accuracy_auc", "reward_auc",
+RL_COLUMNS = ["run", "status", "label", "seed", "iterations", "final_accuracy", "rollout_accuracy", "accuracy_auc",
+              "reward_auc",
               "final_reward", "k3_kl", "ess", "masked", "tokens_per_sec", "memory_bytes"]
-SUMMARY_METRICS = ["final_accuracy", "accuracy_auc", "reward_auc", "k3_kl", "ess", "masked", "tokens_per_sec",
+SUMMARY_METRICS = ["final_accuracy", "rollout_accuracy", "accuracy_auc", "reward_auc", "k3_kl", "ess", "masked", "tokens_per_sec",
                    "memory_bytes"]
 GAPS = ("final_accuracy", "reward_auc")  # paired by seed against the baseline
 
@@ -53,11 +55,13 @@ def analyse_rl(name: str, scalars: dict[str, list[tuple[int, float]]], summary: 
     summary = summary or {}
     reward = scalars.get("rl/reward_mean", [])
     acc = _values(scalars, "rl/heldout_accuracy")
+    rollout_acc = _values(scalars, "rl/heldout_accuracy_rollout")
     memory = _values(scalars, "rollout/peak_memory_bytes")
     row = {
         "run": name,
         "iterations": reward[-1][0] if reward else 0,
         "final_accuracy": acc[-1] if acc else math.nan,
+        "rollout_accuracy": rollout_acc[-1] if rollout_acc else math.nan,
         "accuracy_auc": _mean(acc),
         "reward_auc": _mean(_values(scalars, "rl/reward_mean")),
         "final_reward": _mean(_values(scalars, "rl/reward_mean")[-5:]),
@@ -69,7 +73,8 @@ def analyse_rl(name: str, scalars: dict[str, list[tuple[int, float]]], summary: 
         "_curves": {tag: scalars.get(tag, []) for tag in
                     ("rl/reward_mean", "rl/heldout_accuracy", "mismatch/k3_kl")},
     }
-    keys = {"final_accuracy": "final_heldout_accuracy", "reward_auc": "reward_auc", "k3_kl": "mean_k3_kl",
+    keys = {"final_accuracy": "final_heldout_accuracy", "rollout_accuracy": "final_heldout_accuracy_rollout",
+            "reward_auc": "reward_auc", "k3_kl": "mean_k3_kl",
             "tokens_per_sec": "rollout_tokens_per_sec", "memory_bytes": "rollout_memory_bytes",
             "iterations": "iterations"}
     for ours, theirs in keys.items():
@@ -135,7 +140,8 @@ def _msd(mean: float, sd: float, digits: int = 3) -> str:
 
 
 def rl_summary_table(summary: list[dict], hyper: list[str]) -> list[str]:
-    head = ["treatment", *hyper, "seeds", "final held-out acc", "gap to baseline (95% CI)", "reward AUC",
+    head = ["treatment", *hyper, "seeds", "final held-out acc", "gap to baseline (95% CI)", "acc under rollout plan",
+            "reward AUC",
             "reward AUC gap (95% CI)", "mean k3_kl", "ESS", "masked", "rollout tok/s (emulated)",
             "rollout memory (MiB)", "verdict"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -144,6 +150,7 @@ def rl_summary_table(summary: list[dict], hyper: list[str]) -> list[str]:
         verdict = s["verdict"] + (f"; {s['failed']} failed" if s["failed"] else "")
         cells = [s["label"], *(str(s.get(h)) for h in hyper), str(s["seeds"]),
                  _msd(s["final_accuracy"], s["final_accuracy_sd"]), s["gap_final_accuracy"].text(3),
+                 _msd(s["rollout_accuracy"], s["rollout_accuracy_sd"]),
                  _msd(s["reward_auc"], s["reward_auc_sd"]), s["gap_reward_auc"].text(3),
                  _f(s["k3_kl"], 5), _f(s["ess"]), _f(s["masked"]), _f(s["tokens_per_sec"], 1), _f(mib, 2), verdict]
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
@@ -178,7 +185,8 @@ def write_rl_results(out: Path, rows: list[dict], summary: list[dict], baseline:
         lines.append("| " + " | ".join(_f(row.get(c), 4) if isinstance(row.get(c), float) else str(row.get(c))
                                        for c in RL_COLUMNS) + " |")
     lines += ["", ("final held-out acc: greedy accuracy on the task's held-out prompts at the last evaluation, "
-                   "with the trainer's own numerics (--precision): the policy, not the rollout engine. "
+                   "with the trainer's own numerics (--precision): the policy, not the rollout engine (acc under "
+                   "rollout plan: the same prompts generated by the engine). "
                    "reward AUC: mean training reward over all iterations. "
                    "gaps: treatment minus baseline per seed (same start and prompts), mean ± half-width of the "
                    "95% Student-t interval over seeds. mean k3_kl: trainer-vs-rollout log-prob mismatch "
