@@ -50,7 +50,12 @@ TensorBoard (rank 0; step = iteration): ``rl/reward_mean``, ``rl/heldout_accurac
 ``correction/<metric>`` (``ess``, ``masked_fraction``, ``is_weight_mean``, ...),
 ``rollout/tokens_per_sec``, ``rollout/kv_bytes_per_token``, ``rollout/packed_weight_bytes``,
 ``rollout/peak_memory_bytes`` (CUDA's peak, else the engine's KV-cache + packed weights),
-``fallback/num_layers``. At the end rank 0 writes ``<--save>/rl_summary.json``.
+``fallback/num_layers``. At the end (and when stopped) rank 0 writes ``<--save>/rl_summary.json``:
+``final_heldout_accuracy`` (and ``_rollout``, ``initial_*``), ``reward_auc`` (mean reward over all
+iterations), ``mean_k3_kl``, ``tokens_per_sec`` and ``seconds_per_iteration`` (the first iteration,
+a warm-up, left out), ``peak_memory_bytes``, ``kv_bytes_per_token``, ``packed_weight_bytes``,
+``iterations``, the curves (``heldout_accuracy`` [iteration, accuracy, under the rollout plan],
+``reward_mean``, ``k3_kl``), the fallback's moves and events, the rollout plan and ``args``.
 """
 
 from __future__ import annotations
@@ -771,6 +776,7 @@ def train(trainer: RLTrainer, sigterm) -> int:
         if stop:
             if a.save and trainer.last_saved != it:
                 trainer.save()
+            trainer.write_summary()  # the iterations so far; the resumed run rewrites it
             rank0_print(f"{stop}: stopping after iteration {it}" + ("" if a.save else " (no --save: nothing saved)"))
             return 0
     if a.save and trainer.last_saved != trainer.iteration:
