@@ -105,9 +105,8 @@ def policy_logprobs(model, tokens: torch.Tensor, valid: torch.Tensor, slot: torc
     padded = torch.arange(start, start + shard, device=logits.device) >= vocab_size
     if bool(padded.any()):
         logits = logits.masked_fill(padded, float("-inf"))
-    lp = -vocab_parallel_cross_entropy(logits, response_ids)
     ent = None
-    if entropy:
+    if entropy:  # first: megatron's vocab_parallel_cross_entropy overwrites its input logits in place
         from pretrain.rl.objective import entropy_from_logits
 
         with torch.no_grad():
@@ -118,6 +117,7 @@ def policy_logprobs(model, tokens: torch.Tensor, valid: torch.Tensor, slot: torc
                 torch.distributed.all_gather(parts, full.contiguous(), group=group)
                 full = torch.cat(parts, -1)
             ent = entropy_from_logits(full[..., :vocab_size])
+    lp = -vocab_parallel_cross_entropy(logits, response_ids)
     return lp, ent
 
 

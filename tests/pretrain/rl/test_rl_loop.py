@@ -88,11 +88,13 @@ def test_one_step_equals_a_reference_update(world_of_one, tokenizer):
                             for toks in gen.tokens]).view(-1, G)
     assert float(rewards.std(1).max()) > 0, "no reward variance: the test would not test the update"
     adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)).reshape(-1)
-    terms, n_tokens = [], 0
+    terms, n_tokens, entropy = [], 0, 0.0
     for i, (prompt, toks) in enumerate(zip(gen.prompts, gen.tokens)):
         seq = torch.tensor(prompt + toks)[None]
         logits = model(seq, torch.arange(seq.shape[1])[None], None)[0, len(prompt) - 1: len(prompt) - 1 + len(toks)]
-        lp = torch.log_softmax(logits[:, :V].float(), -1).gather(-1, torch.tensor(toks)[:, None])[:, 0]
+        logp = torch.log_softmax(logits[:, :V].float(), -1)
+        lp = logp.gather(-1, torch.tensor(toks)[:, None])[:, 0]
+        entropy += float(-(logp.exp() * logp).sum())
         weight = torch.exp(lp.detach() - torch.tensor(gen.logprobs[i])).clamp(max=1.01)  # TIS, cap 1.01
         ratio = torch.exp(lp - lp.detach())  # 1: the first pass's policy is the recompute's
         surrogate = torch.maximum(-adv[i] * ratio, -adv[i] * ratio.clamp(0.8, 1.2))
@@ -111,6 +113,7 @@ def test_one_step_equals_a_reference_update(world_of_one, tokenizer):
     # the loss is a sum of +-O(1/N) terms (a group's advantages sum to 0): float32 order shows at 1e-7
     assert math.isclose(scalars["rl/pg_loss"], float(loss), rel_tol=1e-5, abs_tol=2e-7)
     assert math.isclose(scalars["rl/grad_norm"], float(norm), rel_tol=1e-5)
+    assert math.isclose(scalars["rl/entropy"], entropy / n_tokens, rel_tol=1e-5)  # the policy's, token-mean
     assert scalars["mismatch/k3_kl"] > 0  # MXFP4 rollouts, FP32 trainer
     for tag in ("rl/reward_mean", "rl/response_length", "rl/entropy", "rl/clipfrac", "rl/grad_norm",
                 "correction/ess", "correction/masked_fraction", "rollout/tokens_per_sec", "rollout/kv_bytes_per_token",
