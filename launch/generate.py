@@ -120,9 +120,7 @@ def load_session(args) -> Session:
     import torch
 
     from model.generate import Engine
-    from model.gpt import policy_linear_names
-    from model.rollout import RolloutModel
-    from model.rollout_plan import resolve_rollout_plan
+    from model.rollout import packed_rollout
     from pretrain.evaluation.loading import init_single_process, load_for_eval
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -139,11 +137,7 @@ def load_session(args) -> Session:
         raise ValueError(f"{source} has {tokenizer.vocab_size} tokens but --load {args.load} was built for a "
                          f"vocabulary of {loaded.cfg.vocab_size}; give the tokenizer the checkpoint was trained with")
     cfg = loaded.cfg
-    plan = resolve_rollout_plan(args.rollout_precision, args.rollout_precision_rule,
-                                policy_linear_names(loaded.model), cfg.num_layers,
-                                cfg.hidden_size // cfg.num_attention_heads)
-    rollout = RolloutModel(loaded.model, plan)
-    rollout.update()
+    rollout = packed_rollout(loaded.model, cfg, args.rollout_precision, args.rollout_precision_rule)
     try:
         engine = Engine(loaded.model, vocab_size=cfg.vocab_size, rollout=rollout, padding=args.padding,
                         use_cache=args.use_cache, record_layers=args.record_rounding,

@@ -111,9 +111,7 @@ def evaluate(args, spec) -> dict:
     import torch
 
     from model.generate import Engine, SamplingParams
-    from model.gpt import policy_linear_names
-    from model.rollout import RolloutModel
-    from model.rollout_plan import resolve_rollout_plan
+    from model.rollout import packed_rollout
     from pretrain.data.tokenizer import Tokenizer
     from pretrain.evaluation.loading import init_single_process, load_for_eval
     from pretrain.rl.task import eval_problems, extract_answer, reward
@@ -128,11 +126,7 @@ def evaluate(args, spec) -> dict:
         raise ValueError(f"--evaluate {args.evaluate}: its tokenizer {tok_path!r} is not readable; pass --tokenizer-model")
     tok = Tokenizer(tok_path)
     cfg = loaded.cfg
-    plan = resolve_rollout_plan(args.rollout_precision, args.rollout_precision_rule,
-                                policy_linear_names(loaded.model), cfg.num_layers,
-                                cfg.hidden_size // cfg.num_attention_heads)
-    rollout = RolloutModel(loaded.model, plan)
-    rollout.update()
+    rollout = packed_rollout(loaded.model, cfg, args.rollout_precision, args.rollout_precision_rule)
     engine = Engine(loaded.model, vocab_size=tok.vocab_size, rollout=rollout)
     problems = eval_problems(spec)
     max_new = max(len(p.answer) for p in problems) + 2

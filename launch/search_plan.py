@@ -38,7 +38,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from launch.sweep import Run, read_scalars, read_status, read_val_batches, run_dir, run_local
+from launch.sweep import (
+    Run,
+    read_scalars,
+    read_status,
+    read_val_batches,
+    run_dir,
+    run_local,
+    split_passthrough,
+)
 from precision import PrecisionPolicy, SpecError
 from precision.cost_model import ASSUMPTIONS, get_target, linear_shapes, plan_cost, target_names
 from precision.policy import layer_index, write_plan_file
@@ -438,11 +446,7 @@ def report(ctx: Context, s: dict, result, records: dict, chosen: dict, cal_id: s
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+    argv, extra = split_passthrough(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
         ctx = Context(args, extra)

@@ -72,7 +72,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pretrain.evaluation.stats import Interval, paired_batch_se, paired_interval, spread
+from pretrain.evaluation.stats import Interval, gap_verdict, paired_batch_se, paired_interval, spread
 
 GEMMS = ("fprop", "dgrad", "wgrad")
 SWEEP_KEYS = {"base", "grid", "baseline", "nproc-per-node", "name", "description", "seeds", "script"}
@@ -632,15 +632,7 @@ def summarize(rows: list[dict], baseline: str | None, groups: list[str] | None =
 
 
 def verdict(gap: Interval, is_baseline: bool) -> str:
-    if is_baseline:
-        return "baseline"
-    if gap.n == 0:
-        return "n/a"
-    if gap.within_noise is None:
-        return "1 seed: no interval"
-    if gap.within_noise:
-        return "within noise"
-    return "worse" if gap.mean > 0 else "better"
+    return gap_verdict(gap, is_baseline)  # a validation-loss gap: higher is worse
 
 
 def best_points(summary: list[dict]) -> dict[str, dict]:
@@ -844,12 +836,17 @@ def write_plots(out: Path, rows: list[dict], summary: list[dict], shown: list[di
 
 
 # ---------------------------------------------------------------- CLI
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
+def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``(own arguments, flags after a bare --)``: the latter go to every run's command line."""
+    argv = list(argv)
     if "--" in argv:
         i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def main(argv=None) -> int:
+    argv, extra = split_passthrough(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("sweep", help="sweep YAML file (see configs/sweeps/)")

@@ -36,13 +36,13 @@ import torch
 from kernels.gemm import fp32_gemm
 from kernels.operand import pad_and_rotation, quantize_operand
 from model.attention import core_attentions
-from model.gpt import policy_linears
-from model.rollout_plan import RolloutPlan
+from model.gpt import policy_linear_names, policy_linears
+from model.rollout_plan import RolloutPlan, resolve_rollout_plan
 from precision.formats import QuantizedTensor, get_format
 from precision.recipe import Gemm, GemmRecipe
 from precision.state import LayerQuantState
 
-__all__ = ["PackedWeight", "RolloutModel", "pack_weight"]
+__all__ = ["PackedWeight", "RolloutModel", "pack_weight", "packed_rollout"]
 
 
 def _no_weight(x2d: torch.Tensor) -> torch.Tensor:
@@ -198,3 +198,13 @@ class RolloutModel:
         linear_params = {id(m.weight) for _, m in self.linears if m.weight is not None}
         other = sum(p.numel() * p.element_size() for p in self.model.parameters() if id(p) not in linear_params)
         return {"packed_linears": packed, "other": other}
+
+
+def packed_rollout(model: torch.nn.Module, cfg, value: str, rules=()) -> RolloutModel:
+    """``model``'s rollout under ``--rollout-precision value`` and ``--rollout-precision-rule``
+    ``rules`` (``cfg``: its ``ModelConfig``), weights packed -- what a generation tool starts with."""
+    plan = resolve_rollout_plan(value, rules, policy_linear_names(model), cfg.num_layers,
+                                cfg.hidden_size // cfg.num_attention_heads)
+    rollout = RolloutModel(model, plan)
+    rollout.update()
+    return rollout

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["Interval", "paired_batch_se", "paired_interval", "spread", "t_quantile"]
+__all__ = ["Interval", "gap_verdict", "paired_batch_se", "paired_interval", "spread", "t_quantile"]
 
 
 def t_quantile(confidence: float, df: int) -> float:
@@ -93,3 +93,18 @@ def paired_batch_se(a: list[float], b: list[float]) -> float:
     d = [x - y for x, y in zip(a, b)]
     mean = sum(d) / len(d)
     return math.sqrt(sum((v - mean) ** 2 for v in d) / (len(d) - 1) / len(d))
+
+
+def gap_verdict(gap: Interval, is_baseline: bool, higher_is_better: bool = False) -> str:
+    """The word a results table prints beside a paired gap: ``baseline``, ``n/a`` (no pair),
+    ``1 seed: no interval``, ``within noise`` (the interval contains 0), ``better`` or ``worse``
+    (a loss gap: higher is worse; an accuracy or reward gap: ``higher_is_better``)."""
+    if is_baseline:
+        return "baseline"
+    if gap.n == 0:
+        return "n/a"
+    if gap.within_noise is None:
+        return "1 seed: no interval"
+    if gap.within_noise:
+        return "within noise"
+    return "better" if (gap.mean > 0) == higher_is_better else "worse"

@@ -29,7 +29,7 @@ import json
 import math
 from pathlib import Path
 
-from pretrain.evaluation.stats import Interval, paired_interval, spread
+from pretrain.evaluation.stats import gap_verdict, paired_interval, spread
 
 __all__ = ["RL_COLUMNS", "analyse_rl", "rl_summary_table", "summarize_rl", "write_rl_results"]
 
@@ -91,18 +91,6 @@ def read_summary(path: Path) -> dict | None:
         return None
 
 
-def _verdict(gap: Interval, is_baseline: bool) -> str:
-    if is_baseline:
-        return "baseline"
-    if gap.n == 0:
-        return "n/a"
-    if gap.within_noise is None:
-        return "1 seed: no interval"
-    if gap.within_noise:
-        return "within noise"
-    return "better" if gap.mean > 0 else "worse"
-
-
 def summarize_rl(rows: list[dict], baseline: str | None) -> list[dict]:
     """One row per grid point (treatment x hyper-parameters): means and spreads over seeds, and the
     accuracy and reward-AUC gaps to the baseline at the same hyper-parameters, paired by seed."""
@@ -124,7 +112,7 @@ def summarize_rl(rows: list[dict], baseline: str | None) -> list[dict]:
                 if b is not None:
                     diffs.append(m[metric] - b[metric])
             s["gap_" + metric] = paired_interval(diffs)
-        s["verdict"] = _verdict(s["gap_final_accuracy"], run.label == baseline)
+        s["verdict"] = gap_verdict(s["gap_final_accuracy"], run.label == baseline, higher_is_better=True)
         out.append(s)
     return out
 
