@@ -153,12 +153,13 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, *, norm_leng
 
 
 def _positive(denom, name: str):
-    """``denom`` clamped below at 1 (an empty micro-batch gives a zero loss, never a NaN); a given
-    global count must be > 0."""
+    """``denom`` clamped below at 1: an empty micro-batch, or a global batch whose every token a
+    rejection (e.g. ``geo_mis`` under a large mismatch) masked, gives a zero loss -- no update --
+    never a NaN or an error; a negative count is a bug."""
     if isinstance(denom, torch.Tensor):
         return denom.clamp(min=1)
-    if denom <= 0:
-        raise ValueError(f"agg_loss: {name} must be > 0, got {denom}")
+    if denom < 0:
+        raise ValueError(f"agg_loss: {name} must be >= 0, got {denom}")
     return max(denom, 1)
 
 

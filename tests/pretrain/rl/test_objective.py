@@ -91,6 +91,19 @@ def test_global_normalizers_make_micro_batches_sum_to_the_batch_loss():
         assert not close(local, whole), mode
 
 
+def test_a_global_batch_with_every_token_rejected_gives_zero_loss():
+    """geo_mis under a large mismatch can mask every token of the global batch: no update, no error."""
+    none = torch.zeros_like(MASK)
+    leaf = LOSS.clone().requires_grad_()
+    for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        loss = agg_loss(leaf, none, mode, global_tokens=0, global_seqs=0, norm_length=3)
+        assert float(loss) == 0.0, mode
+        loss.backward()
+        assert float(leaf.grad.abs().sum()) == 0.0
+    with pytest.raises(ValueError, match="global_tokens must be >= 0"):
+        agg_loss(LOSS, MASK, "token-mean", global_tokens=-1)
+
+
 # ================================================================================================
 # Rollout corrections: rho = [[3, 0.25, 1.5], [1.2, 0.9, pad]]
 # ================================================================================================
