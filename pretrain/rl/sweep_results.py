@@ -216,6 +216,7 @@ def write_rl_plots(out: Path, rows: list[dict], summary: list[dict], baseline: s
               ("mismatch/k3_kl", "trainer vs rollout k3_kl (smoothed)", 5)]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     for ax, (tag, title, window) in zip(axes, panels):
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)  # more treatments than the default 10 colours
         for s in summary:
             steps, mean = _mean_curve(groups[s["point"]], tag, window)
             if steps:
