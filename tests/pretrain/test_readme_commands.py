@@ -1,6 +1,6 @@
 """The README's commands work as written on a fresh machine: the environment they need is named right
 after the quick start, every script a command runs exists, and every flag it passes is one that
-script takes (``launch/pretrain.py``'s from its parser; flags after a bare ``--`` and the arguments
+script takes (``launch/pretrain.py``'s and ``launch/rl.py``'s from their parsers; flags after a bare ``--`` and the arguments
 of ``launch/slurm/pretrain.sbatch`` go to ``pretrain.py``; other scripts by their argparse source).
 Running the long, GPU and SLURM commands is left to their own tests."""
 
@@ -16,6 +16,13 @@ from ._launch import REPO
 TEXT = (REPO / "README.md").read_text()
 PRETRAIN_FLAGS = {o for a in build_parser()._actions for o in a.option_strings}
 TO_PRETRAIN = ("launch/pretrain.py", "launch/slurm/pretrain.sbatch")
+
+
+def _rl_flags() -> set[str]:
+    """``launch/rl.py``'s flags: pretraining's parser plus the RL group (``pretrain.rl.arguments``)."""
+    from pretrain.rl.arguments import build_rl_parser
+
+    return {o for a in build_rl_parser()._actions for o in a.option_strings}
 
 
 def commands() -> list[str]:
@@ -56,6 +63,8 @@ def test_every_readme_command_runs_an_existing_script_with_flags_it_takes():
         own = args[: args.index("--")] if "--" in args else args
         if script in TO_PRETRAIN:
             unknown = set(flags(own)) - PRETRAIN_FLAGS
+        elif script == "launch/rl.py":
+            unknown = set(flags(own)) - _rl_flags()
         else:
             source = (REPO / script).read_text()
             unknown = {f for f in flags(own) if f'"{f}"' not in source}
