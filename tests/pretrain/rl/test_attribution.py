@@ -14,10 +14,9 @@ Checks that can fail:
 from __future__ import annotations
 
 import pytest
-import torch
 
 from model.generate import Engine, SamplingParams
-from model.gpt import ModelConfig, build_gpt
+from model.gpt import ModelConfig
 from model.rollout import RolloutModel
 from pretrain.rl.attribution import (
     COMPONENTS,
@@ -27,6 +26,7 @@ from pretrain.rl.attribution import (
     score_logprobs,
     shapley,
 )
+from tests.pretrain.rl._models import sharp_gpt
 
 CFG = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=2, num_query_groups=1,
                   seq_length=32, vocab_size=64)
@@ -36,13 +36,7 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15], [3, 4]]
 
 @pytest.fixture
 def model(world_of_one):
-    torch.manual_seed(0)
-    gpt = build_gpt(CFG).eval()
-    with torch.no_grad():  # a sharper model than the init, so FP4 visibly moves its log-probs
-        for name, p in gpt.named_parameters():
-            if "norm" not in name:
-                p.mul_(3.0)
-    return gpt
+    return sharp_gpt(CFG)
 
 
 def _batch(model, rollout: str):

@@ -22,7 +22,7 @@ import torch
 from kernels.gemm import gemm
 from model.attention import core_attentions
 from model.generate import Engine, SamplingParams, attention_mask, forward_logits
-from model.gpt import ModelConfig, apply_precision_plan, build_gpt, policy_linear_names, policy_linears
+from model.gpt import ModelConfig, apply_precision_plan, policy_linear_names, policy_linears
 from model.rollout import RolloutModel
 from precision import PrecisionPolicy
 from precision.quantize import quantize
@@ -33,6 +33,7 @@ from pretrain.rl.alignment import capture_inputs
 from pretrain.rl.attribution import _plan, score_logprobs, sequences
 from pretrain.rl.mismatch import mismatch_metrics
 from pretrain.rl.qat import RolloutQAT
+from tests.pretrain.rl._models import sharp_gpt
 
 CFG = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=2, num_query_groups=1,
                   seq_length=32, vocab_size=64)
@@ -43,13 +44,7 @@ FC1 = "decoder.layers.1.mlp.linear_fc1"
 
 @pytest.fixture(scope="module")
 def model(world_of_one):
-    torch.manual_seed(0)
-    gpt = build_gpt(CFG).eval()
-    with torch.no_grad():  # a sharper model than the init, so FP4 visibly moves its log-probs
-        for name, p in gpt.named_parameters():
-            if "norm" not in name:
-                p.mul_(3.0)
-    return gpt
+    return sharp_gpt(CFG)
 
 
 @pytest.fixture(scope="module")
