@@ -37,6 +37,7 @@ checkpoint stays the tracker's) -- no rank is left waiting in a collective the o
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -300,6 +301,25 @@ def this_rank_file(ckpt_dir: str) -> str:
     return rank_file(ckpt_dir, parallel_state.get_tensor_model_parallel_rank(), pp_rank)
 
 
+def _write_failure(e: BaseException) -> OSError | None:
+    """The operating system's error behind a failed write, or None for an error of another kind.
+
+    A full disk under ``torch.save``: its zip writer first gets ``OSError`` (ENOSPC) from the file,
+    then, closing the archive on the way out, raises ``RuntimeError: [enforce fail at
+    inline_container.cc:...] unexpected pos ...`` with the ``OSError`` as its context. The first
+    ``OSError`` in the chain is the cause a person can act on; a zip-writer error without one (a
+    writer that reports no errno) still is a failed write."""
+    seen, cur = set(), e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, OSError):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    if isinstance(e, RuntimeError) and "inline_container" in str(e):
+        return OSError(errno.EIO, f"the checkpoint writer failed: {' '.join(str(e).split())[:160]}")
+    return None
+
+
 def _save_problem(save_dir: str, iteration: int, e: OSError) -> str:
     """The one line of a save that could not be completed (see :class:`CheckpointSaveError`)."""
     what = e.strerror or str(e)
@@ -394,8 +414,10 @@ def save_checkpoint(save_dir: str, iteration: int, state: dict, write_beside=Non
             for name in sorted(os.listdir(rank_dir)):  # e.g. distrib_optim.pt, written by write_beside
                 if name != FILE:
                     files[os.path.relpath(os.path.join(rank_dir, name), tmp)] = file_entry(os.path.join(rank_dir, name))
-    except OSError as e:
-        problem = _save_problem(save_dir, iteration, e)
+    except (OSError, RuntimeError) as e:  # RuntimeError: torch.save's zip writer after an OSError
+        if (failure := _write_failure(e)) is None:
+            raise
+        problem = _save_problem(save_dir, iteration, failure)
     gathered = _gather((problem, files))
     if problem := next((p for p, _ in gathered if p), None):
         give_up(problem)
