@@ -81,7 +81,7 @@ def _tensor_fn(x, u, signs, amax_used, *, fmt, rounding, axis, rot_n):
     finite = torch.isfinite(xf)
     amax_cur = torch.where(finite, xf.abs(), torch.zeros_like(xf)).amax()
     amax = torch.where(amax_used < 0, amax_cur, amax_used)  # amax_used < 0: current scaling
-    scale = scale_from_amax(amax, spec.max_normal)
+    scale = scale_from_amax(amax, spec.scale_target)
     v = xf * scale
     clipped = ((v.abs() > spec.max_normal) & finite).sum()
     q = round_to_grid(v, spec.element, rounding, u=u)
@@ -178,10 +178,13 @@ def fake_quantize(
     through the reference directly.
     """
     from precision.quantize import (  # the reference, for formats without a fused kernel
+        margin_amax,
         quantize,
         resolve_format,
     )
 
+    if getattr(fmt, "margin", 0):  # an OperandFormat's margin: scale by amax * 2^margin
+        amax = margin_amax(fmt, rotate(x, axis % x.dim(), *rotation) if rotation is not None else x, amax)
     spec, rounding, scale_rule, prescale = resolve_format(fmt, rounding, scale_rule, prescale)
     fmt = spec.name
     rounding, scale_rule = (str(v) for v in spec.check(rounding, scale_rule))  # plain strings: cache keys

@@ -35,7 +35,7 @@ from kernels.bf16_operand import bf16_form
 from precision.formats import Scaling, get_format
 from precision.quantize import quantize as reference_quantize
 from precision.recipe import Gemm, GemmRecipe, OperandFormat
-from precision.rotation import rotate, rotation_size
+from precision.rotation import fixed_signs, rotate, rotation_size
 from precision.srand import SRKey
 from precision.state import LayerQuantState
 
@@ -139,8 +139,8 @@ def pad_and_rotation(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmReci
     multiple = math.lcm(n, *(get_format(f.fmt).block or 1 for f in (recipe.a, recipe.b)))
     a_axis, b_axis = CONTRACTION_AXES[g]
     a, b = _pad_axis(a, a_axis, multiple), _pad_axis(b, b_axis, multiple)
-    signs = None
-    if recipe.rotation.startswith("rht"):
+    signs = fixed_signs(recipe.rotation, a.device)  # rht16_te: TransformerEngine's constant
+    if signs is None and recipe.rotation.startswith("rht"):
         signs = state.rotation_signs(g, n, call if recipe.rotation.endswith("resample") else None)
     return a, b, (n, signs)
 
@@ -252,6 +252,13 @@ def quantize_operand(
             state.record(gemm, operand, **operand_stats(t, out.values, name, axis))
         return out
 
+    # === 2-D weight tiles: quantized once, the same codes serve Fprop and Dgrad (_block2d_weight)
+    if fmt.block2d:
+        if rotation is not None:  # a rotation along this GEMM's contraction axis: this GEMM's own weight
+            t = rotate(t, axis, *rotation)
+        return _block2d_weight(t, axis, fmt, gemm, operand, state, needs_whole, codes, want_bf16,
+                               cacheable=rotation is None)
+
     # === 2-3. whole-tensor amax; the amax the tensor-level scale comes from
     whole = whole_tensor_amax(t, state, operand) if needs_whole else None
     delayed = fmt.amax_algo != "current"
@@ -285,7 +292,9 @@ def quantize_operand(
 
         deq = res["values"]
         stats_amax = None if scale_amax is None else float(scale_amax)
-        state.record(gemm, operand, **operand_stats(t, deq, name, axis, stats_amax, fmt.scale_rule))
+        spec = get_format(name)  # per-tensor: values clip beyond scale_amax * max_normal / scale_target
+        headroom = spec.max_normal / fmt.scale_target if spec.kind == Scaling.TENSOR else 1.0
+        state.record(gemm, operand, **operand_stats(t, deq, name, axis, stats_amax, fmt.scale_rule, headroom))
     out = QuantizedOperand(fmt, axis, values=None if codes else res["values"], codes=res.get("codes"),
                            scales=res.get("scales"), tensor_scale=res.get("tensor_scale"),
                            packed=res.get("packed", False))
@@ -293,6 +302,41 @@ def quantize_operand(
         out.bf16, out.out_scale = res["bf16"], res["out_scale"]
     elif want_bf16:  # === 6. the BF16 form, decoded from the codes (which stay for inspection)
         out.bf16, out.out_scale = bf16_form(fmt, out.codes, out.scales, out.tensor_scale)
+    return out
+
+
+def _block2d_weight(t, axis, fmt, gemm, operand, state, needs_whole, codes, want_bf16, cacheable) -> QuantizedOperand:
+    """A weight in 2-D tiles (``fmt.block2d``): quantized once (the eager reference quantizer) and
+    kept in the layer's state with the tensor it came from, so the next GEMM that consumes the same
+    tensor at the same version -- Dgrad after Fprop, or the next micro-batch's Fprop -- is served
+    the same codes and square scales laid out along its own contraction axis
+    (``QuantizedTensor.along``) instead of quantizing again. A rotated weight (a rotation on this
+    GEMM) is this GEMM's own and is not kept. Read-only states (evaluation) keep nothing new."""
+    # The kept tensor stays alive, so no other tensor can take its storage: the same storage, view
+    # and version counter mean the same values.
+    key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t._version, fmt)
+    hit = state.block2d_weight if cacheable else None
+    if hit is not None and hit[1] == key:
+        q = hit[2]
+    else:
+        amax = whole_tensor_amax(t, state, operand) if needs_whole else None
+        q = reference_quantize(t, fmt, axis=axis, amax=amax)
+        if cacheable and not state.frozen:
+            state.block2d_weight = (t, key, q)
+    q = q.along(axis)
+    out = QuantizedOperand(fmt, axis, tensor_scale=q.tensor_scale)
+    if not codes or state.collect_stats:
+        out.values = q.dequantize(torch.float32)
+    if codes:
+        out.codes, out.scales = q.codes.movedim(axis, -1), q.scales.movedim(axis, -1)
+    if state.collect_stats:
+        from precision.telemetry import operand_stats
+
+        state.record(gemm, operand, **operand_stats(t, out.values, fmt.fmt, axis, None, fmt.scale_rule))
+    if want_bf16:
+        out.bf16, out.out_scale = bf16_form(fmt, out.codes, out.scales, out.tensor_scale)
+    if codes and not want_bf16 and not state.collect_stats:
+        out.values = None
     return out
 
 

@@ -526,6 +526,7 @@ def quantize_triton(
     if getattr(fmt, "fmt", getattr(fmt, "name", fmt)) not in TRITON_FORMATS:  # OperandFormat, Format or name
         raise ValueError(f"triton quantizer: no kernel for format {fmt!r}; "
                          f"valid: {', '.join(TRITON_FORMATS)}")
+    margin = getattr(fmt, "margin", 0)  # an OperandFormat's: scale = scale_target / amax / 2^margin
     spec, rounding, scale_rule, prescale = resolve_format(fmt, rounding, scale_rule, prescale)
     fmt = spec.name
     rounding, scale_rule = spec.check(rounding, scale_rule)
@@ -651,7 +652,7 @@ def quantize_triton(
     if spec.kind == Scaling.TENSOR:
         used = (amax_cur if amax is None
                 else torch.as_tensor(amax, dtype=torch.float32, device=dev).reshape(()))
-        scale = scale_from_amax(used, spec.max_normal)           # the reference's own expression
+        scale = scale_from_amax(used * 2.0**margin, spec.scale_target)  # the reference's own expression
         gs = torch.stack([scale, 1.0 / scale]).float().contiguous()
         clips = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=dev)
         run(MODE_TENSOR, gs, codes_t, None, dq_t, clips, u_t, seed_t, codes, dequantize)

@@ -18,6 +18,7 @@ hashes, prints (``str`` and ``repr``), JSON-encodes and pickles as its plain str
 from __future__ import annotations
 
 import abc
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -34,7 +35,7 @@ from precision.elements import (
     decode_element,
     encode_element,
 )
-from precision.hif8 import HIF8_MAX, hif8_decode, hif8_encode
+from precision.hif8 import HIF8_MAX, HIF8_SCALE_TARGET, hif8_decode, hif8_encode
 from precision.srand import SRKey
 from precision.tensorwise import scale_from_amax, tensor_amax
 
@@ -114,6 +115,8 @@ class QuantizedTensor:
     shaped like the input with the block axis shrunk to ceil(n / block); per-tensor formats --
     the float32 encode scale (0-d). ``tensor_scale``: NVFP4's FP32 encode scale ``g_enc``.
     ``num_clipped``: per-tensor formats, how many finite values saturated (0-d int64 tensor).
+    ``block2d``: 2-D tiles (``Format.tile`` squares, weights): ``scales`` keep the 1-D layout along
+    ``axis``, each square's scale repeated on its rows; :meth:`along` serves the other axis.
     """
 
     fmt: str
@@ -124,6 +127,7 @@ class QuantizedTensor:
     prescale: float = 1.0
     num_clipped: torch.Tensor | None = None
     amax: torch.Tensor | None = None
+    block2d: bool = False
 
     @property
     def shape(self) -> torch.Size:
@@ -139,6 +143,27 @@ class QuantizedTensor:
     def packed(self) -> torch.Tensor:
         """The codes in packed storage along the last axis (``Format.pack``)."""
         return self.format.pack(self.codes)
+
+    def tile_scales(self) -> torch.Tensor:
+        """A 2-D-tiled tensor's scale bytes, one per square: ``[ceil(rows / t), ceil(n / t)]``
+        with ``axis`` last (what packed storage keeps; ``t`` = ``Format.tile``)."""
+        if not self.block2d:
+            raise ValueError(f"tile_scales: {self.fmt} was quantized in 1-D blocks (give block2d=True)")
+        return self.scales.movedim(self.axis, -1)[:: self.format.tile]
+
+    def along(self, axis: int) -> QuantizedTensor:
+        """The same quantized tensor with its block scales laid out along ``axis``: for 2-D tiles the
+        same codes and square scales (no second quantization: Fprop's weight serves Dgrad)."""
+        axis = axis % self.codes.dim()
+        if axis == self.axis:
+            return self
+        if not self.block2d:
+            raise ValueError(f"along: a {self.fmt} tensor in 1-D blocks along axis {self.axis} cannot serve "
+                             f"axis {axis} without a second quantization (2-D tiles can: block2d=True)")
+        t = self.format.tile
+        grid = self.tile_scales()  # [other-axis squares, this-axis squares]
+        scales = grid.t().repeat_interleave(t, dim=0)[: self.codes.shape[self.axis]]  # [n_this, other squares]
+        return dataclasses.replace(self, scales=scales.movedim(-1, axis).contiguous(), axis=axis)
 
 
 # ====================================================================== packing
@@ -185,10 +210,15 @@ class Format(abc.ABC):
     block: int = 0
     code_bits: int = 8  # bits of one element code
     scale_bits: int = 0  # bits of one block scale (block formats)
+    tile: int = 0  # 2-D block scaling (weights): the edge of the square sharing one scale; 0: 1-D only
     roundings: tuple[Rounding, ...] = (Rounding.NEAREST, Rounding.STOCHASTIC)
     scale_rules: tuple[ScaleRule, ...] = (ScaleRule.FLOOR,)  # more than FLOOR: MX
     delayed: bool = False  # delayed scaling (an amax history) applies
     max_normal: float = 0.0
+    scale_target: float = 0.0
+    """Per-tensor formats: the value a tensor's amax maps to, ``scale = scale_target / amax``
+    (FP8: its max normal, as TransformerEngine; HiF8: 2^3, inside its 3-mantissa-bit binades).
+    An operand's ``margin`` divides it by 2^margin (``OperandFormat.scale_target``)."""
 
     # ---------------------------------------------------------------- properties
     @property
@@ -275,9 +305,17 @@ class Format(abc.ABC):
 
     def quantize(self, x: torch.Tensor, *, axis: int = -1, rounding=Rounding.NEAREST, scale_rule=ScaleRule.FLOOR,
                  generator: torch.Generator | None = None, prescale: float = 1.0,
-                 amax: torch.Tensor | float | None = None, sr: SRKey | None = None) -> QuantizedTensor:
-        """Quantize ``x`` (blocks along ``axis``); see ``precision.quantize``."""
+                 amax: torch.Tensor | float | None = None, sr: SRKey | None = None,
+                 block2d: bool = False) -> QuantizedTensor:
+        """Quantize ``x`` (blocks along ``axis``; ``block2d``: 2-D ``tile`` squares); see
+        ``precision.quantize``."""
         r, s = self.check(rounding, scale_rule)
+        if block2d and not self.tile:
+            raise ValueError(f"{self.name}: 2-D block scaling does not apply; valid with: "
+                             f"{', '.join(format_names(lambda f: f.tile))}")
+        if block2d and x.dim() != 2:
+            raise ValueError(f"{self.name}: 2-D block scaling takes a 2-D tensor (a weight [out, in]), "
+                             f"got shape {tuple(x.shape)}")
         if prescale != 1.0 and not (self.has_scale_rules and r is Rounding.STOCHASTIC):
             raise ValueError(f"{self.name}: prescale needs an MX format with stochastic rounding")
         if x.dim() == 0:
@@ -286,6 +324,8 @@ class Format(abc.ABC):
         u = None
         if r is Rounding.STOCHASTIC and sr is not None:  # natural layout, blocked like x below
             u = sr.uniforms(x.shape, x.device)
+        if block2d:
+            return self._quantize(x.float(), axis, r, s, generator, prescale, amax, u, block2d=True)
         return self._quantize(x.float(), axis, r, s, generator, prescale, amax, u)
 
     @abc.abstractmethod
@@ -348,8 +388,8 @@ class CastFormat(Format):
 
 @dataclass(frozen=True)
 class TensorFormat(Format):
-    """Per-tensor scaling: ``scale = max_normal / amax`` (current, or a given/delayed amax), values
-    beyond range saturate and are counted."""
+    """Per-tensor scaling: ``scale = scale_target / amax`` (current, or a given/delayed amax), values
+    beyond ``max_normal`` saturate and are counted."""
 
     def encode(self, v, rounding, generator, u):
         return encode_element(v, self.element, rounding, generator, u)
@@ -360,7 +400,7 @@ class TensorFormat(Format):
     def _quantize(self, xf, axis, rounding, scale_rule, generator, prescale, amax, u):
         cur = tensor_amax(xf)
         used = cur if amax is None else torch.as_tensor(amax, dtype=torch.float32, device=xf.device).reshape(())
-        scale = scale_from_amax(used, self.max_normal)
+        scale = scale_from_amax(used, self.scale_target)
         v = xf * scale
         clipped = (v.abs() > self.max_normal) & torch.isfinite(v)
         codes = self.encode(v, rounding, generator, u)
@@ -389,13 +429,15 @@ class HiF8Format(TensorFormat):
 class MXFormat(Format):
     """OCP MX: ``block`` consecutive elements along the contraction axis share an E8M0 scale."""
 
-    def _quantize(self, xf, axis, rounding, scale_rule, generator, prescale, amax, u):
+    def _quantize(self, xf, axis, rounding, scale_rule, generator, prescale, amax, u, block2d=False):
         n = xf.shape[axis]
         xb = blocks.to_blocks(xf, axis, self.block)
         ub = blocks.to_blocks(u, axis, self.block) if u is not None else None
-        codes, sbytes = blocks.mx_quantize_blocks(xb, self.element, scale_rule, rounding, generator, prescale, ub)
+        tiles = blocks.tile_amax(xf, axis, self.tile) if block2d else None
+        codes, sbytes = blocks.mx_quantize_blocks(xb, self.element, scale_rule, rounding, generator, prescale, ub,
+                                                  amax=tiles)
         return QuantizedTensor(self.name, blocks.from_blocks(codes, axis, n), sbytes.movedim(-1, axis), axis,
-                               prescale=prescale)
+                               prescale=prescale, block2d=block2d)
 
     def dequantize(self, q):
         n = q.codes.shape[q.axis]
@@ -409,15 +451,16 @@ class NVFP4Format(Format):
     """NVFP4: 16-element blocks with E4M3 scales under an FP32 tensor scale from the tensor amax
     (or a given one: the TP-reduced whole-tensor amax)."""
 
-    def _quantize(self, xf, axis, rounding, scale_rule, generator, prescale, amax, u):
+    def _quantize(self, xf, axis, rounding, scale_rule, generator, prescale, amax, u, block2d=False):
         n = xf.shape[axis]
         xb = blocks.to_blocks(xf, axis, self.block)
         ub = blocks.to_blocks(u, axis, self.block) if u is not None else None
         used = tensor_amax(xf) if amax is None else torch.as_tensor(amax, dtype=torch.float32, device=xf.device)
         g_enc = blocks.nvfp4_tensor_scale(used.reshape(()))
-        codes, sbytes = blocks.nvfp4_quantize_blocks(xb, g_enc, rounding, generator, ub)
+        tiles = blocks.tile_amax(xf, axis, self.tile) if block2d else None
+        codes, sbytes = blocks.nvfp4_quantize_blocks(xb, g_enc, rounding, generator, ub, amax=tiles)
         return QuantizedTensor(self.name, blocks.from_blocks(codes, axis, n), sbytes.movedim(-1, axis), axis,
-                               tensor_scale=g_enc)
+                               tensor_scale=g_enc, block2d=block2d)
 
     def dequantize(self, q):
         n = q.codes.shape[q.axis]
@@ -432,7 +475,7 @@ _MX_RULES = (ScaleRule.FLOOR, ScaleRule.RCEIL)
 
 def _mx(name: str, element: ElementSpec, what: str) -> MXFormat:
     return MXFormat(name, Scaling.BLOCK, f"{what} + E8M0 scale per 32", element, block=32,
-                    code_bits=element.bits, scale_bits=8, scale_rules=_MX_RULES, max_normal=element.max_normal)
+                    code_bits=element.bits, scale_bits=8, tile=32, scale_rules=_MX_RULES, max_normal=element.max_normal)
 
 
 FORMATS: dict[str, Format] = {
@@ -442,18 +485,18 @@ FORMATS: dict[str, Format] = {
                        roundings=_NEAREST),
         CastFormat("bf16", Scaling.NONE, "bfloat16 (RNE cast)", code_bits=16, roundings=_NEAREST),
         TensorFormat("fp8_e4m3", Scaling.TENSOR, "E4M3, saturating", E4M3, delayed=True,
-                     max_normal=E4M3.max_normal),
+                     max_normal=E4M3.max_normal, scale_target=E4M3.max_normal),
         TensorFormat("fp8_e5m2", Scaling.TENSOR, "E5M2, saturating", E5M2, delayed=True,
-                     max_normal=E5M2.max_normal),
+                     max_normal=E5M2.max_normal, scale_target=E5M2.max_normal),
         HiF8Format("hif8", Scaling.TENSOR, "HiFloat8, ties away, saturating at 2^15", roundings=_NEAREST,
-                   delayed=True, max_normal=HIF8_MAX),
+                   delayed=True, max_normal=HIF8_MAX, scale_target=HIF8_SCALE_TARGET),
         _mx("mxfp8_e4m3", E4M3, "E4M3"),
         _mx("mxfp8_e5m2", E5M2, "E5M2"),
         _mx("mxfp6_e2m3", E2M3, "E2M3 (FP6)"),
         _mx("mxfp6_e3m2", E3M2, "E3M2 (FP6)"),
         _mx("mxfp4", E2M1, "E2M1 (FP4)"),
         NVFP4Format("nvfp4", Scaling.TWO_LEVEL, "E2M1 + E4M3 scale per 16 + FP32 tensor scale", E2M1, block=16,
-                    code_bits=4, scale_bits=8, max_normal=E2M1.max_normal),
+                    code_bits=4, scale_bits=8, tile=16, max_normal=E2M1.max_normal),
     )
 }
 

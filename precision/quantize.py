@@ -20,7 +20,7 @@ from precision.formats import FORMATS, Format, QuantizedTensor, Rounding, ScaleR
 from precision.srand import SRKey
 
 __all__ = ["FormatSpec", "FORMATS", "QuantizedTensor", "quantize", "fake_quantize", "format_spec",
-           "resolve_format", "ROUNDINGS", "SCALE_RULES"]
+           "margin_amax", "resolve_format", "ROUNDINGS", "SCALE_RULES"]
 
 FormatSpec = Format  # the registry's format objects (kept under their older name)
 ROUNDINGS = Rounding.values()
@@ -48,6 +48,20 @@ def resolve_format(fmt, rounding=None, scale_rule=None, prescale=None):
             ScaleRule.FLOOR if scale_rule is None else scale_rule, 1.0 if prescale is None else prescale)
 
 
+def margin_amax(fmt, x: torch.Tensor, amax):
+    """The amax a quantizer scales by once an ``OperandFormat``'s ``margin`` is applied:
+    ``amax * 2^margin`` (the tensor's own amax when ``amax`` is None), so that ``scale_target / it``
+    is ``scale_target / amax / 2^margin`` bit for bit (a power-of-two factor is exact in FP32).
+    ``amax`` unchanged without a margin."""
+    from precision.recipe import OperandFormat
+    from precision.tensorwise import tensor_amax
+
+    if not isinstance(fmt, OperandFormat) or not fmt.margin:
+        return amax
+    a = tensor_amax(x) if amax is None else torch.as_tensor(amax, dtype=torch.float32, device=x.device).reshape(())
+    return a * 2.0**fmt.margin
+
+
 def quantize(
     x: torch.Tensor,
     fmt,
@@ -59,8 +73,13 @@ def quantize(
     prescale: float | None = None,
     amax: torch.Tensor | float | None = None,
     sr: SRKey | None = None,
+    block2d: bool | None = None,
 ) -> QuantizedTensor:
     """Quantize ``x`` to ``fmt``; block formats take their blocks along ``axis``.
+
+    ``block2d``: 2-D ``Format.tile`` squares of a 2-D ``x`` (a weight; NVFP4 16x16, MX 32x32), one
+    scale per square -- the codes are then the same along either axis (``QuantizedTensor.along``).
+    An ``OperandFormat`` brings its own (``/2d``).
 
     ``fmt``: a format name (``FORMATS``), a ``Format``, or an ``OperandFormat`` (which brings its
     own rounding, scale rule and prescale). ``rounding``: ``nearest`` (default; ties to even, HiF8
@@ -69,11 +88,21 @@ def quantize(
     ``torch.rand`` draw from ``generator``. ``scale_rule``: MX scale rule, ``floor`` (default, OCP)
     or ``rceil``. ``prescale``: multiply before rounding and divide after (0.75 for stochastic
     MX). ``amax``: formats with a tensor-level scale (per-tensor FP8/HiF8, NVFP4's FP32 tensor
-    scale), the amax to scale by; a float or a 0-d float32 tensor; default the tensor's own.
+    scale), the amax to scale by; a float or a 0-d float32 tensor; default the tensor's own. The
+    scale is ``scale_target / amax`` (``Format.scale_target``; an ``OperandFormat`` divides it by
+    2^``margin``).
     """
+    amax = margin_amax(fmt, x, amax)
     f, rounding, scale_rule, prescale = resolve_format(fmt, rounding, scale_rule, prescale)
+    from precision.recipe import OperandFormat  # recipe validates against the registry
+
+    if isinstance(fmt, OperandFormat):
+        if block2d is not None:
+            raise ValueError(f"quantize: {fmt} is an OperandFormat, which carries its own 2-D setting; "
+                             "do not also pass block2d")
+        block2d = fmt.block2d
     return f.quantize(x, axis=axis, rounding=rounding, scale_rule=scale_rule, generator=generator,
-                      prescale=prescale, amax=amax, sr=sr)
+                      prescale=prescale, amax=amax, sr=sr, block2d=bool(block2d))
 
 
 def fake_quantize(x: torch.Tensor, fmt, **kw) -> torch.Tensor:

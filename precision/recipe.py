@@ -15,12 +15,14 @@ Compact spec (``LinearPrecision.parse`` / ``str``)::
     base=fp8,wgrad=mxfp4+sr+prescale          # base: a preset for the GEMMs not named
     dgrad=fp8_e5m2@fp8_e4m3                    # two operands (in the GEMM's order) joined by '@'
     wgrad=mxfp4/sr@mxfp4                       # '/mod' applies to one operand, '+mod' to both
+    fprop=nvfp4@nvfp4/2d,dgrad=nvfp4/sr@nvfp4/2d   # weights in 16x16 tiles (TransformerEngine's NVFP4)
     fprop=hif8+delayed(max,64)                 # per-tensor delayed scaling, amax algo and window
 
 GEMM spec grammar: ``operand ['@' operand] ('+' modifier)*`` with ``operand = format ('/' mod)*``.
-Operand modifiers: ``sr`` (stochastic rounding), ``prescale`` (3/4 before SR), ``rceil`` (MX scale
-rule; ``floor`` is the default), ``delayed(ALGO[,N])`` (per-tensor formats: ALGO one of
-most_recent, max, ema). GEMM modifiers: a rotation (had16, had32, rht16, rht16_resample) or any
+Operand modifiers: ``sr`` (stochastic rounding), ``prescale`` (3/4 before SR), ``2d`` (weights:
+2-D square tiles, NVFP4 16x16 / MX 32x32), ``rceil`` (MX scale rule; ``floor`` is the default), ``delayed(ALGO[,N])`` (per-tensor formats: ALGO one of
+most_recent, max, ema), ``margin(N)`` (per-tensor formats: scale = target / amax / 2^N).
+GEMM modifiers: a rotation (had16, had32, rht16, rht16_resample) or any
 operand modifier, applied to both operands. ``fp8`` alone means TransformerEngine's hybrid: E4M3
 for ``x`` and ``w``, E5M2 for ``dy``.
 """
@@ -28,6 +30,7 @@ for ``x`` and ``w``, E5M2 for ``dy``.
 from __future__ import annotations
 
 import enum
+import math
 import re
 from dataclasses import dataclass
 
@@ -73,9 +76,17 @@ class OperandFormat:
     """MX formats only: ``floor`` (OCP) or ``rceil``."""
     prescale: bool = False
     """MX, stochastic: multiply by 3/4 before rounding (arXiv 2502.20586)."""
+    block2d: bool = False
+    """Weights only (``/2d``): one scale per 2-D square tile (NVFP4 16x16 E4M3 under the FP32 tensor
+    scale, MX 32x32 E8M0), so Fprop and Dgrad consume the same codes from one quantization."""
     amax_algo: AmaxAlgo = AmaxAlgo.CURRENT
     """Formats with delayed scaling (per-tensor): ``current`` or a history algorithm."""
     amax_history_len: int = 1
+    margin: int = 0
+    """Per-tensor formats: TransformerEngine's margin -- ``scale = scale_target / amax / 2^margin``
+    with the format's own ``scale_target`` (FP8: its max normal; HiF8: 2^3). Positive leaves more
+    headroom above the amax; negative moves the amax up towards ``max_normal`` (HiF8 ``-12`` is
+    the FP8 rule, amax -> 2^15)."""
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
@@ -95,11 +106,25 @@ class OperandFormat:
                             f"({', '.join(format_names(lambda f: f.has_scale_rules))})")
         if self.prescale and not (spec.has_scale_rules and self.rounding == Rounding.STOCHASTIC):
             raise SpecError(f"{self.fmt}: prescale (3/4) needs an MX format with stochastic rounding")
+        if self.block2d and not spec.tile:
+            raise SpecError(f"{self.fmt}: 2-D block scaling (2d) does not apply; valid with: "
+                            f"{', '.join(format_names(lambda f: f.tile))}")
+        if self.block2d and self.rounding != Rounding.NEAREST:
+            raise SpecError(f"{self.fmt}/2d: 2-D weight tiles round to nearest (one quantized weight serves "
+                            "Fprop and Dgrad); drop sr")
         if self.amax_algo != AmaxAlgo.CURRENT and not spec.delayed:
             raise SpecError(f"{self.fmt}: delayed scaling applies to per-tensor formats only "
                             f"({', '.join(format_names(lambda f: f.delayed))})")
         if self.amax_history_len < 1:
             raise SpecError(f"{self.fmt}: amax history length must be >= 1, got {self.amax_history_len}")
+        if self.margin:
+            if spec.kind != Scaling.TENSOR:
+                raise SpecError(f"{self.fmt}: margin applies to per-tensor formats only "
+                                f"({', '.join(format_names(lambda f: f.kind == Scaling.TENSOR))})")
+            lo = -round(math.log2(spec.max_normal / spec.scale_target))
+            if not isinstance(self.margin, int) or not lo <= self.margin <= 64:
+                raise SpecError(f"{self.fmt}: margin {self.margin!r} must be an integer in [{lo}, 64] (scale target "
+                                f"{spec.scale_target:g} / 2^margin must not exceed the max normal {spec.max_normal:g})")
 
     @property
     def format(self) -> Format:
@@ -111,6 +136,12 @@ class OperandFormat:
         return self.format.kind == Scaling.NONE
 
     @property
+    def scale_target(self) -> float:
+        """Per-tensor formats: the value this operand's amax maps to, the format's ``scale_target``
+        divided by 2^``margin``."""
+        return self.format.scale_target * 2.0 ** -self.margin
+
+    @property
     def prescale_factor(self) -> float:
         return 0.75 if self.prescale else 1.0
 
@@ -120,10 +151,14 @@ class OperandFormat:
             mods.append("sr")
         if self.prescale:
             mods.append("prescale")
+        if self.block2d:
+            mods.append("2d")
         if self.scale_rule != ScaleRule.FLOOR:
             mods.append(self.scale_rule)
         if self.amax_algo != AmaxAlgo.CURRENT:
             mods.append(f"delayed({self.amax_algo},{self.amax_history_len})")
+        if self.margin:
+            mods.append(f"margin({self.margin})")
         return mods
 
     def __str__(self) -> str:
@@ -164,6 +199,7 @@ class GemmRecipe:
 
 
 _MOD_RE = re.compile(r"^delayed\((\w+)(?:,(\d+))?\)$")
+_MARGIN_RE = re.compile(r"^margin\((-?\d+)\)$")
 
 
 def _apply_modifier(fields: dict, mod: str) -> None:
@@ -172,6 +208,8 @@ def _apply_modifier(fields: dict, mod: str) -> None:
         fields["rounding"] = Rounding.STOCHASTIC
     elif mod == "prescale":
         fields["prescale"] = True
+    elif mod == "2d":
+        fields["block2d"] = True
     elif mod in ScaleRule.values():
         fields["scale_rule"] = mod
     elif mod == AmaxAlgo.CURRENT:
@@ -179,9 +217,11 @@ def _apply_modifier(fields: dict, mod: str) -> None:
     elif m := _MOD_RE.match(mod):
         algo, n = m.group(1), int(m.group(2) or (64 if m.group(1) == "max" else 1))
         fields.update(amax_algo=algo, amax_history_len=n)
+    elif m := _MARGIN_RE.match(mod):
+        fields["margin"] = int(m.group(1))
     else:
         raise SpecError(f"unknown modifier {mod!r}; valid: sr, prescale, {', '.join(ScaleRule.values())}, "
-                        f"current, delayed(ALGO[,N]) with ALGO in {', '.join(AmaxAlgo.values()[1:])}, or a rotation "
+                        f"current, margin(N), delayed(ALGO[,N]) with ALGO in {', '.join(AmaxAlgo.values()[1:])}, or a rotation "
                         f"({', '.join(ROTATIONS[1:])})")
 
 
@@ -221,9 +261,19 @@ def parse_gemm(text: str, gemm: Gemm) -> GemmRecipe:
             else:
                 shared_mods.append(mod)
         ops = [_parse_operand("/".join([t, *shared_mods]), role) for t, role in zip(texts, roles)]
-        return GemmRecipe(ops[0], ops[1], rotation)
+        return check_block2d(GemmRecipe(ops[0], ops[1], rotation), gemm)
     except SpecError as e:
         raise SpecError(f"{gemm.value}: {e}") from None
+
+
+def check_block2d(recipe: GemmRecipe, gemm: Gemm) -> GemmRecipe:
+    """``recipe`` unchanged if 2-D block scaling sits on weights only (operand ``w`` of Fprop and
+    Dgrad); a one-line error naming the operand otherwise."""
+    for role, op in zip(gemm.operands, (recipe.a, recipe.b)):
+        if op.block2d and role != "w":
+            raise SpecError(f"operand {role} ({op}): 2-D block scaling (2d) applies to weights only "
+                            f"(operand w of fprop and dgrad); {role} keeps 1-D blocks along the contraction axis")
+    return recipe
 
 
 @dataclass(frozen=True)
@@ -239,6 +289,10 @@ class LinearPrecision:
             r = getattr(self, g.value)
             if not isinstance(r, GemmRecipe):
                 raise SpecError(f"{g.value}: expected a GemmRecipe, got {type(r).__name__}")
+            try:
+                check_block2d(r, g)
+            except SpecError as e:
+                raise SpecError(f"{g.value}: {e}") from None
 
     def recipe(self, gemm: Gemm) -> GemmRecipe:
         return getattr(self, Gemm(gemm).value)

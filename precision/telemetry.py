@@ -7,8 +7,9 @@ rotation: what the quantizer actually saw) with its dequantized value:
 ``sqnr_db``    10·log10(Σ hp² / Σ (hp − deq)²); 200 dB when exact (e.g. an all-zero tensor)
 ``clipped``    fraction of finite values whose magnitude exceeded the largest value their scale
                can represent (per block for MX -- MXFP8/6/4, FLOOR scales -- and NVFP4; per tensor
-               -- from the amax the scale was *computed from*, which lags under delayed scaling --
-               for FP8 / HiF8)
+               -- from the amax the scale was *computed from*, which lags under delayed scaling,
+               times ``headroom`` = max normal / scale target: 1 for FP8, 2^12 for HiF8's 2^3
+               target -- for FP8 / HiF8)
 ``flushed``    fraction of non-zero values that quantized to zero (underflow)
 ``amax``       max |hp| over finite values
 ``amax_ratio`` this tensor's amax / the amax its scale came from (> 1: delayed scaling lagged)
@@ -55,7 +56,8 @@ def _block_limits(hp: torch.Tensor, spec: Format, axis: int, tensor_amax: float 
 
 @torch.no_grad()
 def operand_stats(hp: torch.Tensor, deq: torch.Tensor, fmt: str, axis: int = -1,
-                  scale_amax: float | None = None, scale_rule: str = "floor") -> dict[str, float]:
+                  scale_amax: float | None = None, scale_rule: str = "floor",
+                  headroom: float = 1.0) -> dict[str, float]:
     hp, deq = hp.float(), deq.float()
     finite = torch.isfinite(hp)
     hpf = torch.where(finite, hp, torch.zeros_like(hp))
@@ -68,7 +70,7 @@ def operand_stats(hp: torch.Tensor, deq: torch.Tensor, fmt: str, axis: int = -1,
     spec = get_format(fmt)
     if spec.kind == Scaling.TENSOR:
         ref = amax if scale_amax is None else scale_amax
-        clipped = ((hpf.abs() > ref) & finite).sum().item() / numel if ref > 0 else 0.0
+        clipped = ((hpf.abs() > ref * headroom) & finite).sum().item() / numel if ref > 0 else 0.0
     elif spec.blocked and scale_rule == ScaleRule.FLOOR:
         limits = _block_limits(hpf, spec, axis, scale_amax if spec.tensor_scaled else None)
         clipped = ((hpf.abs() > limits) & finite).sum().item() / numel
