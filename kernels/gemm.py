@@ -27,24 +27,50 @@ from kernels.operand import CONTRACTION_AXES, gemm_operands
 from precision.recipe import Gemm, GemmRecipe
 from precision.state import LayerQuantState
 
-__all__ = ["gemm", "BACKENDS", "CONTRACTION_AXES", "fp32_gemm", "ieee_fp32_matmul"]
+__all__ = ["BACKENDS", "CONTRACTION_AXES", "fp32_gemm", "gemm", "ieee_fp32_matmul"]
+
+
+def _read(getter):
+    """A TF32 flag's value, or None where torch refuses to read it (the legacy and new APIs disagree)."""
+    try:
+        return getter()
+    except RuntimeError:
+        return None
 
 
 @contextlib.contextmanager
 def ieee_fp32_matmul():
     """FP32 matmuls inside are IEEE FP32 (no TF32), whatever ``torch.backends.cuda.matmul.allow_tf32``
-    / ``torch.set_float32_matmul_precision`` the user set; their setting is restored after."""
-    flags = [f for f in (torch.backends.cuda.matmul, getattr(getattr(torch.backends, "mkldnn", None), "matmul", None))
+    / ``torch.set_float32_matmul_precision`` / ``fp32_precision`` the user set; restored after.
+
+    torch keeps a legacy flag (``allow_tf32``, ``set_float32_matmul_precision``) and new per-backend
+    ones (``fp32_precision``), and refuses ("mix of the legacy and new APIs") a cuBLAS GEMM when they
+    disagree. So the switch uses the API family the user's setting came from: the legacy setters
+    when the legacy flags read consistently (they keep both families in step), else the new flags.
+    """
+    matmul = torch.backends.cuda.matmul
+    flags = [f for f in (matmul, getattr(getattr(torch.backends, "mkldnn", None), "matmul", None))
              if f is not None and hasattr(f, "fp32_precision")]
-    before = [f.fp32_precision for f in flags]
+    new_before = [f.fp32_precision for f in flags]
+    precision = _read(torch.get_float32_matmul_precision)
+    allow = _read(lambda: matmul.allow_tf32)
+    legacy = precision is not None and allow is not None
     try:
-        for f, b in zip(flags, before):
-            if b != "ieee":
+        if legacy and (precision != "highest" or allow):
+            torch.set_float32_matmul_precision("highest")
+            matmul.allow_tf32 = False
+        for f in flags:
+            if f.fp32_precision not in ("ieee", "none"):
                 f.fp32_precision = "ieee"
         yield
     finally:
-        for f, b in zip(flags, before):
-            if b != "ieee":
+        if legacy:
+            if _read(torch.get_float32_matmul_precision) != precision:
+                torch.set_float32_matmul_precision(precision)
+            if _read(lambda: matmul.allow_tf32) != allow:
+                matmul.allow_tf32 = allow
+        for f, b in zip(flags, new_before):
+            if f.fp32_precision != b:
                 f.fp32_precision = b
 
 
