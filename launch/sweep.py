@@ -14,6 +14,7 @@ A sweep file (YAML)::
     nproc-per-node: 2           # processes per run (torchrun); default 1
     seeds: [0, 1, 2]            # every grid point is run once per seed (default: one run, base seed)
     baseline: fp8               # the precision the gaps and "extra tokens" are measured against
+    equivalence_margin: 0.01    # optional: a val-loss gap inside +-0.01 may be shown "equivalent" (TOST)
     grid:
       presets: [bf16, fp8, mxfp4_fprop, wgrad_hadamard, {fprop_only: "base=bf16,fprop=mxfp4"}]
       lr: [6e-4, 1e-3, 2e-3]    # any other key is a pretrain flag to range over (hyper-parameters)
@@ -39,19 +40,28 @@ iterations). Each run lives in ``OUT/runs/NAME/`` (``train.log``, ``tensorboard/
 or interrupted ones (resuming from their last checkpoint); diverged runs (``pretrain.py`` wrote
 ``checkpoints/run_status.json`` with state ``diverged``) are a result and are not re-run unless
 ``--retry-diverged``. Results: ``OUT/results.csv`` (one row per run), ``OUT/summary.csv`` (one row
-per grid point), ``OUT/results.md``, ``OUT/loss_curves.png``, ``OUT/gap.png``.
+per grid point), ``OUT/results.md``, ``OUT/loss_curves.png``, ``OUT/loss_gap_curves.png`` (the paired
+difference to the baseline over iterations), ``OUT/gap.png``.
 
 How far to trust a gap (``pretrain.evaluation.stats``): runs with the same seed share their
 initialization and data order, so each precision's gap to the baseline is **paired** by seed; the
-tables give its mean over seeds with a 95% Student-t interval and mark gaps whose interval
-contains 0 as *within noise*. The validation loss's own sampling noise (its standard error over
-validation batches, and the paired standard error of the gap) is reported beside it. With a
-hyper-parameter in the grid, a second table compares every precision at its own best value
-(lowest mean validation loss over seeds), since a precision's cost depends on e.g. the learning rate.
+tables give its mean over seeds with a 95% Student-t interval (unadjusted) and a verdict that is
+Holm-adjusted over the table's comparisons: *worse*/*better*, *equivalent (±m)* (two one-sided
+tests against the sweep's ``equivalence_margin``; the only verdict that means "no cost beyond m"),
+*not shown to differ*, or *diverged in k of n seeds* (a diverged seed is never averaged away). The
+validation loss's own sampling noise (its standard error over validation batches, and the paired
+standard error of the gap) is reported beside it. With a hyper-parameter in the grid, a second
+table compares every precision at its own best value (lowest mean validation loss over seeds),
+since a precision's cost depends on e.g. the learning rate; its best values are chosen on the same
+seeds its intervals use, which the table says.
 
-"Extra tokens" is the study's metric: how many more training tokens a run needs than the baseline
-to reach the baseline's final (smoothed) training loss, in percent; runs share the batch size and
-sequence length, so the ratio of iterations is the ratio of tokens. It is paired by seed as well.
+"Extra tokens" is the study's metric (``pretrain.evaluation.extra_tokens``): how many more training
+tokens a precision needs than the baseline for the same loss, in percent, both ways -- for a worse
+run the step at which the baseline reached the run's final smoothed loss, for a better one the
+step at which the run reached the baseline's -- and, beside it, the ratio from a fitted
+``L(D) = E + A*D^-alpha`` per run at the baseline's final loss (marked when extrapolated). Runs
+share the batch size and sequence length, so the ratio of iterations is the ratio of tokens. It is
+paired by seed as well; a seed whose value is only a lower bound makes the mean a lower bound.
 """
 
 from __future__ import annotations
@@ -72,10 +82,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pretrain.evaluation.stats import Interval, gap_verdict, paired_batch_se, paired_interval, spread
+from pretrain.evaluation.extra_tokens import (
+    ExtraTokens,
+    crossing_extra_pct,
+    fit_power_law,
+    fitted_extra_pct,
+    summarize_extra,
+)
+from pretrain.evaluation.stats import (
+    Interval,
+    gap_verdict,
+    paired_batch_se,
+    paired_interval,
+    spread,
+    table_verdicts,
+)
 
 GEMMS = ("fprop", "dgrad", "wgrad")
-SWEEP_KEYS = {"base", "grid", "baseline", "nproc-per-node", "name", "description", "seeds", "script"}
+SWEEP_KEYS = {"base", "grid", "baseline", "nproc-per-node", "name", "description", "seeds", "script",
+              "equivalence_margin"}
 # What a sweep runs: pretraining (the default) or RL post-training (``script: rl``).
 SCRIPTS = {"pretrain": "pretrain.py", "rl": "rl.py"}
 # The grid keys that name the runs' precision (or, for treatments, whole flag sets).
@@ -144,6 +169,10 @@ def load_sweep(path: str) -> dict:
                               or len(set(seeds)) != len(seeds)):
         raise SweepError(f"sweep file {path}: seeds must be a list of distinct integers, e.g. [0, 1, 2]; "
                          f"got {seeds!r}")
+    margin = data.get("equivalence_margin")
+    if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin > 0):
+        raise SweepError(f"sweep file {path}: equivalence_margin must be a positive number (a validation-loss "
+                         f"gap for pretraining, an accuracy gap for script: rl), e.g. 0.01; got {margin!r}")
     return data
 
 
@@ -382,7 +411,7 @@ def start_run(out: Path, run: Run, nproc: int, extra: list[str]) -> subprocess.P
     (d / "checkpoints" / RUN_STATUS_FILE).unlink(missing_ok=True)  # a retried diverged run starts clean
     cmd = run_command(out, run, nproc, extra)
     write_status(d, state="running", command=shlex.join(cmd), started=time.time())
-    log = open(d / "train.log", "a")
+    log = open(d / "train.log", "a")  # noqa: SIM115 -- the child process writes to it after we return
     log.write(f"$ {shlex.join(cmd)}\n")
     log.flush()
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -546,17 +575,19 @@ def analyse(name: str, scalars: dict, window: int) -> dict:
     }
 
 
-def extra_tokens_pct(run_curve, base_curve) -> float:
-    """% more iterations the run needs to reach the baseline's final smoothed loss (inf if never)."""
-    bs, bl = base_curve
-    rs, rl = run_curve
-    if not bl or not rl:
-        return float("nan")
-    target, base_steps = bl[-1], bs[-1]
-    for s, v in zip(rs, rl):
-        if v <= target:
-            return 100.0 * (s - base_steps) / base_steps
-    return float("inf")
+def extra_tokens_pct(run_curve, base_curve) -> ExtraTokens:
+    """% more tokens the run needs than the baseline for the same smoothed loss, measured both ways
+    (``pretrain.evaluation.extra_tokens.crossing_extra_pct``): positive for a worse run, negative
+    for a better one, ``censored`` (a lower bound) when the crossing lies beyond a run's end."""
+    return crossing_extra_pct(run_curve, base_curve)
+
+
+def fitted_extra_tokens_pct(row: dict, base: dict) -> ExtraTokens:
+    """The token ratio at the baseline's final loss from each run's fitted ``L(D) = E + A*D^-alpha``."""
+    for r in (row, base):
+        if "_fit" not in r:
+            r["_fit"] = fit_power_law(*r["_curve"])
+    return fitted_extra_pct(row["_fit"], base["_fit"], base["final_train_loss"])
 
 
 def _paired_base(rows: list[dict], baseline: str | None, hyper_equal: bool) -> dict[str, dict]:
@@ -572,11 +603,25 @@ def _paired_base(rows: list[dict], baseline: str | None, hyper_equal: bool) -> d
     return pairs
 
 
+def _diverged(row: dict) -> bool:
+    return bool(row["diverged"] or row["status"] == "diverged")
+
+
 def _pair_numbers(row: dict, base: dict) -> dict:
-    out = {"gap_train_loss": row["final_train_loss"] - base["final_train_loss"],
-           "gap_val_loss": row["final_val_loss"] - base["final_val_loss"],
-           "extra_tokens_pct": extra_tokens_pct(row["_curve"], base["_curve"]),
-           "gap_val_batch_se": float("nan")}
+    nan = float("nan")
+    if _diverged(row) or _diverged(base):  # no finite comparison: a result, reported as diverged
+        extra = fit = ExtraTokens(nan)
+    elif row is base:
+        extra = fit = ExtraTokens(0.0)
+    else:
+        extra, fit = extra_tokens_pct(row["_curve"], base["_curve"]), fitted_extra_tokens_pct(row, base)
+    lost = _diverged(row) or _diverged(base)
+    out = {"gap_train_loss": nan if lost else row["final_train_loss"] - base["final_train_loss"],
+           "gap_val_loss": nan if lost else row["final_val_loss"] - base["final_val_loss"],
+           "extra_tokens_pct": extra.pct, "extra_tokens_censored": extra.censored,
+           "extra_tokens_fit_pct": fit.pct, "extra_tokens_fit_extrapolated": fit.extrapolated,
+           "extra_tokens_fit_censored": fit.censored, "_extra": extra, "_extra_fit": fit,
+           "gap_val_batch_se": nan}
     a, b = row["_val_batches"].get(row["_val_step"]), base["_val_batches"].get(base["_val_step"])
     if a and b:
         out["gap_val_batch_se"] = 0.0 if row is base else paired_batch_se(a, b)
@@ -584,11 +629,13 @@ def _pair_numbers(row: dict, base: dict) -> dict:
 
 
 def summarize(rows: list[dict], baseline: str | None, groups: list[str] | None = None,
-              base_group: dict[int | None, dict] | None = None) -> list[dict]:
-    """One row per grid point: mean and spread over seeds, paired gaps with 95% intervals.
+              base_group: dict[int | None, dict] | None = None, margin: float | None = None) -> list[dict]:
+    """One row per grid point: mean and spread over seeds, paired gaps with 95% intervals, verdicts
+    Holm-adjusted over the rows (``margin``: the sweep's ``equivalence_margin``).
 
     ``base_group`` maps a seed to the baseline run that seed's runs are paired with (default: the
-    baseline at the same hyper-parameters)."""
+    baseline at the same hyper-parameters). A diverged seed's gap is NaN and kept (the verdict
+    reports it); a pair whose baseline diverged is left out (the baseline's row reports it)."""
     by_group: dict[str, list[dict]] = {}
     for row in rows:
         by_group.setdefault(row["_run"].group, []).append(row)
@@ -598,22 +645,26 @@ def summarize(rows: list[dict], baseline: str | None, groups: list[str] | None =
         run = members[0]["_run"]
         val_mean, val_sd = spread([m["final_val_loss"] for m in members])
         train_mean, train_sd = spread([m["final_train_loss"] for m in members])
-        gaps, extras, ses = [], [], []
+        gaps, extras, fits, ses = [], [], [], []
         for m in members:
             if base_group is not None:
                 b = base_group.get(m["_run"].seed)
             else:
                 b = next((r for r in rows if r["_run"].label == baseline and r["_run"].seed == m["_run"].seed
                           and r["_run"].point == m["_run"].point), None)
-            if b is None:
+            if b is None or (_diverged(b) and b is not m):
                 continue
             p = _pair_numbers(m, b)
+            if not _diverged(m) and not math.isfinite(p["gap_val_loss"]):
+                continue  # no validation loss yet (a pending or failed run): no pair
             gaps.append(p["gap_val_loss"])
-            extras.append(p["extra_tokens_pct"])
+            extras.append(p["_extra"])
+            fits.append(p["_extra_fit"])
             ses.append(p["gap_val_batch_se"])
         gap = paired_interval(gaps)
-        finite_extras = [e for e in extras if math.isfinite(e)]
-        extra = paired_interval(finite_extras)
+        n_diverged = sum(1 for m in members if _diverged(m))
+        extra = summarize_extra(extras, n_diverged)
+        fit = summarize_extra(fits, n_diverged)
         ses = [s for s in ses if math.isfinite(s)]
         out.append({
             "point": group, "precision": run.label, **{k: v for k, v in run.point.items()},
@@ -623,16 +674,23 @@ def summarize(rows: list[dict], baseline: str | None, groups: list[str] | None =
             "val_loss_sem": spread([m["val_loss_sem"] for m in members])[0],
             "gap_val": gap,
             "gap_val_batch_se": sum(ses) / len(ses) if ses else float("nan"),
-            "extra_tokens": extra,
-            "extra_not_reached": sum(1 for e in extras if math.isinf(e)),
-            "diverged": sum(1 for m in members if m["diverged"] or m["status"] == "diverged"),
-            "verdict": verdict(gap, run.label == baseline),
+            "extra_tokens": extra.interval, "_extra": extra,
+            "extra_not_reached": extra.censored,
+            "extra_tokens_fit": fit.interval, "_extra_fit": fit,
+            "extra_tokens_fit_extrapolated": fit.extrapolated,
+            "diverged": n_diverged,
+            "is_baseline": run.label == baseline,
+            "verdict_unadjusted": verdict(gap, run.label == baseline, margin),
         })
+    for s, v in zip(out, table_verdicts([s["gap_val"] for s in out], [s["is_baseline"] for s in out],
+                                        margin=margin)):
+        s["verdict"] = v
     return out
 
 
-def verdict(gap: Interval, is_baseline: bool) -> str:
-    return gap_verdict(gap, is_baseline)  # a validation-loss gap: higher is worse
+def verdict(gap: Interval, is_baseline: bool, margin: float | None = None) -> str:
+    """One gap's verdict on its own (unadjusted); tables use ``table_verdicts`` (Holm)."""
+    return gap_verdict(gap, is_baseline, margin=margin)  # a validation-loss gap: higher is worse
 
 
 def best_points(summary: list[dict]) -> dict[str, dict]:
@@ -645,10 +703,12 @@ def best_points(summary: list[dict]) -> dict[str, dict]:
     return best
 
 
-def collect(out: Path, runs: list[Run], baseline: str | None, window: int = 10) -> list[dict]:
-    """Analyse every run, write results.csv / summary.csv / results.md and the plots; return the run rows."""
+def collect(out: Path, runs: list[Run], baseline: str | None, window: int = 10,
+            margin: float | None = None) -> list[dict]:
+    """Analyse every run, write results.csv / summary.csv / results.md and the plots; return the run
+    rows. ``margin``: the sweep's ``equivalence_margin`` (none: no equivalence verdicts)."""
     if runs and runs[0].script == "rl":
-        return collect_rl(out, runs, baseline)
+        return collect_rl(out, runs, baseline, margin)
     rows = []
     for r in runs:
         tb = run_dir(out, r) / "tensorboard"
@@ -666,8 +726,10 @@ def collect(out: Path, runs: list[Run], baseline: str | None, window: int = 10) 
             row.update(_pair_numbers(row, base))
         else:
             row.update(gap_train_loss=float("nan"), gap_val_loss=float("nan"), extra_tokens_pct=float("nan"),
+                       extra_tokens_censored=False, extra_tokens_fit_pct=float("nan"),
+                       extra_tokens_fit_extrapolated=False, extra_tokens_fit_censored=False,
                        gap_val_batch_se=float("nan"))
-    summary = summarize(rows, baseline)
+    summary = summarize(rows, baseline, margin=margin)
     tuned = []
     hyper = sorted({k for r in runs for k in r.point})
     if hyper:
@@ -675,13 +737,13 @@ def collect(out: Path, runs: list[Run], baseline: str | None, window: int = 10) 
         if baseline in best:
             base_runs = {m["_run"].seed: m for m in rows if m["_run"].group == best[baseline]["point"]}
             groups = [best[p]["point"] for p in dict.fromkeys(r.label for r in runs) if p in best]
-            tuned = summarize(rows, baseline, groups, base_runs)
+            tuned = summarize(rows, baseline, groups, base_runs, margin=margin)
     write_tables(out, rows, summary, tuned, baseline, hyper)
-    write_plots(out, rows, summary, tuned or summary, baseline)
+    write_plots(out, rows, summary, tuned or summary, baseline, base_runs if tuned else None)
     return rows
 
 
-def collect_rl(out: Path, runs: list[Run], baseline: str | None) -> list[dict]:
+def collect_rl(out: Path, runs: list[Run], baseline: str | None, margin: float | None = None) -> list[dict]:
     """An RL sweep's results (``pretrain.rl.sweep_results``): accuracy, reward AUC, mismatch, speed."""
     from pretrain.rl.sweep_results import analyse_rl, read_summary, summarize_rl, write_rl_results
 
@@ -693,16 +755,22 @@ def collect_rl(out: Path, runs: list[Run], baseline: str | None) -> list[dict]:
                          read_summary(d / "checkpoints" / "rl_summary.json"))
         row.update(status=read_status(out, r), label=r.label, seed=r.seed, _run=r)
         rows.append(row)
-    write_rl_results(out, rows, summarize_rl(rows, baseline), baseline, sorted({k for r in runs for k in r.point}))
+    write_rl_results(out, rows, summarize_rl(rows, baseline, margin), baseline,
+                     sorted({k for r in runs for k in r.point}))
     return rows
 
 
 COLUMNS = ["run", "status", "precision", "seed", "iterations", "final_train_loss", "final_val_loss",
            "val_loss_sem", "gap_train_loss", "gap_val_loss", "gap_val_batch_se", "extra_tokens_pct",
-           "diverged", "spike", "tokens_per_sec"]
+           "diverged", "spike", "tokens_per_sec", "extra_tokens_censored", "extra_tokens_fit_pct",
+           "extra_tokens_fit_extrapolated", "extra_tokens_fit_censored"]
 SUMMARY_COLUMNS = ["point", "precision", "seeds", "val_loss_mean", "val_loss_sd", "val_loss_sem",
                    "gap_val_mean", "gap_val_lo", "gap_val_hi", "gap_val_batch_se", "extra_tokens_mean",
                    "extra_tokens_lo", "extra_tokens_hi", "extra_not_reached", "diverged", "verdict"]
+# after the hyper-parameter columns, so the columns above keep their places
+SUMMARY_EXTRA_COLUMNS = ["gap_val_n", "gap_val_excluded", "gap_val_p", "verdict_unadjusted",
+                         "extra_tokens_fit_mean", "extra_tokens_fit_lo", "extra_tokens_fit_hi",
+                         "extra_tokens_fit_extrapolated"]
 
 
 def _fmt(v) -> str:
@@ -717,11 +785,13 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def _summary_csv_row(s: dict) -> list:
-    g, e = s["gap_val"], s["extra_tokens"]
+def _summary_csv_row(s: dict, hyper: list[str]) -> list:
+    g, e, f = s["gap_val"], s["extra_tokens"], s["extra_tokens_fit"]
     flat = {**s, "gap_val_mean": g.mean, "gap_val_lo": g.lo, "gap_val_hi": g.hi,
-            "extra_tokens_mean": e.mean, "extra_tokens_lo": e.lo, "extra_tokens_hi": e.hi}
-    return [flat[c] for c in SUMMARY_COLUMNS]
+            "extra_tokens_mean": e.mean, "extra_tokens_lo": e.lo, "extra_tokens_hi": e.hi,
+            "gap_val_n": g.n, "gap_val_excluded": g.excluded, "gap_val_p": g.p_value(),
+            "extra_tokens_fit_mean": f.mean, "extra_tokens_fit_lo": f.lo, "extra_tokens_fit_hi": f.hi}
+    return [flat[c] for c in SUMMARY_COLUMNS] + [s.get(h) for h in hyper] + [flat[c] for c in SUMMARY_EXTRA_COLUMNS]
 
 
 def _mean_sd(mean: float, sd: float) -> str:
@@ -732,17 +802,19 @@ def _mean_sd(mean: float, sd: float) -> str:
 
 def summary_table(summary: list[dict], hyper: list[str]) -> list[str]:
     """Markdown rows: one per grid point, every gap with its interval and noise verdict."""
+    k = sum(1 for s in summary if not s["is_baseline"] and s["gap_val"].n >= 2 and not s["gap_val"].excluded)
     head = ["precision", *hyper, "seeds", "val loss (mean ± sd)", "val s.e.",
-            "gap to baseline (95% CI)", "gap s.e. (val batches)", "extra tokens % (95% CI)", "verdict"]
+            "gap to baseline (95% CI, unadjusted)", "gap s.e. (val batches)", "extra tokens % (95% CI)",
+            "extra tokens % from fitted L(D)", f"verdict (Holm over {k})"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in summary:
-        extra = s["extra_tokens"].text(1)
-        if s["extra_not_reached"]:
-            extra += f"; not reached in {s['extra_not_reached']} of {s['seeds']}"
-        verdict_text = s["verdict"] + (f"; {s['diverged']} diverged" if s["diverged"] else "")
+        verdict_text = s["verdict"]
+        if s["diverged"] and not s["verdict"].startswith("diverged"):
+            verdict_text += f"; {s['diverged']} diverged"
         cells = [s["precision"], *(str(s.get(h)) for h in hyper), str(s["seeds"]),
                  _mean_sd(s["val_loss_mean"], s["val_loss_sd"]), _fmt(s["val_loss_sem"]),
-                 s["gap_val"].text(4), _fmt(s["gap_val_batch_se"]), extra, verdict_text]
+                 s["gap_val"].text(4, seeds=True), _fmt(s["gap_val_batch_se"]), s["_extra"].text(1),
+                 s["_extra_fit"].text(1), verdict_text]
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return lines
 
@@ -756,9 +828,9 @@ def write_tables(out: Path, rows: list[dict], summary: list[dict], tuned: list[d
             w.writerow([row[c] for c in COLUMNS])
     with open(out / "summary.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(SUMMARY_COLUMNS + hyper)
+        w.writerow(SUMMARY_COLUMNS + hyper + SUMMARY_EXTRA_COLUMNS)
         for s in summary:
-            w.writerow(_summary_csv_row(s) + [s.get(h) for h in hyper])
+            w.writerow(_summary_csv_row(s, hyper))
     seeds = max((s["seeds"] for s in summary), default=0)
     lines = [(f"# Sweep results ({len(rows)} runs, {len(summary)} grid points x {seeds} seed(s), "
               f"baseline: {baseline or 'none'})"), "",
@@ -766,19 +838,29 @@ def write_tables(out: Path, rows: list[dict], summary: list[dict], tuned: list[d
     lines += summary_table(summary, hyper)
     if tuned:
         lines += ["", (f"## Each precision at its own best {', '.join(hyper)} (lowest mean val loss), "
-                       "paired with the baseline at its best"), ""]
+                       "paired with the baseline at its best"), "",
+                  (f"The best {', '.join(hyper)} was chosen on the same seeds these intervals use, so the "
+                   "intervals and verdicts are optimistic (selection and estimation share seeds); confirm a "
+                   "choice on seeds not in this sweep."), ""]
         lines += summary_table(tuned, hyper)
     lines += ["", "## Runs", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in rows:
         lines.append("| " + " | ".join(_fmt(row[c]).replace("|", "/") for c in COLUMNS) + " |")
     lines += ["", ("gap: final validation loss minus the baseline's, per seed (same initialization and data "
-              "order), mean over seeds ± the half-width of its 95% Student-t interval; *within noise*: the "
-              "interval contains 0. val s.e.: standard error of the validation loss over its batches; gap s.e. "
-              "(val batches): standard error of the gap from the choice of validation batches (paired "
-              "per-batch differences). extra tokens: % more tokens than the baseline to reach the "
-              "baseline's final smoothed training loss ('not reached' within the run), paired by seed. "
-              "diverged: a NaN/Inf loss; spike: the smoothed loss rose above 1.5x its early minimum in the "
-              "second half.")]
+              "order), mean over the seeds it used ± the half-width of its unadjusted 95% Student-t interval. "
+              "verdict: Holm-adjusted over the table's comparisons, so the chance of any false worse/better "
+              "in the table stays below 5%; *worse*/*better*: shown to differ; *equivalent (±m)*: two one-sided "
+              "tests show the gap inside the sweep's equivalence_margin m (the only verdict that means no cost "
+              "beyond m); *not shown to differ*: neither -- it does not mean no cost; *diverged in k of n "
+              "seeds*: those seeds are a result, not averaged away. val s.e.: standard error of the validation "
+              "loss over its batches; gap s.e. (val batches): standard error of the gap from the choice of "
+              "validation batches (paired per-batch differences). extra tokens: % more training tokens than "
+              "the baseline for the same smoothed training loss, paired by seed -- for a worse run, the "
+              "baseline's step at the run's final loss; for a better one, the run's step at the baseline's "
+              "final loss ('>': a lower bound, the crossing lies beyond a run's end; no interval then). "
+              "From fitted L(D): the same ratio at the baseline's final loss from E + A*D^-alpha fitted to "
+              "each run ('extrapolated': beyond the run). diverged: a NaN/Inf loss; spike: the smoothed loss "
+              "rose above 1.5x its early minimum in the second half.")]
     (out / "results.md").write_text("\n".join(lines) + "\n")
 
 
@@ -792,7 +874,36 @@ def _mean_curve(members: list[dict]):
     return steps, mean, [min(c[s] for c in curves) for s in steps], [max(c[s] for c in curves) for s in steps]
 
 
-def write_plots(out: Path, rows: list[dict], summary: list[dict], shown: list[dict], baseline: str | None) -> None:
+def paired_gap_curve(members: list[dict], base_of) -> tuple[list[int], list[float], list[float], list[float], int]:
+    """The paired difference of smoothed training loss to the baseline over iterations: per seed the
+    run's curve minus its baseline's (``base_of(member)``) on the steps both logged, then the mean
+    over seeds with a 95% Student-t band on the steps every pair logged (no band with one seed).
+    Returns ``(steps, mean, lo, hi, pairs)``; diverged runs and baselines are left out."""
+    diffs = []
+    for m in members:
+        b = base_of(m)
+        if b is None or b is m or _diverged(m) or _diverged(b) or not m["_curve"][0] or not b["_curve"][0]:
+            continue
+        bc = dict(zip(*b["_curve"]))
+        diffs.append({st: v - bc[st] for st, v in zip(*m["_curve"]) if st in bc})
+    if not diffs:
+        return [], [], [], [], 0
+    steps = sorted(set.intersection(*(set(d) for d in diffs)))
+    mean, lo, hi = [], [], []
+    for st in steps:
+        iv = paired_interval([d[st] for d in diffs])
+        mean.append(iv.mean)
+        lo.append(iv.lo)
+        hi.append(iv.hi)
+    return steps, mean, lo, hi, len(diffs)
+
+
+def write_plots(out: Path, rows: list[dict], summary: list[dict], shown: list[dict], baseline: str | None,
+                base_runs: dict | None = None) -> None:
+    """``loss_curves.png`` (absolute curves), ``loss_gap_curves.png`` (the paired difference to the
+    baseline over iterations, per precision) and ``gap.png`` (final gaps with intervals). ``base_runs``:
+    the baseline run of each seed the shown rows are paired with (the tuned table's), else the
+    baseline at the same hyper-parameters."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -819,17 +930,47 @@ def write_plots(out: Path, rows: list[dict], summary: list[dict], shown: list[di
     fig.savefig(out / "loss_curves.png", dpi=120)
     plt.close(fig)
 
+    base_rows = [r for r in rows if r["_run"].label == baseline]
+
+    def base_of(m: dict) -> dict | None:
+        if base_runs is not None:
+            return base_runs.get(m["_run"].seed)
+        return next((b for b in base_rows if b["_run"].seed == m["_run"].seed and b["_run"].point == m["_run"].point),
+                    None)
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for s in shown:
+        if s["precision"] == baseline:
+            continue
+        steps, mean, lo, hi, pairs = paired_gap_curve(by_group[s["point"]], base_of)
+        if not steps:
+            continue
+        (line,) = ax.plot(steps, mean, label=f"{s['point']} ({pairs} paired seed{'s' * (pairs > 1)})", linewidth=1.2)
+        if pairs > 1:
+            ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
+    ax.axhline(0, color="k", linewidth=0.8)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel(f"training loss - {baseline or 'baseline'} (smoothed, paired by seed)")
+    ax.set_title("Paired difference to the baseline (mean over seeds; band: 95% t interval)")
+    if ax.lines[1:]:
+        ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "loss_gap_curves.png", dpi=120)
+    plt.close(fig)
+
     fig, ax = plt.subplots(figsize=(8, 4))
     names = [s["point"] for s in shown]
     gaps = [0.0 if math.isnan(s["gap_val"].mean) else s["gap_val"].mean for s in shown]
     err = [0.0 if math.isnan(s["gap_val"].half_width) else s["gap_val"].half_width for s in shown]
-    colors = ["tab:red" if s["diverged"] else "tab:gray" if s["verdict"] == "within noise" else "tab:blue"
-              for s in shown]
+    colors = ["tab:red" if s["diverged"] else "tab:blue" if s["verdict"] in ("worse", "better")
+              else "tab:green" if s["verdict"].startswith("equivalent") else "tab:gray" for s in shown]
     ax.bar(range(len(shown)), gaps, yerr=err, capsize=3, color=colors)
     ax.set_xticks(range(len(shown)), names, rotation=45, ha="right", fontsize=7)
     ax.axhline(0, color="k", linewidth=0.8)
     ax.set_ylabel(f"val loss - {baseline or 'baseline'} (paired, 95% CI)")
-    ax.set_title("Gap to the baseline (gray: within noise; red: diverged)")
+    ax.set_title("Gap to the baseline (blue: shown to differ, Holm; green: equivalent; gray: not shown to "
+                 "differ; red: diverged)", fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "gap.png", dpi=120)
     plt.close(fig)
@@ -880,9 +1021,9 @@ def main(argv=None) -> int:
             print(f"sweep {args.sweep}: {len(runs)} runs ({len(runs) // len(seeds or [0])} grid points x "
                   f"{len(seeds or [0])} seed(s)), {args.parallel} at a time, {nproc} process(es) each")
             failed = run_local(out, runs, nproc, args.parallel, extra, args.retry_diverged)
-        collect(out, runs, sweep.get("baseline"), args.smooth)
+        collect(out, runs, sweep.get("baseline"), args.smooth, sweep.get("equivalence_margin"))
         plots = ([out / "rl_curves.png"] if runs and runs[0].script == "rl"
-                 else [out / "loss_curves.png", out / "gap.png"])
+                 else [out / "loss_curves.png", out / "loss_gap_curves.png", out / "gap.png"])
         print(f"results: {out / 'results.md'}, {out / 'results.csv'}, {out / 'summary.csv'}, plots: "
               + ", ".join(map(str, plots)))
         return 1 if failed else 0

@@ -11,8 +11,23 @@ difference between runs. Two sources of noise decide whether it is real:
   Every run is evaluated on the same batches, so the paired per-batch differences give the
   standard error of the gap that comes from the choice of batches (``paired_batch_se``).
 
-A gap is **within noise** when its interval contains 0. These are the numbers the sweep tables
-print beside every gap (``launch/sweep.py``); MLCommons' FP4 discussion asks for exactly this.
+Verdicts (``gap_verdict``, the one function every results table uses):
+
+* ``worse`` / ``better``: the gap differs from 0 at the 5% level **after Holm's adjustment** over
+  the table's comparisons (``holm_adjust``), so the chance of any false ``worse``/``better`` in the
+  whole table stays below 5% however many rows it has. The unadjusted interval is printed beside it.
+* ``equivalent (±m)``: two one-sided t-tests (TOST) show the gap inside ``±m``, the margin the
+  sweep file names (``equivalence_margin``), Holm-adjusted too. This is the only verdict that may
+  be read as "no cost" -- and only as "no cost larger than m".
+* ``not shown to differ``: neither. The interval contains 0 (or Holm's adjustment removed the
+  difference): the data do not tell the precisions apart. It never means "free".
+* ``diverged in k of n seeds``: a seed whose gap is not finite (NaN/Inf loss) is a result, never
+  averaged away; the interval beside it is over the other seeds and says so.
+* ``1 seed: no interval``, ``n/a`` (no pair), ``baseline``.
+
+An interval says how many seeds it used (``Interval.n``) and how many it left out
+(``Interval.excluded``). These are the numbers the sweep tables print beside every gap
+(``launch/sweep.py``, ``pretrain.rl.sweep_results``); MLCommons' FP4 discussion asks for exactly this.
 """
 
 from __future__ import annotations
@@ -20,7 +35,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["Interval", "gap_verdict", "paired_batch_se", "paired_interval", "spread", "t_quantile"]
+__all__ = ["ALPHA", "Interval", "gap_verdict", "holm_adjust", "paired_batch_se", "paired_interval", "spread",
+           "t_quantile", "table_verdicts", "tost_p_value"]
+
+ALPHA = 0.05  # family-wise error rate of a table's verdicts
 
 
 def t_quantile(confidence: float, df: int) -> float:
@@ -40,6 +58,7 @@ class Interval:
     n: int
     sd: float  # sample standard deviation (NaN when n < 2)
     confidence: float = 0.95
+    excluded: int = 0  # values left out because they were not finite (a diverged seed's NaN gap)
 
     @property
     def half_width(self) -> float:
@@ -52,27 +71,47 @@ class Interval:
             return None
         return self.lo <= 0.0 <= self.hi
 
-    def text(self, digits: int = 4, unit: str = "") -> str:
-        """``+0.0123 ± 0.0045`` (or ``+0.0123 (1 seed)``)."""
+    @property
+    def se(self) -> float:
+        """Standard error of the mean (NaN when n < 2)."""
+        return self.sd / math.sqrt(self.n) if self.n >= 2 else math.nan
+
+    def p_value(self) -> float:
+        """Two-sided one-sample t-test of mean 0 (NaN without an interval)."""
+        if self.n < 2 or not math.isfinite(self.sd):
+            return math.nan
+        if self.sd == 0.0:
+            return 1.0 if self.mean == 0.0 else 0.0
+        from scipy.stats import t
+
+        return float(2.0 * t.sf(abs(self.mean) / self.se, self.n - 1))
+
+    def text(self, digits: int = 4, unit: str = "", seeds: bool = False) -> str:
+        """``+0.0123 ± 0.0045`` (or ``+0.0123 (1 seed)``); ``seeds``: append ``(n seeds)``, and
+        ``of N`` when values were left out."""
         if math.isnan(self.mean):
             return "n/a"
+        total = self.n + self.excluded
+        of = f" of {total}" if self.excluded else ""
         if self.n < 2:
-            return f"{self.mean:+.{digits}f}{unit} (1 seed)"
-        return f"{self.mean:+.{digits}f}{unit} ± {self.half_width:.{digits}f}"
+            return f"{self.mean:+.{digits}f}{unit} (1{of} seed)"
+        tail = f" ({self.n}{of} seeds)" if seeds or self.excluded else ""
+        return f"{self.mean:+.{digits}f}{unit} ± {self.half_width:.{digits}f}{tail}"
 
 
 def paired_interval(diffs: list[float], confidence: float = 0.95) -> Interval:
     """Mean of paired differences (one per seed) and its t interval."""
-    vals = [float(d) for d in diffs if d is not None and math.isfinite(d)]
-    n = len(vals)
+    given = [d for d in diffs if d is not None]
+    vals = [float(d) for d in given if math.isfinite(d)]
+    n, excluded = len(vals), len(given) - len(vals)
     if n == 0:
-        return Interval(math.nan, math.nan, math.nan, 0, math.nan, confidence)
+        return Interval(math.nan, math.nan, math.nan, 0, math.nan, confidence, excluded)
     mean = sum(vals) / n
     if n == 1:
-        return Interval(mean, math.nan, math.nan, 1, math.nan, confidence)
+        return Interval(mean, math.nan, math.nan, 1, math.nan, confidence, excluded)
     sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1))
     h = t_quantile(confidence, n - 1) * sd / math.sqrt(n)
-    return Interval(mean, mean - h, mean + h, n, sd, confidence)
+    return Interval(mean, mean - h, mean + h, n, sd, confidence, excluded)
 
 
 def spread(values: list[float]) -> tuple[float, float]:
@@ -95,16 +134,76 @@ def paired_batch_se(a: list[float], b: list[float]) -> float:
     return math.sqrt(sum((v - mean) ** 2 for v in d) / (len(d) - 1) / len(d))
 
 
-def gap_verdict(gap: Interval, is_baseline: bool, higher_is_better: bool = False) -> str:
-    """The word a results table prints beside a paired gap: ``baseline``, ``n/a`` (no pair),
-    ``1 seed: no interval``, ``within noise`` (the interval contains 0), ``better`` or ``worse``
-    (a loss gap: higher is worse; an accuracy or reward gap: ``higher_is_better``)."""
+def tost_p_value(gap: Interval, margin: float) -> float:
+    """Two one-sided t-tests of ``|true gap| < margin``: the larger of the two one-sided p-values
+    (Schuirmann 1987). Small means the gap is shown to lie inside ``±margin``; NaN without an interval."""
+    if gap.n < 2 or not math.isfinite(gap.sd) or not margin > 0:
+        return math.nan
+    if gap.sd == 0.0:
+        return 0.0 if abs(gap.mean) < margin else 1.0
+    from scipy.stats import t
+
+    lower = t.sf((gap.mean + margin) / gap.se, gap.n - 1)  # H0: gap <= -margin
+    upper = t.cdf((gap.mean - margin) / gap.se, gap.n - 1)  # H0: gap >= +margin
+    return float(max(lower, upper))
+
+
+def holm_adjust(p_values: list[float]) -> list[float]:
+    """Holm's step-down adjusted p-values (NaN entries are not comparisons and stay NaN):
+    ``p_(i) * (m - i + 1)``, made monotone, capped at 1. Rejecting where the adjusted value is
+    below alpha controls the family-wise error rate at alpha for any dependence between tests."""
+    idx = sorted((i for i, p in enumerate(p_values) if math.isfinite(p)), key=lambda i: p_values[i])
+    m = len(idx)
+    out = [math.nan] * len(p_values)
+    running = 0.0
+    for rank, i in enumerate(idx):
+        running = max(running, min(1.0, (m - rank) * p_values[i]))
+        out[i] = running
+    return out
+
+
+def gap_verdict(gap: Interval, is_baseline: bool, higher_is_better: bool = False, *,
+                p_adjusted: float | None = None, tost_adjusted: float | None = None,
+                margin: float | None = None, alpha: float = ALPHA) -> str:
+    """The word a results table prints beside a paired gap (see the module docstring):
+    ``baseline``, ``n/a`` (no pair), ``diverged in k of n seeds`` (non-finite gaps; never averaged
+    away), ``1 seed: no interval``, ``worse``/``better`` (a loss gap: higher is worse; an accuracy or
+    reward gap: ``higher_is_better``), ``equivalent (±m)`` or ``not shown to differ``.
+
+    ``p_adjusted`` / ``tost_adjusted``: the gap's Holm-adjusted two-sided and equivalence p-values
+    over its table (``table_verdicts``); without them the unadjusted interval decides (one
+    comparison). ``worse``/``better`` that only the unadjusted interval shows reads
+    ``not shown to differ (unadjusted: worse)``."""
     if is_baseline:
         return "baseline"
+    if gap.excluded:
+        return f"diverged in {gap.excluded} of {gap.n + gap.excluded} seeds"
     if gap.n == 0:
         return "n/a"
     if gap.within_noise is None:
         return "1 seed: no interval"
-    if gap.within_noise:
-        return "within noise"
-    return "better" if (gap.mean > 0) == higher_is_better else "worse"
+    direction = "better" if (gap.mean > 0) == higher_is_better else "worse"
+    p = gap.p_value() if p_adjusted is None else p_adjusted
+    if not gap.within_noise and p < alpha:
+        return direction
+    if margin is not None:
+        q = tost_p_value(gap, margin) if tost_adjusted is None else tost_adjusted
+        if q < alpha:
+            return f"equivalent (±{margin:g})"
+    if not gap.within_noise:
+        return f"not shown to differ (unadjusted: {direction})"
+    return "not shown to differ"
+
+
+def table_verdicts(gaps: list[Interval], is_baseline: list[bool], higher_is_better: bool = False,
+                   margin: float | None = None, alpha: float = ALPHA) -> list[str]:
+    """``gap_verdict`` for every row of one table, Holm-adjusted over the table's comparisons (the
+    rows that are not the baseline and have an interval), for the difference tests and, with a
+    ``margin``, separately for the equivalence tests."""
+    live = [not b and g.n >= 2 and not g.excluded for g, b in zip(gaps, is_baseline)]
+    p = holm_adjust([g.p_value() if ok else math.nan for g, ok in zip(gaps, live)])
+    q = (holm_adjust([tost_p_value(g, margin) if ok else math.nan for g, ok in zip(gaps, live)])
+         if margin is not None else [None] * len(gaps))
+    return [gap_verdict(g, b, higher_is_better, p_adjusted=pi if ok else None, tost_adjusted=qi if ok else None,
+                        margin=margin, alpha=alpha)
+            for g, b, ok, pi, qi in zip(gaps, is_baseline, live, p, q)]

@@ -18,8 +18,10 @@ Each run of ``launch/rl.py`` logs TensorBoard scalars (``rl/reward_mean``, ``rl/
 
 Runs with the same seed start from the same weights and see the same prompts, so each treatment's
 gap to the baseline (``baseline:``, e.g. BF16 rollouts) is paired by seed, with a 95% Student-t
-interval over seeds (``pretrain.evaluation.stats``); higher accuracy and reward are better, so a
-gap whose interval lies below 0 is *worse*, one containing 0 *within noise*.
+interval over seeds (``pretrain.evaluation.stats``); higher accuracy and reward are better. The
+verdict (on the final held-out accuracy gap) is Holm-adjusted over the table's treatments: *worse* /
+*better* when shown to differ, *equivalent (±m)* when two one-sided tests put the gap inside the
+sweep's ``equivalence_margin`` m, otherwise *not shown to differ* (which never means "no cost").
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import json
 import math
 from pathlib import Path
 
-from pretrain.evaluation.stats import gap_verdict, paired_interval, spread
+from pretrain.evaluation.stats import gap_verdict, paired_interval, spread, table_verdicts
 
 __all__ = ["RL_COLUMNS", "analyse_rl", "rl_summary_table", "summarize_rl", "write_rl_results"]
 
@@ -91,9 +93,12 @@ def read_summary(path: Path) -> dict | None:
         return None
 
 
-def summarize_rl(rows: list[dict], baseline: str | None) -> list[dict]:
+def summarize_rl(rows: list[dict], baseline: str | None, margin: float | None = None) -> list[dict]:
     """One row per grid point (treatment x hyper-parameters): means and spreads over seeds, and the
-    accuracy and reward-AUC gaps to the baseline at the same hyper-parameters, paired by seed."""
+    accuracy and reward-AUC gaps to the baseline at the same hyper-parameters, paired by seed; the
+    verdict Holm-adjusted over the rows (``margin``: the sweep's ``equivalence_margin``, an accuracy
+    gap). A diverged seed's gap is kept as NaN (the verdict reports it); a run with no result yet
+    (failed, pending) is no pair."""
     groups: dict[str, list[dict]] = {}
     for row in rows:
         groups.setdefault(row["_run"].group, []).append(row)
@@ -109,11 +114,23 @@ def summarize_rl(rows: list[dict], baseline: str | None) -> list[dict]:
             for m in members:
                 b = next((r for r in rows if r["_run"].label == baseline and r["_run"].seed == m["_run"].seed
                           and r["_run"].point == m["_run"].point), None)
-                if b is not None:
-                    diffs.append(m[metric] - b[metric])
+                if b is None or (b["status"] == "diverged" and b is not m):
+                    continue
+                d = m[metric] - b[metric]
+                if m["status"] == "diverged" and b is not m:
+                    d = math.nan
+                elif not math.isfinite(d):
+                    continue
+                diffs.append(d)
             s["gap_" + metric] = paired_interval(diffs)
-        s["verdict"] = gap_verdict(s["gap_final_accuracy"], run.label == baseline, higher_is_better=True)
+        s["is_baseline"] = run.label == baseline
+        s["verdict_unadjusted"] = gap_verdict(s["gap_final_accuracy"], s["is_baseline"], higher_is_better=True,
+                                              margin=margin)
         out.append(s)
+    verdicts = table_verdicts([s["gap_final_accuracy"] for s in out], [s["is_baseline"] for s in out],
+                              higher_is_better=True, margin=margin)
+    for s, v in zip(out, verdicts):
+        s["verdict"] = v
     return out
 
 
@@ -128,16 +145,19 @@ def _msd(mean: float, sd: float, digits: int = 3) -> str:
 
 
 def rl_summary_table(summary: list[dict], hyper: list[str]) -> list[str]:
-    head = ["treatment", *hyper, "seeds", "final held-out acc", "gap to baseline (95% CI)", "acc under rollout plan",
+    k = sum(1 for s in summary if not s["is_baseline"] and s["gap_final_accuracy"].n >= 2
+            and not s["gap_final_accuracy"].excluded)
+    head = ["treatment", *hyper, "seeds", "final held-out acc", "gap to baseline (95% CI, unadjusted)",
+            "acc under rollout plan",
             "held-out acc AUC gap (95% CI)", "reward AUC",
             "reward AUC gap (95% CI)", "mean k3_kl", "ESS", "masked", "rollout tok/s (emulated)",
-            "rollout memory (MiB)", "verdict"]
+            "rollout memory (MiB)", f"verdict (Holm over {k})"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in summary:
         mib = s["memory_bytes"] / 2**20 if math.isfinite(s["memory_bytes"]) else math.nan
         verdict = s["verdict"] + (f"; {s['failed']} failed" if s["failed"] else "")
         cells = [s["label"], *(str(s.get(h)) for h in hyper), str(s["seeds"]),
-                 _msd(s["final_accuracy"], s["final_accuracy_sd"]), s["gap_final_accuracy"].text(3),
+                 _msd(s["final_accuracy"], s["final_accuracy_sd"]), s["gap_final_accuracy"].text(3, seeds=True),
                  _msd(s["rollout_accuracy"], s["rollout_accuracy_sd"]), s["gap_accuracy_auc"].text(3),
                  _msd(s["reward_auc"], s["reward_auc_sd"]), s["gap_reward_auc"].text(3),
                  _f(s["k3_kl"], 5), _f(s["ess"]), _f(s["masked"]), _f(s["tokens_per_sec"], 1), _f(mib, 2), verdict]
@@ -154,7 +174,8 @@ def write_rl_results(out: Path, rows: list[dict], summary: list[dict], baseline:
         for row in rows:
             w.writerow([row.get(c) for c in RL_COLUMNS])
     cols = ["point", "label", *hyper, "seeds", *[c for m in SUMMARY_METRICS for c in (m, m + "_sd")],
-            *[f"gap_{m}_{k}" for m in GAPS for k in ("mean", "lo", "hi")], "verdict"]
+            *[f"gap_{m}_{k}" for m in GAPS for k in ("mean", "lo", "hi")], "verdict", "verdict_unadjusted",
+            "gap_final_accuracy_n", "gap_final_accuracy_p"]
     with open(out / "summary.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(cols)
@@ -163,6 +184,8 @@ def write_rl_results(out: Path, rows: list[dict], summary: list[dict], baseline:
             for m in GAPS:
                 g = s["gap_" + m]
                 flat.update({f"gap_{m}_mean": g.mean, f"gap_{m}_lo": g.lo, f"gap_{m}_hi": g.hi})
+            flat.update(gap_final_accuracy_n=s["gap_final_accuracy"].n,
+                        gap_final_accuracy_p=s["gap_final_accuracy"].p_value())
             w.writerow([flat.get(c) for c in cols])
     seeds = max((s["seeds"] for s in summary), default=0)
     lines = [(f"# RL sweep results ({len(rows)} runs, {len(summary)} grid points x {seeds} seed(s), "
@@ -179,7 +202,10 @@ def write_rl_results(out: Path, rows: list[dict], summary: list[dict], baseline:
                    "reward AUC: mean training reward over all iterations (of the rollouts, so under the rollout "
                    "plan's numerics). "
                    "gaps: treatment minus baseline per seed (same start and prompts), mean ± half-width of the "
-                   "95% Student-t interval over seeds. mean k3_kl: trainer-vs-rollout log-prob mismatch "
+                   "95% Student-t interval over seeds (unadjusted). verdict: on the final held-out accuracy "
+                   "gap, Holm-adjusted over the table's treatments (worse/better: shown to differ; equivalent "
+                   "(±m): inside the sweep's equivalence_margin by two one-sided tests; not shown to differ: "
+                   "neither, which is not 'no cost'). mean k3_kl: trainer-vs-rollout log-prob mismatch "
                    "(verl's k3), averaged over iterations. Rollout speed on CPU is emulated: the FP4 GEMMs run "
                    "as FP32 arithmetic, so tokens/s says nothing about FP4 hardware.")]
     (out / "results.md").write_text("\n".join(lines) + "\n")

@@ -123,5 +123,5 @@ def test_rl_results_against_hand_computed_numbers(tmp_path):
     assert summary["fp4"]["gap_reward_auc"].mean == pytest.approx(-0.1)
     assert summary["fp4"]["k3_kl"] == pytest.approx(2e-3) and math.isnan(summary["fp4"]["k3_kl_sd"]) is False
     md = (out / "results.md").read_text()
-    assert "| fp4 | 3 | 0.453 ± 0.061 | -0.097 ± 0.038 | n/a | -0.048 ± 0.019 |" in md
+    assert "| fp4 | 3 | 0.453 ± 0.061 | -0.097 ± 0.038 (3 seeds) | n/a | -0.048 ± 0.019 |" in md
     assert (out / "rl_curves.png").stat().st_size > 0 and (out / "summary.csv").exists()

@@ -1,0 +1,204 @@
+"""Extra tokens: how many more training tokens a precision needs than the baseline for the same loss.
+
+This is the study's metric (arXiv 2605.09825 reports e.g. +8-9% for MXFP4 Fprop against FP8). Runs of
+a sweep share the batch size and sequence length, so a ratio of iterations is a ratio of tokens.
+With the same ``--train-iters`` for every run, "the step at which the treatment reaches the
+baseline's final loss" can never exceed the run's length, so it cannot measure a cost. Measured
+both ways on the smoothed training-loss curves instead (``crossing_extra_pct``):
+
+* a **worse** treatment (final loss ``L_t`` above the baseline's ``L_b``): the baseline reached
+  ``L_t`` at step ``s_b`` (interpolated between logged points); the treatment needed its whole
+  run ``S_t`` for it, so it costs ``S_t / s_b - 1`` (> 0);
+* a **better** one: the treatment reached ``L_b`` at step ``s_t``, so ``s_t / S_b - 1`` (< 0).
+
+Swapping the two runs turns ``1 + x`` into ``1 / (1 + x)``: the baseline against an independent
+draw of itself is centred on 0. Both crossings always exist (the curve that must cross ends at or
+below the target), also for runs of different lengths, so no seed is left out as "not reached".
+
+Beside it, a fitted loss curve ``L(D) = E + A * D**-alpha`` per run (``fit_power_law``) gives the
+token ratio at the baseline's final loss, ``D_t(L_b) / D_b(L_b)`` (``fitted_extra_pct``), marked
+``extrapolated`` when the treatment's fit must go beyond its run to reach ``L_b``, and censored
+(unreachable) when ``L_b`` lies below the treatment's fitted floor ``E``.
+
+Both need curves whose intermediate points are comparable: under a cosine decay the loss at step
+``s`` of a longer run is not the loss of a shorter run at ``s``; with a constant (or WSD stable
+phase) learning rate it is.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["ExtraSummary", "ExtraTokens", "PowerLaw", "crossing_extra_pct", "crossing_step", "fit_power_law",
+           "fitted_extra_pct", "summarize_extra"]
+
+
+@dataclass(frozen=True)
+class ExtraTokens:
+    """``pct`` extra tokens (negative: fewer); ``censored``: a lower bound (the true value is larger);
+    ``extrapolated``: a fitted value beyond the run's own tokens."""
+
+    pct: float
+    censored: bool = False
+    extrapolated: bool = False
+
+    def text(self, digits: int = 1) -> str:
+        if math.isnan(self.pct):
+            return "n/a"
+        return ("> " if self.censored else "") + f"{self.pct:+.{digits}f}" + (" (extrapolated)" * self.extrapolated)
+
+
+def crossing_step(steps: list[float], values: list[float], target: float) -> float | None:
+    """The first step at which the curve reaches ``target`` or below, linearly interpolated between
+    the two logged points around the crossing; None if it never does."""
+    prev = None
+    for s, v in zip(steps, values):
+        if v <= target:
+            if prev is None or prev[1] == v:
+                return float(s)
+            s0, v0 = prev
+            return s0 + (s - s0) * (v0 - target) / (v0 - v)
+        prev = (s, v)
+    return None
+
+
+def crossing_extra_pct(run_curve, base_curve) -> ExtraTokens:
+    """Extra tokens of ``run_curve`` against ``base_curve`` (each ``(steps, smoothed losses)``), both
+    ways as the module docstring says; NaN when a curve is empty."""
+    rs, rl = run_curve
+    bs, bl = base_curve
+    if not rl or not bl:
+        return ExtraTokens(math.nan)
+    run_final, base_final = rl[-1], bl[-1]
+    if run_final == base_final and list(rs) == list(bs):
+        return ExtraTokens(0.0)
+    if run_final >= base_final:  # worse: where did the baseline reach the treatment's final loss?
+        s_b = crossing_step(bs, bl, run_final)  # found: the baseline's last point is at or below it
+        return ExtraTokens(100.0 * (rs[-1] / s_b - 1.0))
+    s_t = crossing_step(rs, rl, base_final)  # better: found, the run's last point is below it
+    return ExtraTokens(100.0 * (s_t / bs[-1] - 1.0))
+
+
+@dataclass(frozen=True)
+class PowerLaw:
+    """``L(D) = E + A * D**-alpha`` fitted to a run's curve over ``[d_min, d_max]`` (D in steps)."""
+
+    E: float
+    A: float
+    alpha: float
+    d_min: float
+    d_max: float
+    rmse: float
+
+    def loss(self, d: float) -> float:
+        return self.E + self.A * d ** -self.alpha
+
+    def steps_to(self, loss: float) -> float:
+        """D at which the fit reaches ``loss``; inf when ``loss`` is at or below the floor E."""
+        if loss <= self.E:
+            return math.inf
+        return (self.A / (loss - self.E)) ** (1.0 / self.alpha)
+
+
+def _lstsq_e_a(x: list[float], y: list[float]) -> tuple[float, float, float]:
+    """Least squares of ``y = E + A x``: (E, A, sum of squared residuals)."""
+    n = len(x)
+    mx, my = sum(x) / n, sum(y) / n
+    sxx = sum((v - mx) ** 2 for v in x)
+    if sxx == 0:
+        return my, 0.0, sum((v - my) ** 2 for v in y)
+    a = sum((u - mx) * (v - my) for u, v in zip(x, y)) / sxx
+    e = my - a * mx
+    return e, a, sum((v - e - a * u) ** 2 for u, v in zip(x, y))
+
+
+def fit_power_law(steps: list[float], losses: list[float], skip_fraction: float = 0.1) -> PowerLaw | None:
+    """A robust fit of ``E + A * D**-alpha``: for each exponent on a grid (0.02..3) ``E`` and ``A``
+    are a linear least-squares problem; the best exponent is refined by a bounded scalar search.
+    The first ``skip_fraction`` of the points (warm-up) is left out. None with fewer than 5 points
+    or no decreasing fit (A <= 0)."""
+    from scipy.optimize import minimize_scalar
+
+    pts = [(float(s), float(v)) for s, v in zip(steps, losses) if s > 0 and math.isfinite(v)]
+    pts = pts[int(len(pts) * skip_fraction):]
+    if len(pts) < 5:
+        return None
+    d = [p[0] for p in pts]
+    y = [p[1] for p in pts]
+    # scale D to [~0, 1] so the powers stay well conditioned
+    scale = d[-1]
+
+    def sse(alpha: float) -> float:
+        _, a, r = _lstsq_e_a([(v / scale) ** -alpha for v in d], y)
+        return r if a > 0 else math.inf
+
+    grid = [0.02 * 1.04 ** k for k in range(130)]  # 0.02 .. ~3.3
+    costs = [sse(a) for a in grid]
+    k = min(range(len(grid)), key=costs.__getitem__)
+    if not math.isfinite(costs[k]):
+        return None
+    lo, hi = grid[max(k - 1, 0)], grid[min(k + 1, len(grid) - 1)]
+    res = minimize_scalar(sse, bounds=(lo, hi), method="bounded")
+    alpha = float(res.x) if res.fun < costs[k] else grid[k]
+    e, a, r = _lstsq_e_a([(v / scale) ** -alpha for v in d], y)
+    return PowerLaw(E=e, A=a * scale ** alpha, alpha=alpha, d_min=d[0], d_max=d[-1], rmse=math.sqrt(r / len(d)))
+
+
+def fitted_extra_pct(run_fit: PowerLaw | None, base_fit: PowerLaw | None, base_final_loss: float) -> ExtraTokens:
+    """The fits' token ratio at the baseline's final loss, ``D_t(L_b) / D_b(L_b) - 1`` in %.
+    ``extrapolated`` when the treatment's fit reaches ``L_b`` beyond its run; ``censored`` with
+    the run's own length as the bound when ``L_b`` is below the treatment's floor E (never reached)."""
+    if run_fit is None or base_fit is None or not math.isfinite(base_final_loss):
+        return ExtraTokens(math.nan)
+    d_b = base_fit.steps_to(base_final_loss)
+    if not math.isfinite(d_b) or d_b <= 0:
+        return ExtraTokens(math.nan)
+    d_t = run_fit.steps_to(base_final_loss)
+    if math.isinf(d_t):
+        return ExtraTokens(100.0 * (run_fit.d_max / d_b - 1.0), censored=True, extrapolated=True)
+    return ExtraTokens(100.0 * (d_t / d_b - 1.0), extrapolated=d_t > run_fit.d_max * 1.0001)
+
+
+@dataclass(frozen=True)
+class ExtraSummary:
+    """Extra tokens of one grid point over its seeds: a t interval over the seeds only where every
+    seed has a value (none censored, none diverged); otherwise the mean of the values (a lower bound
+    when some are) and no interval."""
+
+    interval: object  # pretrain.evaluation.stats.Interval over the seeds' values
+    censored: int  # seeds whose value is a lower bound
+    extrapolated: int  # seeds whose (fitted) value lies beyond their run
+    diverged: int  # seeds without a value because the run diverged
+
+    def text(self, digits: int = 1) -> str:
+        iv = self.interval
+        if iv.n == 0:
+            return f"n/a ({self.diverged} diverged)" if self.diverged else "n/a"
+        notes = []
+        if self.censored:
+            notes.append(f"lower bound: {self.censored} of {iv.n} seeds censored, no interval")
+        if self.extrapolated:
+            notes.append(f"{self.extrapolated} of {iv.n} extrapolated")
+        if self.diverged:
+            notes.append(f"{self.diverged} diverged, not included")
+        if self.censored:
+            head = f"> {iv.mean:+.{digits}f}"
+        else:
+            head = iv.text(digits, seeds=True)
+        return head + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def summarize_extra(values: list[ExtraTokens], diverged: int = 0, confidence: float = 0.95) -> ExtraSummary:
+    """``ExtraSummary`` of one grid point's per-seed values (NaN values are left out)."""
+    from pretrain.evaluation.stats import Interval, paired_interval
+
+    vals = [v for v in values if math.isfinite(v.pct)]
+    censored = sum(v.censored for v in vals)
+    extrapolated = sum(v.extrapolated for v in vals)
+    if censored:
+        mean = sum(v.pct for v in vals) / len(vals)
+        iv = Interval(mean, math.nan, math.nan, len(vals), math.nan, confidence)
+    else:
+        iv = paired_interval([v.pct for v in vals], confidence)
+    return ExtraSummary(iv, censored, extrapolated, diverged)
