@@ -35,6 +35,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_SIZES_DIR = os.path.join(REPO, "configs", "models")
 PROG = "pretrain.py"
 
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+"""``--lr-decay-style`` choices, the styles of megatron-core's ``OptimizerParamScheduler.get_lr`` (``pretrain.optim``)."""
+LR_WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+"""``--lr-wsd-decay-style`` choices: how WSD anneals over its last ``--lr-wsd-decay-iters``."""
+WD_INCR_STYLES = ("constant", "linear", "cosine")
+"""``--weight-decay-incr-style`` choices."""
+
+
 
 class ConfigError(ValueError):
     """Bad input; the message is one line naming the flag or path and what is valid."""
@@ -222,10 +230,27 @@ def build_parser() -> argparse.ArgumentParser:
     add("--train-iters", type=int)
     add("--lr", type=float, default=3e-4)
     add("--min-lr", type=float, default=0.0)
-    add("--lr-warmup-iters", type=int, default=0)
-    add("--lr-decay-iters", type=int, help="default: --train-iters")
-    add("--lr-decay-style", choices=["cosine", "linear", "constant"], default="cosine")
+    add("--lr-warmup-iters", type=int, default=0, help="linear warm-up from --lr-warmup-init to --lr")
+    add("--lr-warmup-fraction", type=float, help="warm-up over this fraction of --lr-decay-iters (instead of "
+        "--lr-warmup-iters)")
+    add("--lr-warmup-init", type=float, default=0.0, help="the lr the warm-up starts from")
+    add("--lr-decay-iters", type=int, help="the decay reaches --min-lr here (default: --train-iters)")
+    add("--lr-decay-style", choices=list(LR_DECAY_STYLES), default="cosine",
+        help="after the warm-up (megatron-core's OptimizerParamScheduler; Megatron-LM's default is linear); "
+        "WSD: --lr until the last --lr-wsd-decay-iters of --lr-decay-iters, which anneal to --min-lr")
+    add("--lr-wsd-decay-iters", type=int, help="WSD: the annealing length (needed with --lr-decay-style WSD)")
+    add("--lr-wsd-decay-style", choices=list(LR_WSD_DECAY_STYLES), default="exponential",
+        help="WSD: the annealing's shape")
+    add("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
+        help="at --load, take the lr schedule's values from this run's flags (the default here; Megatron-LM "
+        "refuses a difference without one of these two flags)")
+    add("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler", action="store_true",
+        help="at --load, take the lr schedule's values from the checkpoint")
     add("--weight-decay", type=float, default=0.1)
+    add("--start-weight-decay", type=float, help="with --weight-decay-incr-style linear/cosine")
+    add("--end-weight-decay", type=float, help="with --weight-decay-incr-style linear/cosine")
+    add("--weight-decay-incr-style", choices=list(WD_INCR_STYLES), default="constant",
+        help="weight decay from --start-weight-decay to --end-weight-decay over --train-iters")
     add("--adam-beta1", type=float, default=0.9)
     add("--adam-beta2", type=float, default=0.95)
     add("--adam-eps", type=float, default=1e-8)
@@ -694,6 +719,48 @@ def _check_parallel(args, world_size: int, cuda: bool) -> None:
         )
 
 
+def _check_lr_schedule(args: argparse.Namespace) -> None:
+    """The lr / weight-decay schedule flags: what megatron-core's ``OptimizerParamScheduler`` asserts,
+    as one-line errors naming the flag."""
+    if args.lr_warmup_iters > args.lr_decay_iters:
+        raise ConfigError(
+            f"--lr-warmup-iters {args.lr_warmup_iters} exceeds --lr-decay-iters {args.lr_decay_iters}"
+        )
+    fraction = getattr(args, "lr_warmup_fraction", None)
+    if fraction is not None:
+        if args.lr_warmup_iters:
+            raise ConfigError(f"--lr-warmup-fraction {fraction} and --lr-warmup-iters {args.lr_warmup_iters}: "
+                              "give one of them")
+        if not 0.0 <= fraction < 1.0:
+            raise ConfigError(f"--lr-warmup-fraction {fraction}: must be in [0, 1)")
+    init = getattr(args, "lr_warmup_init", 0.0)
+    if not 0.0 <= init <= args.lr:
+        raise ConfigError(f"--lr-warmup-init {init}: must be in [0, --lr {args.lr}]")
+    wsd = getattr(args, "lr_wsd_decay_iters", None)
+    if args.lr_decay_style == "WSD":
+        if wsd is None:
+            raise ConfigError("--lr-decay-style WSD needs --lr-wsd-decay-iters N (the annealing length, "
+                              f"0 <= N <= --lr-decay-iters {args.lr_decay_iters})")
+        if not 0 <= wsd <= args.lr_decay_iters:
+            raise ConfigError(f"--lr-wsd-decay-iters {wsd}: must be in [0, --lr-decay-iters {args.lr_decay_iters}]")
+    elif wsd is not None:
+        raise ConfigError(f"--lr-wsd-decay-iters {wsd}: used only with --lr-decay-style WSD "
+                          f"(this run's is {args.lr_decay_style})")
+    if getattr(args, "override_opt_param_scheduler", False) and getattr(args, "use_checkpoint_opt_param_scheduler",
+                                                                        False):
+        raise ConfigError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler: give one of them")
+    incr = getattr(args, "weight_decay_incr_style", "constant")
+    start, end = getattr(args, "start_weight_decay", None), getattr(args, "end_weight_decay", None)
+    if incr == "constant":
+        if start is not None or end is not None:
+            raise ConfigError("--start-weight-decay / --end-weight-decay: used only with --weight-decay-incr-style "
+                              "linear or cosine (the constant style uses --weight-decay)")
+    elif start is None or end is None:
+        raise ConfigError(f"--weight-decay-incr-style {incr} needs --start-weight-decay and --end-weight-decay")
+    elif not 0.0 <= start <= end:
+        raise ConfigError(f"--start-weight-decay {start} / --end-weight-decay {end}: need 0 <= start <= end")
+
+
 def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> None:
     """Raise :class:`ConfigError` (one line) for anything wrong that needs no process group or model."""
     _positive(
@@ -732,10 +799,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> None
     )
     if args.min_lr > args.lr:
         raise ConfigError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
-    if args.lr_warmup_iters > args.lr_decay_iters:
-        raise ConfigError(
-            f"--lr-warmup-iters {args.lr_warmup_iters} exceeds --lr-decay-iters {args.lr_decay_iters}"
-        )
+    _check_lr_schedule(args)
     _check_parallel(args, world_size, cuda)
     _check_mixed_precision_and_memory(args, cuda)
     _check_precision(args)

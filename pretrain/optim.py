@@ -2,11 +2,16 @@
 
 * AdamW with two parameter groups: weight decay on matrices, none on biases and norm weights
   (Megatron's default ``no_weight_decay_cond``: 1-D parameters and ``*.bias``).
-* ``lr_at(iteration)``: linear warm-up from 0 to ``--lr`` over ``--lr-warmup-iters``, then
-  ``--lr-decay-style`` (cosine / linear / constant) down to ``--min-lr`` at ``--lr-decay-iters``,
-  constant after. ``iteration`` is the 1-based number of the step being taken, so step 1 of a
-  10-step warm-up uses ``lr / 10`` (Megatron's first warm-up step uses 0). The schedule is a pure
-  function of the iteration; :class:`LRSchedule` keeps the step count for checkpoints.
+* The learning-rate (and weight-decay) schedule is megatron-core's ``OptimizerParamScheduler``
+  (:class:`LRSchedule` is it, plus a return value and old-checkpoint keys), configured from
+  Megatron-LM's flags by :class:`LRScheduleConfig`: linear warm-up from ``--lr-warmup-init`` to
+  ``--lr`` over ``--lr-warmup-iters`` (or ``--lr-warmup-fraction`` of ``--lr-decay-iters``), then
+  ``--lr-decay-style`` (cosine / linear / constant / inverse-square-root / WSD) down to ``--min-lr``
+  at ``--lr-decay-iters``, ``--min-lr`` after. WSD holds ``--lr`` until the last
+  ``--lr-wsd-decay-iters`` of ``--lr-decay-iters`` and anneals those by ``--lr-wsd-decay-style``.
+  The scheduler counts optimizer steps (one per iteration; Megatron-LM counts samples, the same
+  schedule in other units) and :meth:`LRSchedule.step` is called *before* the optimizer steps, so
+  step 1 of a 10-step warm-up uses ``lr / 10`` (Megatron-LM's first step uses ``--lr-warmup-init``).
 * ``MainParams`` (``--bf16`` on the torch engine): FP32 main copies of the BF16 parameters. Each
   BF16 gradient is added into its main's FP32 ``grad`` as soon as backward produces it (a
   post-accumulate-grad hook; the BF16 ``grad`` is then dropped), so gradients accumulate over
@@ -21,10 +26,13 @@
 
 from __future__ import annotations
 
-import math
+import contextlib
+import logging
+from dataclasses import dataclass
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel import (
     copy_tensor_model_parallel_attributes,
     param_is_not_tensor_parallel_duplicate,
@@ -98,71 +106,194 @@ def build_optimizer(model: torch.nn.Module, args, main: MainParams | None = None
     for name, p in (main or model).named_parameters():
         if p.requires_grad:
             (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": args.weight_decay, "wd_mult": 1.0},
+        {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0},  # the schedule's weight decay x wd_mult
+    ]
     return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
 
 
-class LRSchedule:
-    """Warm-up then decay; ``step()`` sets the optimizer's lr for the next iteration and returns it."""
+# old (pre-megatron-core) checkpoint key -> OptimizerParamScheduler key
+_OLD_SCHEDULE_KEYS = {"warmup_iters": "lr_warmup_steps", "decay_iters": "lr_decay_steps", "decay_style": "lr_decay_style"}
+
+
+@dataclass(frozen=True)
+class LRScheduleConfig:
+    """The lr / weight-decay schedule of a run, in optimizer steps (Megatron-LM's flags, resolved)."""
+
+    max_lr: float
+    """``--lr``: the peak, reached at the end of the warm-up."""
+    min_lr: float
+    """``--min-lr``: the floor the decay reaches at ``decay_iters`` and keeps after."""
+    warmup_iters: float
+    """``--lr-warmup-iters``, or ``--lr-warmup-fraction`` x ``--lr-decay-iters`` (may be fractional)."""
+    decay_iters: int
+    """``--lr-decay-iters`` (default ``--train-iters``): the step at which the decay reaches ``min_lr``."""
+    decay_style: str = "cosine"
+    """``--lr-decay-style``, one of :data:`LR_DECAY_STYLES`."""
+    init_lr: float = 0.0
+    """``--lr-warmup-init``: the warm-up starts here (at step 0)."""
+    wsd_decay_iters: int | None = None
+    """``--lr-wsd-decay-iters``: WSD's annealing length, the last steps before ``decay_iters``."""
+    wsd_decay_style: str = "exponential"
+    """``--lr-wsd-decay-style``, one of :data:`LR_WSD_DECAY_STYLES`."""
+    start_wd: float = 0.0
+    """``--start-weight-decay`` (``--weight-decay`` with the constant style)."""
+    end_wd: float = 0.0
+    """``--end-weight-decay`` (``--weight-decay`` with the constant style)."""
+    wd_incr_iters: int = 1
+    """Steps over which weight decay goes from ``start_wd`` to ``end_wd`` (``--train-iters``)."""
+    wd_incr_style: str = "constant"
+    """``--weight-decay-incr-style``, one of :data:`WD_INCR_STYLES`."""
+    use_checkpoint: bool = False
+    """``--use-checkpoint-opt_param-scheduler``: a resumed run takes the checkpoint's schedule values
+    (peak and floor lr, warm-up and decay lengths, decay style, weight decay); by default (and with
+    ``--override-opt_param-scheduler``) this run's flags win and a note names what changed."""
+
+    @classmethod
+    def from_args(cls, args) -> LRScheduleConfig:
+        """The schedule of validated ``args`` (``pretrain.arguments.validate_args``)."""
+        fraction = getattr(args, "lr_warmup_fraction", None)
+        warmup = fraction * args.lr_decay_iters if fraction is not None else args.lr_warmup_iters
+        incr = getattr(args, "weight_decay_incr_style", "constant")
+        start_wd = args.weight_decay if incr == "constant" else args.start_weight_decay
+        end_wd = args.weight_decay if incr == "constant" else args.end_weight_decay
+        return cls(
+            max_lr=args.lr, min_lr=args.min_lr, warmup_iters=warmup, decay_iters=args.lr_decay_iters,
+            decay_style=args.lr_decay_style, init_lr=getattr(args, "lr_warmup_init", 0.0),
+            wsd_decay_iters=getattr(args, "lr_wsd_decay_iters", None),
+            wsd_decay_style=getattr(args, "lr_wsd_decay_style", "exponential"),
+            start_wd=start_wd, end_wd=end_wd, wd_incr_iters=max(1, args.train_iters), wd_incr_style=incr,
+            use_checkpoint=bool(getattr(args, "use_checkpoint_opt_param_scheduler", False)),
+        )  # fmt: skip
+
+
+class LRSchedule(OptimizerParamScheduler):
+    """megatron-core's ``OptimizerParamScheduler`` counting one step per iteration.
+
+        schedule = LRSchedule.from_args(optimizer, args)
+        lr = schedule.step()          # before optimizer.step(): sets every group's lr and weight decay
+
+    Weight decay is ``schedule weight decay x group["wd_mult"]`` (megatron's convention;
+    :func:`build_optimizer` gives matrices 1 and biases / norms 0). Without ``start_wd`` each group
+    keeps the weight decay it was built with. ``load_state_dict`` also reads the state this project's
+    own schedule saved before megatron-core's (``warmup_iters`` / ``decay_iters`` / ``decay_style``)."""
 
     def __init__(
         self,
-        optimizer: torch.optim.Optimizer,
+        optimizer,
         *,
         max_lr: float,
         min_lr: float,
-        warmup_iters: int,
+        warmup_iters: float,
         decay_iters: int,
         decay_style: str,
+        init_lr: float = 0.0,
+        wsd_decay_iters: int | None = None,
+        wsd_decay_style: str = "exponential",
+        start_wd: float | None = None,
+        end_wd: float | None = None,
+        wd_incr_iters: int = 1,
+        wd_incr_style: str = "constant",
+        use_checkpoint: bool = False,
     ):
-        self.optimizer, self.max_lr, self.min_lr = optimizer, max_lr, min_lr
-        self.warmup_iters, self.decay_iters, self.decay_style = warmup_iters, decay_iters, decay_style
-        self.num_steps = 0  # optimizer steps taken
+        if start_wd is None:  # each group keeps its own (constant) weight decay
+            for group in optimizer.param_groups:
+                group.setdefault("start_wd", group["weight_decay"])
+                group.setdefault("end_wd", group["weight_decay"])
+            start_wd = end_wd = 0.0
+        self.load_notes: list[str] = []  # what a resume changed (``load_state_dict``), for the log
+        # a loaded optimizer state replaces its groups' keys: one saved before these existed lacks them
+        self._group_keys = [{k: g[k] for k in ("wd_mult", "start_wd", "end_wd") if k in g}
+                            for g in optimizer.param_groups]
+        # megatron-core asserts warm-up < decay; a warm-up as long as the decay (a run that only warms
+        # up, as smoke tests do) is well defined by its get_lr all the same: warm-up, then min_lr
+        whole = warmup_iters == decay_iters
+        super().__init__(
+            optimizer, init_lr=init_lr, max_lr=max_lr, min_lr=min_lr,
+            lr_warmup_steps=warmup_iters - 1 if whole else warmup_iters,
+            lr_decay_steps=decay_iters, lr_decay_style=decay_style, start_wd=start_wd,
+            end_wd=start_wd if end_wd is None else end_wd, wd_incr_steps=wd_incr_iters,
+            wd_incr_style=wd_incr_style, use_checkpoint_opt_param_scheduler=use_checkpoint,
+            override_opt_param_scheduler=not use_checkpoint, wsd_decay_steps=wsd_decay_iters,
+            lr_wsd_decay_style=wsd_decay_style,
+        )  # fmt: skip
+        if whole:
+            self.lr_warmup_steps = warmup_iters
+            super().step(0)
+
+    @classmethod
+    def from_config(cls, optimizer, cfg: LRScheduleConfig) -> LRSchedule:
+        return cls(
+            optimizer, max_lr=cfg.max_lr, min_lr=cfg.min_lr, warmup_iters=cfg.warmup_iters,
+            decay_iters=cfg.decay_iters, decay_style=cfg.decay_style, init_lr=cfg.init_lr,
+            wsd_decay_iters=cfg.wsd_decay_iters, wsd_decay_style=cfg.wsd_decay_style, start_wd=cfg.start_wd,
+            end_wd=cfg.end_wd, wd_incr_iters=cfg.wd_incr_iters, wd_incr_style=cfg.wd_incr_style,
+            use_checkpoint=cfg.use_checkpoint,
+        )  # fmt: skip
 
     @classmethod
     def from_args(cls, optimizer, args) -> LRSchedule:
-        return cls(
-            optimizer,
-            max_lr=args.lr,
-            min_lr=args.min_lr,
-            warmup_iters=args.lr_warmup_iters,
-            decay_iters=args.lr_decay_iters,
-            decay_style=args.lr_decay_style,
-        )
+        return cls.from_config(optimizer, LRScheduleConfig.from_args(args))
 
     def lr_at(self, iteration: int) -> float:
-        """Learning rate of (1-based) ``iteration``."""
-        if self.warmup_iters > 0 and iteration <= self.warmup_iters:
-            return self.max_lr * iteration / self.warmup_iters
-        if self.decay_style == "constant":
-            return self.max_lr
-        if iteration >= self.decay_iters:
-            return self.min_lr
-        ratio = (iteration - self.warmup_iters) / max(1, self.decay_iters - self.warmup_iters)
-        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0) if self.decay_style == "cosine" else 1.0 - ratio
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        """Learning rate of (1-based) ``iteration``, without moving the schedule."""
+        saved, self.num_steps = self.num_steps, iteration
+        try:
+            return self.get_lr({})
+        finally:
+            self.num_steps = saved
 
-    def step(self) -> float:
-        """Set the lr of the next optimizer step; call once per iteration before ``optimizer.step()``."""
-        self.num_steps += 1
-        lr = self.lr_at(self.num_steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        return lr
+    def step(self, increment: int = 1) -> float:
+        """Advance ``increment`` steps, set every group's lr and weight decay; returns the lr."""
+        for group, keys in zip(self.optimizer.param_groups, self._group_keys, strict=False):
+            for key, value in keys.items():
+                group.setdefault(key, value)
+        super().step(increment)
+        return self.optimizer.param_groups[0]["lr"]
 
     def state_dict(self) -> dict:
-        return {
-            "num_steps": self.num_steps,
-            "max_lr": self.max_lr,
-            "min_lr": self.min_lr,
-            "warmup_iters": self.warmup_iters,
-            "decay_iters": self.decay_iters,
-            "decay_style": self.decay_style,
-        }
+        """megatron-core's keys, plus WSD's (which megatron-core does not save) and the warm-up start."""
+        sd = super().state_dict()
+        sd.update(wsd_decay_steps=self.wsd_decay_steps, lr_wsd_decay_style=self.lr_wsd_decay_style,
+                  init_lr=self.init_lr)
+        return sd
 
-    def load_state_dict(self, sd: dict) -> None:
-        """Restore the step count; the schedule's shape comes from the current flags (as in Megatron-LM)."""
-        self.num_steps = int(sd["num_steps"])
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Resume at the saved step count. The schedule's values come from this run's flags (a note in
+        ``load_notes`` for each that differs), or from the checkpoint with ``use_checkpoint``."""
+        sd = {_OLD_SCHEDULE_KEYS.get(k, k): v for k, v in state_dict.items()}
+        ours = self.state_dict()
+        names = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
+                 "lr_decay_steps": "--lr-decay-iters", "lr_decay_style": "--lr-decay-style",
+                 "wsd_decay_steps": "--lr-wsd-decay-iters", "lr_wsd_decay_style": "--lr-wsd-decay-style",
+                 "start_wd": "--start-weight-decay", "end_wd": "--end-weight-decay",
+                 "wd_incr_style": "--weight-decay-incr-style"}  # fmt: skip
+        keep = "the checkpoint's" if self.use_checkpoint_opt_param_scheduler else "this run's"
+        self.load_notes = [
+            f"{flag}: the checkpoint's lr schedule has {sd[key]}, this run {ours[key]}; using {keep}"
+            for key, flag in names.items()
+            if key in sd and sd[key] != ours[key]
+        ]
+        if self.use_checkpoint_opt_param_scheduler:
+            for key, attr in (("wsd_decay_steps", "wsd_decay_steps"), ("lr_wsd_decay_style", "lr_wsd_decay_style"),
+                              ("init_lr", "init_lr")):
+                if key in sd:
+                    setattr(self, attr, sd[key])
+        self.num_steps = 0
+        with _quiet(logging.getLogger(OptimizerParamScheduler.__module__)):
+            super().load_state_dict(sd)  # megatron-core's checks and values; steps to sd["num_steps"]
+
+
+@contextlib.contextmanager
+def _quiet(logger: logging.Logger):
+    """Silence ``logger``'s INFO lines (megatron-core logs every value it loads) for a block."""
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def grad_norm(parameters, tp_group=None) -> torch.Tensor:

@@ -717,6 +717,8 @@ class Trainer:
             )
         self.engine.load_optimizer(ckpt["optimizer"], os.path.dirname(this_rank_file(ckpt["path"])))
         self.schedule.load_state_dict(ckpt["opt_param_scheduler"])
+        for note in self.schedule.load_notes:  # a schedule value the flags changed (or kept from --load)
+            rank0_print(f"note: --load {ckpt['path']}: {note}")
         self.iteration = int(ckpt["iteration"]) if ckpt["iteration"] != "release" else 0
         self.consumed_samples = int(
             ckpt.get("consumed_train_samples", self.iteration * args.global_batch_size)
