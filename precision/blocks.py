@@ -17,6 +17,14 @@ NVFP4: 16 E2M1 elements share an E4M3 scale; an FP32 per-tensor scale maps the t
 the product of the element and scale ranges (TransformerEngine's order of operations, see
 NUMERICS.md: every step one FP32 operation). A block whose E4M3 scale rounds to zero stores zero
 codes (with their sign).
+
+2-D tiles (weights, :func:`tile_amax`): a 2-D tensor is cut into ``tile x tile`` squares (16 for
+NVFP4, 32 for MX: the block size), each square's amax sets the one scale all its elements share,
+and elements are encoded exactly as in 1-D blocks. The codes and scales are then the same whichever
+axis is the contraction axis: blocks along one axis of a square are its rows, along the other its
+columns, and every one of them carries the square's scale. Edge squares of a shape that is not a
+multiple are zero-padded (TransformerEngine's reference pads both dims with zeros), so their amax
+is that of the elements present.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from precision.elements import (
 )
 
 __all__ = ["to_blocks", "from_blocks", "mx_scale_bytes", "mx_quantize_blocks", "mx_dequantize_blocks",
-           "nvfp4_quantize_blocks", "nvfp4_dequantize_blocks", "FP32_MAX"]
+           "nvfp4_quantize_blocks", "nvfp4_dequantize_blocks", "tile_amax", "FP32_MAX"]
 
 FP32_MAX = torch.finfo(torch.float32).max
 SCALE_NAN = 0xFF
@@ -59,6 +67,20 @@ def from_blocks(xb: torch.Tensor, axis: int, n: int) -> torch.Tensor:
     """Inverse of :func:`to_blocks` for a tensor whose ``axis`` had length ``n``."""
     x = xb.reshape(*xb.shape[:-2], -1)[..., :n]
     return x.movedim(-1, axis)
+
+
+def tile_amax(x: torch.Tensor, axis: int, tile: int) -> torch.Tensor:
+    """Each ``tile x tile`` square's amax of a 2-D ``x``, laid out as :func:`to_blocks`' block amax
+    along ``axis`` -- ``[rows, ceil(n / tile)]`` (``axis`` last), every row of a square carrying the
+    square's amax. Both dims zero-padded to whole squares; NaN and Inf propagate to their square."""
+    if x.dim() != 2:
+        raise ValueError(f"2-D block scaling: expected a 2-D tensor (a weight [out, in]), got shape {tuple(x.shape)}")
+    xt = x.float().movedim(axis % 2, -1)
+    rows, n = xt.shape
+    pr, pn = (-rows) % tile, (-n) % tile
+    padded = torch.nn.functional.pad(xt.abs(), (0, pn, 0, pr))
+    sq = padded.reshape((rows + pr) // tile, tile, (n + pn) // tile, tile).amax(dim=(1, 3))
+    return sq.repeat_interleave(tile, dim=0)[:rows]
 
 
 def mx_scale_bytes(amax: torch.Tensor, spec: ElementSpec, scale_rule: str) -> torch.Tensor:
@@ -95,15 +117,17 @@ def mx_quantize_blocks(
     generator: torch.Generator | None = None,
     prescale: float = 1.0,
     u: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``[..., nblocks, 32]`` float32 blocks -> (element codes uint8, scale bytes uint8).
 
     ``prescale`` (e.g. 0.75 for the SR trick of arXiv 2502.20586) multiplies the values before
     rounding; the dequantizer divides it back out. Stochastic rounding uses ``u`` (uniforms shaped
-    like ``xb``) when given, else one draw from ``generator``.
+    like ``xb``) when given, else one draw from ``generator``. ``amax``: ``[..., nblocks]``, the
+    amax each block's scale comes from (2-D tiles: :func:`tile_amax`); default each block's own.
     """
     xb = xb.float()
-    amax = xb.abs().amax(dim=-1)
+    amax = xb.abs().amax(dim=-1) if amax is None else amax.float()
     finite_amax = torch.isfinite(amax)  # False where the block holds NaN or +-Inf
     amax = torch.where(finite_amax, amax, torch.zeros_like(amax))
     sbyte = mx_scale_bytes(amax, spec, scale_rule)
@@ -181,13 +205,15 @@ def nvfp4_quantize_blocks(
     rounding: str = "nearest",
     generator: torch.Generator | None = None,
     u: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``[..., nblocks, 16]`` float32 blocks -> (E2M1 codes, E4M3 scale bytes).
 
-    A block holding NaN/Inf gets the E4M3 NaN scale byte (0x7F) and decodes to NaN.
+    A block holding NaN/Inf gets the E4M3 NaN scale byte (0x7F) and decodes to NaN. ``amax``:
+    ``[..., nblocks]``, the amax each block's scale comes from (2-D tiles); default its own.
     """
     xb = xb.float()
-    amax = xb.abs().amax(dim=-1)
+    amax = xb.abs().amax(dim=-1) if amax is None else amax.float()
     finite = torch.isfinite(amax)
     g_dec = 1.0 / g_enc
     s_dec = torch.clamp(amax * fdiv(g_enc, E2M1.max_normal), max=E4M3.max_normal)

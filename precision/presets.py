@@ -167,16 +167,23 @@ def mxfp4_hadamard_all() -> LinearPrecision:
 
 @_preset
 def nvfp4() -> LinearPrecision:
-    """NVFP4 as in TransformerEngine's NVFP4BlockScaling: stochastic rounding on gradients,
-    random-sign 16-point Hadamard on the Wgrad operands.
+    """NVFP4 as TransformerEngine's NVFP4BlockScaling trains it (and arXiv 2509.25149): weights in
+    2-D 16x16 tiles (one E4M3 scale per tile under the FP32 tensor scale), quantized once -- Fprop
+    and Dgrad consume the same weight codes; activations and gradients in 1-D 16-element blocks;
+    stochastic rounding on the gradient ``dy`` (both backward GEMMs); the 16-point Hadamard with
+    TE's fixed sign vector (``rht16_te``) on both Wgrad operands along tokens.
 
-    | GEMM  | consumes                | rotation           |
-    |-------|-------------------------|--------------------|
-    | fprop | x nvfp4, w nvfp4        | none               |
-    | dgrad | dy nvfp4 (SR), w nvfp4  | none               |
-    | wgrad | dy nvfp4 (SR), x nvfp4  | rht16 along tokens |
+    | GEMM  | consumes                                   | rotation              |
+    |-------|--------------------------------------------|-----------------------|
+    | fprop | x nvfp4 (1-D 16), w nvfp4 (2-D 16x16)      | none                  |
+    | dgrad | dy nvfp4 (1-D 16, SR), w nvfp4 (2-D 16x16) | none                  |
+    | wgrad | dy nvfp4 (1-D 16, SR), x nvfp4 (1-D 16)    | rht16_te along tokens |
+
+    The earlier 1-D recipe (weights in 1-D blocks along each GEMM's contraction axis, per-layer
+    random Hadamard signs) is the spec
+    ``fprop=nvfp4,dgrad=nvfp4/sr@nvfp4,wgrad=nvfp4/sr@nvfp4+rht16``.
     """
-    return _lp("nvfp4", "nvfp4/sr@nvfp4", "nvfp4/sr@nvfp4+rht16")
+    return _lp("nvfp4@nvfp4/2d", "nvfp4/sr@nvfp4/2d", "nvfp4/sr@nvfp4+rht16_te")
 
 
 @_preset

@@ -190,6 +190,9 @@ class LayerQuantState:
         self.seed = seed
         self.name = name
         self.calls: dict[str, int] = {g.value: 0 for g in Gemm}
+        # (tensor, key, QuantizedTensor): the last weight quantized in 2-D tiles, which Dgrad (and the
+        # next micro-batch) reuse while the tensor is unchanged (kernels.operand). Not saved.
+        self.block2d_weight = None
         self.amax: dict[str, StepAmaxHistory] = {}
         self.stats: dict[str, dict] = {}  # "gemm/operand" -> last numbers (telemetry; tensors or floats)
         self.collect_stats = False  # set by the training loop on telemetry steps
