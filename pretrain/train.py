@@ -249,6 +249,53 @@ def _resolve_plan(args, precision: str, every: list[str], names: list[str], labe
     return PrecisionPlan({n: (plan[n], plan.rule_for(n)) for n in names}), plan
 
 
+def quantized_linears(plan) -> tuple[int, int]:
+    """``(N, M)``: how many of the plan's ``M`` linears run some GEMM operand quantized."""
+    return sum(not (p.fprop.is_high_precision and p.dgrad.is_high_precision and p.wgrad.is_high_precision)
+               for p in (plan[n] for n in plan)), len(plan)
+
+
+def _amax_window(plan) -> int:
+    """The longest delayed-scaling window (steps) of the plan's ``max`` operands (0: none)."""
+    return max((op.amax_history_len for n in plan for r in (plan[n].fprop, plan[n].dgrad, plan[n].wgrad)
+                for op in (r.a, r.b) if op.amax_algo == "max"), default=0)
+
+
+def check_quantized_plans(args, schedule, whole: dict) -> None:
+    """Print ``N of M linears quantized`` for every quantized phase's whole-model plan; refuse (one
+    line, naming the flag) a phase whose precision quantizes something but whose plan, on this
+    model, quantizes no linear (``hif8_w8a8`` keeps the first 3 / last 2 layers, attention and the
+    output layer in BF16: on <= 5 layers nothing is left); warn when an observe phase (the QAT
+    warm-up) is shorter than the next plan's ``max`` amax window."""
+    from precision import parse_precision
+
+    scheduled = getattr(args, "precision_schedule", None) is not None
+    for k, phase in enumerate(schedule.phases):
+        if phase.observe:
+            continue
+        n, m = quantized_linears(whole[k][1])
+        label = f"precision phase {k} ({phase.precision})" if len(schedule) > 1 else f"--precision {phase.precision}"
+        rank0_print(f"{label}: {n} of {m} linears quantized")
+        try:
+            lp = parse_precision(phase.precision)
+            quantizes = not (lp.fprop.is_high_precision and lp.dgrad.is_high_precision and lp.wgrad.is_high_precision)
+        except ValueError:  # a plan file: its own rules decide; the count above says what it does
+            quantizes = True
+        if n == 0 and quantizes:
+            flag = (f"--precision-schedule {args.precision_schedule}" if scheduled
+                    else f"--precision {phase.precision}")
+            raise ConfigError(f"{flag}: the plan quantizes none of the {m} linears of this {args.num_layers}-layer "
+                              "model (its rules keep them in BF16); use more layers or a --precision-rule, e.g. "
+                              f"--precision-rule 'kind:mlp={phase.precision}'")
+        if k > 0 and schedule.phases[k - 1].observe:
+            warmup = phase.start - schedule.phases[k - 1].start
+            window = _amax_window(whole[k][1])
+            if warmup < window:
+                flag = "--qat-warmup-iters" if not scheduled else "--precision-schedule's observe phase"
+                rank0_print(f"warning: {flag} {warmup} is shorter than the amax window ({window} steps of max): "
+                            f"QAT starts with histories of {warmup} step{'s' * (warmup != 1)}, not {window}")
+
+
 def build_scheduled_model(args, vocab_size: int, device: torch.device):
     """This rank's model and every phase's plan (``(model, SchedulePlans)``): each quantized phase of
     the run's schedule (``pretrain.arguments.precision_schedule``) resolved by global layer names and
@@ -272,6 +319,7 @@ def build_scheduled_model(args, vocab_size: int, device: torch.device):
         many = len(schedule) > 1
         where = f"precision phase {k} ({phase})" if many else ""
         check_gemm_backends(resolved[k][0], device, args.gemm_backend, label=where)
+    check_quantized_plans(args, schedule, resolved)
     plans = SchedulePlans(schedule, tuple(resolved[schedule.plan_index(k)][0] for k in range(len(schedule))),
                           tuple(resolved[schedule.plan_index(k)][1] for k in range(len(schedule))))
     apply_precision_plan(model, plans.stage[0])

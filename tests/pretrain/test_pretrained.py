@@ -21,7 +21,9 @@ from tests.pretrain._launch import scalars as read_scalar
 VOCAB = 4096  # pretrain.data.tokenizer.DEFAULT_VOCAB_SIZE: the built-in corpus's tokenizer (conftest)
 RUN = ["--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-5",
        "--min-lr", "1e-6", "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "100",
-       "--precision", "hif8_w8a8", "--qat-warmup-iters", "1", "--tensor-model-parallel-size", "2"]  # fmt: skip
+       "--precision", "hif8_w8a8", "--qat-warmup-iters", "1", "--tensor-model-parallel-size", "2",
+       # 2 layers: hif8_w8a8's own rules would keep every linear in BF16 (a run that is refused)
+       "--precision-rule", "kind:mlp=hif8_w8a8"]  # fmt: skip
 
 
 def _first_global_batch(data_cache, train_iters: int):

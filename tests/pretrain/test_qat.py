@@ -6,19 +6,22 @@ checks the two spellings train alike, bit for bit)."""
 import pytest
 import torch
 
-from precision import quantize
+from precision import OperandFormat, quantize
 from precision.tensorwise import AmaxHistory
 from tests.pretrain._launch import TINY, run_pretrain
 from tests.pretrain._launch import scalars as read_scalar
 
+# HiF8 with TE's FP8 rule (amax -> 2^15, no headroom): the amax algorithms' clipping after a jump
+FP8_RULE = OperandFormat("hif8", margin=-12)
 
-def clipped_per_step(algo: str, amaxes: list[float], window: int = 64) -> list[int]:
+
+def clipped_per_step(algo: str, amaxes: list[float], window: int = 64, fmt=FP8_RULE) -> list[int]:
     """Quantize a tensor per step whose amax follows ``amaxes``, scaled from the history."""
     hist = AmaxHistory(algo, window, ema_decay=0.5)
     out = []
     for a in amaxes:
         x = torch.linspace(-a, a, 101)  # 101 values, amax a
-        q = quantize(x, "hif8", amax=hist.amax())
+        q = quantize(x, fmt, amax=hist.amax())
         hist.update(float(q.amax))
         out.append(int(q.num_clipped))
     return out
@@ -48,7 +51,16 @@ def test_current_scaling_never_clips():
 
 def test_clipped_count_is_exact():
     x = torch.tensor([-3.0, -1.0, 0.0, 1.0, 2.0, 2.5, 4.0])
-    assert int(quantize(x, "hif8", amax=2.0).num_clipped) == 3  # -3, 2.5 and 4 exceed 2
+    assert int(quantize(x, FP8_RULE, amax=2.0).num_clipped) == 3  # -3, 2.5 and 4 exceed 2
+
+
+def test_hif8_scale_target_leaves_12_binades_of_headroom():
+    # amax -> 2^3: the 8x jumps above clip nothing under most_recent; a value clips only beyond
+    # amax * 2^15 / 2^3 = 4096 amax (saturating there)
+    assert clipped_per_step("most_recent", AMAXES, fmt=OperandFormat("hif8")) == [0] * len(AMAXES)
+    x = torch.tensor([4095.0, 4096.0, 4097.0, -5000.0])
+    q = quantize(x, "hif8", amax=1.0)
+    assert int(q.num_clipped) == 2 and q.dequantize()[3].item() == -4096.0
 
 
 QAT = ["--precision", "hif8_w8a8", "--precision-rule", "kind:mlp=hif8_w8a8", "--qat-warmup-iters", "2",
