@@ -46,6 +46,7 @@ __all__ = [
     "BACKEND_PATHS",
     "GEMM_BACKENDS",
     "HW_BACKENDS",
+    "REFUSED_FORMATS",
     "BackendError",
     "bf16_exact_recipe",
     "capability_name",
@@ -131,9 +132,25 @@ def _e5m2_pair(sa: Format, sb: Format) -> bool:
     return sa.element is sb.element is E5M2
 
 
+# Formats whose one-GEMM start-up probe (``kernels.scaled_mm.probe_formats``) torch refused on a
+# device capability: {capability: {format: the refusal's first line}}. ``recipe_backend`` sends
+# their GEMMs elsewhere (``auto`` then picks ``bf16_mm``).
+REFUSED_FORMATS: dict = {}
+
+
 def recipe_backend(recipe: GemmRecipe, cap=None) -> tuple[str | None, str]:
     """The FP8/MX tensor-core backend that can run ``recipe``'s formats (or None), and why (one
-    phrase); decided from registry properties (``precision.formats``), never format names."""
+    phrase); decided from registry properties (``precision.formats``), never format names, and
+    from the start-up probe's refusals on this device (``REFUSED_FORMATS``)."""
+    hw, why = _recipe_backend(recipe, cap)
+    refused = REFUSED_FORMATS.get(cap, {})
+    for fmt in (recipe.a.fmt, recipe.b.fmt):
+        if hw is not None and fmt in refused:
+            return None, f"torch refused {fmt} here at the start-up probe: {refused[fmt]}"
+    return hw, why
+
+
+def _recipe_backend(recipe: GemmRecipe, cap) -> tuple[str | None, str]:
     fa, fb = recipe.a.fmt, recipe.b.fmt
     sa, sb = get_format(fa), get_format(fb)
     if _fp8_tensor_core(sa) and _fp8_tensor_core(sb):
@@ -210,8 +227,17 @@ def select_backend(recipe_or_precision: GemmRecipe | LinearPrecision, device, re
 
 def describe_backends(plan: Mapping[str, LinearPrecision] | LinearPrecision, device,
                       requested: str = "auto") -> str:
-    """Start-up report: one line per layer, ``recipe -> backend`` for each GEMM, and a summary."""
+    """Start-up report: one line per layer, ``recipe -> backend`` for each GEMM, and a summary.
+
+    On a real device with block-scaled tensor cores (sm_100, gfx950) it first runs the one-GEMM
+    probe per format (``kernels.scaled_mm.probe_formats``, once per device) and reports its lines."""
     cap = device_capability(device)
+    probe = []
+    if "mx_scaled_mm" in device_backends(cap) and not isinstance(device, (tuple, type(None))) \
+            and _looks_like_device(str(device)):
+        from kernels.scaled_mm import probe_formats  # the hardware backends import this module
+
+        probe = _probe_once(str(torch.device(device)), probe_formats)
     layers = {"(all layers)": plan} if isinstance(plan, LinearPrecision) else dict(plan)
     width = max([len(n) for n in layers] + [5])
     hw = ", ".join(device_backends(cap)) or "none"
@@ -227,4 +253,13 @@ def describe_backends(plan: Mapping[str, LinearPrecision] | LinearPrecision, dev
         lines.append(f"{name:<{width}}  " + "  ".join(f"{c:<{cw[i]}}" for i, c in enumerate(cells)).rstrip())
     lines.append("GEMMs per backend: " + ", ".join(f"{k} {v}" for k, v in sorted(count.items())))
     lines += [f"  {k}: {BACKEND_PATHS[k]}" for k in sorted(count)]
-    return "\n".join(lines)
+    return "\n".join(probe + lines)
+
+
+_PROBES: dict[str, list[str]] = {}
+
+
+def _probe_once(device: str, probe) -> list[str]:
+    if device not in _PROBES:
+        _PROBES[device] = probe(device)
+    return _PROBES[device]

@@ -40,7 +40,7 @@ from kernels.operand import QuantizedOperand, gemm_operands
 from precision.recipe import Gemm, GemmRecipe
 from precision.state import LayerQuantState
 
-__all__ = ["bf16_gemm", "bf16_operands_gemm", "mm_fp32_out"]
+__all__ = ["bf16_gemm", "bf16_operands_gemm", "mm_fp32_out", "refuses_out_dtype"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,19 @@ def _warn_no_out_dtype(why: str) -> None:
 
 
 _OUT_DTYPE_REFUSED: set = set()  # devices where torch.mm refused out_dtype (asked once per process)
+# The one refusal the FP32 fallback is for: torch has no ``mm(..., out_dtype=)`` overload (TypeError
+# naming the keyword) or no kernel of it for this device ("Could not run 'aten::mm.dtype'").
+_NO_OUT_DTYPE = re.compile(r"Could not run 'aten::mm\.dtype'")
+
+
+def refuses_out_dtype(e: BaseException) -> bool:
+    """Whether ``e`` from ``torch.mm(a, b, out_dtype=torch.float32)`` says the overload is missing
+    (and not, e.g., out of memory or operands of different dtypes)."""
+    msg = str(e)
+    if isinstance(e, TypeError):  # an older torch: no overload lists an out_dtype argument
+        return "unexpected keyword argument 'out_dtype'" in msg or (
+            "invalid combination" in msg and "out_dtype=" in msg and "dtype out_dtype" not in msg)
+    return isinstance(e, (RuntimeError, NotImplementedError)) and bool(_NO_OUT_DTYPE.search(msg))
 
 
 def mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -59,9 +72,9 @@ def mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.is_cuda and a.device not in _OUT_DTYPE_REFUSED:
         try:
             return torch.mm(a, b, out_dtype=torch.float32)
-        except (RuntimeError, TypeError) as e:  # an older torch, or a build without the dtype overload
-            if isinstance(e, RuntimeError) and not re.search(r"dtype|Could not run|not implemented", str(e)):
-                raise  # a real failure (e.g. out of memory), not a missing overload
+        except (RuntimeError, TypeError) as e:  # NotImplementedError is a RuntimeError
+            if not refuses_out_dtype(e):
+                raise  # a real failure, not a missing overload
             _OUT_DTYPE_REFUSED.add(a.device)
             _warn_no_out_dtype(str(e).splitlines()[0])
     with ieee_fp32_matmul():

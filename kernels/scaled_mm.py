@@ -32,14 +32,15 @@ from kernels.backends import BackendError, capability_name, device_backends, dev
 from kernels.gemm import BACKENDS, fp32_gemm
 from kernels.layouts import pack_fp4, to_blocked, unpack_fp4
 from kernels.operand import CONTRACTION_AXES, QuantizedOperand, gemm_operands
+from kernels.torch_api import scaled_mm_enums
 from precision import blocks
 from precision.elements import fp8_decode
 from precision.formats import Scaling
 from precision.quantize import FORMATS
-from precision.recipe import Gemm, GemmRecipe
+from precision.recipe import Gemm, GemmRecipe, parse_gemm
 from precision.state import LayerQuantState
 
-__all__ = ["HwOperand", "emulated_scaled_mm", "hw_gemm", "hw_operand", "torch_scaled_mm"]
+__all__ = ["REFUSALS", "HwOperand", "emulated_scaled_mm", "hw_gemm", "hw_operand", "probe_formats", "torch_scaled_mm"]
 
 K_MULTIPLE = 32
 ROW_MULTIPLE = 32
@@ -123,6 +124,10 @@ log = logging.getLogger(__name__)
 # Some block-scaled GEMMs refuse FP32 output ("Block-wise scaling only supports BFloat16 or Half
 # output types"): those formats run with BF16 output, decided once per format pair and said once.
 _OUT_DTYPE: dict[tuple[str, str], torch.dtype] = {}
+# What torch raises when a scaled GEMM cannot run: RuntimeError (cuBLAS / shape checks),
+# NotImplementedError (MX/NVFP4 through F.scaled_mm on a build without FBGEMM GenAI; a subclass of
+# RuntimeError, named for the reader) and ValueError (F.scaled_mm's argument checks).
+REFUSALS = (RuntimeError, NotImplementedError, ValueError)
 _OUT_DTYPE_REFUSAL = re.compile(r"(output|out_dtype)[^\n]*(bfloat16|bf16)|(bfloat16|bf16)[^\n]*output",
                                 re.IGNORECASE)
 
@@ -137,7 +142,7 @@ def torch_scaled_mm(a: HwOperand, b: HwOperand) -> torch.Tensor:
     dt = _OUT_DTYPE.get(key, torch.float32)
     try:
         out = _call_scaled_mm(a, b, dt)
-    except RuntimeError as e:
+    except REFUSALS as e:
         if dt is not torch.float32 or not _OUT_DTYPE_REFUSAL.search(str(e)):
             raise
         log.warning("torch._scaled_mm refused FP32 output for %s x %s (%s); these GEMMs now run with "
@@ -158,9 +163,10 @@ def _call_scaled_mm(a: HwOperand, b: HwOperand, out_dtype: torch.dtype) -> torch
     if a.scale_layout == "tensor":
         return torch._scaled_mm(A, B, scale_a=a.scale, scale_b=b.scale, out_dtype=out_dtype)
     F = torch.nn.functional
-    if hasattr(F, "scaled_mm"):
-        rec = F.ScalingType.BlockWise1x16 if FORMATS[a.fmt].block == 16 else F.ScalingType.BlockWise1x32
-        sw = F.SwizzleType.SWIZZLE_32_4_4 if a.scale_layout == "blocked" else F.SwizzleType.NO_SWIZZLE
+    enums = scaled_mm_enums()  # None: a torch without F.scaled_mm (or with other enum names)
+    if enums is not None:
+        rec = enums["block16"] if FORMATS[a.fmt].block == 16 else enums["block32"]
+        sw = enums["swizzle"] if a.scale_layout == "blocked" else enums["no_swizzle"]
         return F.scaled_mm(A, B, a.scale, rec, b.scale, rec, swizzle_a=sw, swizzle_b=sw,
                            output_dtype=out_dtype)
     return torch._scaled_mm(A, B, a.scale, b.scale, out_dtype=out_dtype)
@@ -210,3 +216,46 @@ BACKENDS.setdefault("fp8_scaled_mm", _fp8_scaled_mm)
 BACKENDS.setdefault("mx_scaled_mm", _mx_scaled_mm)
 BACKENDS.setdefault("auto", _auto)
 
+
+
+# ============================================================================ the start-up probe
+PROBE_FORMATS = ("fp8_e4m3", "mxfp8_e4m3", "mxfp4", "nvfp4")
+PROBE_REL_TOL = 2.0 ** -7  # a BF16 output rounding (2^-8 relative) plus accumulation order, with room
+
+
+def probe_formats(device, *, capability="device", mm=None, formats=PROBE_FORMATS) -> list[str]:
+    """One small Fprop GEMM per format on its tensor-core backend, checked against the emulated
+    spec; returns the report lines, one per format: which path its GEMMs will take.
+
+    A format torch refuses (``REFUSALS``: e.g. MXFP4 through ``F.scaled_mm`` on a build without
+    FBGEMM GenAI raises NotImplementedError), or whose result is off the spec by more than
+    ``PROBE_REL_TOL`` (relative Frobenius norm), is recorded in ``kernels.backends.REFUSED_FORMATS``
+    for this device, so ``auto`` sends its GEMMs to ``bf16_mm`` (same operands, BF16 tensor cores).
+    ``capability`` / ``mm`` let tests simulate a device and its ``torch._scaled_mm``."""
+    from kernels.backends import REFUSED_FORMATS, select_backend
+
+    dev = torch.device(device)
+    cap = device_capability(dev) if capability == "device" else capability
+    lines = [f"one-GEMM probe per format on {capability_name(cap)}:"]
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(64, 128, generator=gen).to(dev)
+    w = torch.randn(96, 128, generator=gen).to(dev)
+    for fmt in formats:
+        recipe = parse_gemm(fmt, Gemm.FPROP)
+        hw, why = recipe_backend(recipe, cap)
+        if hw is None or hw not in device_backends(cap):
+            lines.append(f"  {fmt}: {select_backend(recipe, cap)} ({why if hw is None else 'no ' + hw + ' here'})")
+            continue
+        try:
+            out = hw_gemm(Gemm.FPROP, x, w, recipe, LayerQuantState(), backend=hw, capability=cap, mm=mm)
+            ref = BACKENDS["reference"](Gemm.FPROP, x, w, recipe, LayerQuantState())
+            err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+            if not err <= PROBE_REL_TOL:
+                raise ValueError(f"result off the emulated spec: relative error {err:.2e} > {PROBE_REL_TOL:.2e}")
+        except REFUSALS as e:
+            reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"
+            REFUSED_FORMATS.setdefault(cap, {})[fmt] = reason
+            lines.append(f"  {fmt}: {hw} refused ({reason}) -> {select_backend(recipe, cap)}")
+            continue
+        lines.append(f"  {fmt}: {hw} (relative error vs the emulated spec {err:.1e})")
+    return lines

@@ -1,0 +1,95 @@
+"""The torch APIs the GPU path uses, looked up once with a guard for each (torch 2.11 and later).
+
+==============================================  ===================================================
+API                                             used by, and what happens where it is missing
+==============================================  ===================================================
+``torch.mm(a, b, out_dtype=torch.float32)``     ``bf16_mm``: BF16 GEMM with FP32 output. Missing
+                                                (no ``mm.dtype`` overload, or no kernel for the
+                                                device): FP32 GEMM of the upcast operands, said once
+``torch.nn.functional.scaled_mm`` + its enums   ``mx_scaled_mm`` (block scales, swizzle). Missing,
+  (``ScalingType``, ``SwizzleType``)            or enum members under other names: the positional
+                                                ``torch._scaled_mm`` call
+``torch._scaled_mm``                            ``fp8_scaled_mm`` / ``mx_scaled_mm``. Missing: those
+                                                backends are not offered (``auto`` picks ``bf16_mm``)
+``fp32_precision`` flags                        ``kernels.gemm.ieee_fp32_matmul``: only flags that
+                                                exist are switched (the legacy ones always are)
+``scaled_dot_product_attention(enable_gqa=)``   ``model.attention``: grouped-query attention
+==============================================  ===================================================
+
+The enum members have been spelled two ways across torch releases (``BlockWise1x32`` /
+``Blockwise_1x32``, ``SWIZZLE_32_4_4`` / ``Swizzle_32_4_4``); both are accepted. ``api_report()`` is
+the list the device check prints beside the versions.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+__all__ = ["api_report", "has_fp32_precision_flags", "has_scaled_mm", "scaled_mm_enums", "sdpa_has_enable_gqa"]
+
+_SPELLINGS = {  # member -> the names it has had
+    "block16": ("BlockWise1x16", "Blockwise_1x16"),
+    "block32": ("BlockWise1x32", "Blockwise_1x32"),
+    "swizzle": ("SWIZZLE_32_4_4", "Swizzle_32_4_4"),
+    "no_swizzle": ("NO_SWIZZLE", "NoSwizzle"),
+}
+
+
+def _member(enum, names):
+    for n in names:
+        if hasattr(enum, n):
+            return getattr(enum, n)
+    return None
+
+
+@functools.cache
+def scaled_mm_enums() -> dict | None:
+    """``{"block16", "block32", "swizzle", "no_swizzle"}`` members of ``F.ScalingType`` /
+    ``F.SwizzleType``, or None where ``F.scaled_mm`` or any of them is missing."""
+    F = torch.nn.functional
+    scaling, swizzle = getattr(F, "ScalingType", None), getattr(F, "SwizzleType", None)
+    if not hasattr(F, "scaled_mm") or scaling is None or swizzle is None:
+        return None
+    out = {k: _member(scaling if k.startswith("block") else swizzle, names) for k, names in _SPELLINGS.items()}
+    return None if any(v is None for v in out.values()) else out
+
+
+def has_scaled_mm() -> bool:
+    return hasattr(torch, "_scaled_mm")
+
+
+def has_fp32_precision_flags() -> bool:
+    return hasattr(torch.backends.cuda.matmul, "fp32_precision")
+
+
+@functools.cache
+def _mm_has_out_dtype() -> bool:
+    try:  # the overload list is in the TypeError a call with an unknown keyword raises
+        torch.mm(torch.zeros(1, 1), torch.zeros(1, 1), out_dtype_probe=None)
+    except TypeError as e:
+        return "out_dtype" in str(e)
+    return False
+
+
+def sdpa_has_enable_gqa() -> bool:
+    try:
+        return "enable_gqa" in inspect.signature(torch.nn.functional.scaled_dot_product_attention).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: its docstring lists the argument
+        return "enable_gqa" in (torch.nn.functional.scaled_dot_product_attention.__doc__ or "")
+
+
+def api_report() -> list[str]:
+    """One line per API: present, or the guarded path this torch takes instead."""
+    enums = scaled_mm_enums()
+    rows = [
+        ("torch.mm(out_dtype=)", _mm_has_out_dtype(), "bf16_mm upcasts to an FP32 GEMM"),
+        ("torch._scaled_mm", has_scaled_mm(), "no FP8/MX tensor-core backends"),
+        ("F.scaled_mm + ScalingType/SwizzleType", enums is not None, "positional torch._scaled_mm call"),
+        ("fp32_precision flags", has_fp32_precision_flags(), "legacy TF32 flags only"),
+        ("SDPA enable_gqa", sdpa_has_enable_gqa(), "grouped-query attention unavailable"),
+    ]
+    return [f"torch {torch.__version__}"] + [
+        f"  {name}: {'yes' if ok else 'MISSING -> ' + fallback}" for name, ok, fallback in rows]

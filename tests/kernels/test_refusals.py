@@ -1,0 +1,149 @@
+"""What the hardware GEMM paths do when torch refuses them, shown on CPU.
+
+* ``bf16_mm`` falls back to FP32 GEMMs only on the one refusal it means (no ``mm(out_dtype=)``).
+* ``torch_scaled_mm``'s BF16-output retry also catches ValueError / NotImplementedError (what
+  ``F.scaled_mm`` raises), still only for the FP32-output refusal.
+* An sm_100 run's one-GEMM probe per format reports which path each format takes, and a refused
+  format's GEMMs go to ``bf16_mm``.
+* ``F.scaled_mm``'s enums are found under either spelling torch has used.
+"""
+
+import pytest
+import torch
+
+from kernels import backends as kb
+from kernels import scaled_mm as ksm
+from kernels import torch_api
+from kernels.bf16_mm import refuses_out_dtype
+from precision.recipe import Gemm, parse_gemm
+
+SM100 = (10, 0)
+
+
+def _raised(fn) -> BaseException:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects what torch raised
+        return e
+    raise AssertionError("expected torch to refuse")
+
+
+def test_bf16_mm_falls_back_only_on_the_missing_out_dtype_overload():
+    a = torch.ones(4, 4, dtype=torch.bfloat16)
+    # torch's own refusal: the overload has no kernel for this device
+    assert refuses_out_dtype(_raised(lambda: torch.mm(a, a, out_dtype=torch.float32)))
+    # an older torch without the overload (its TypeError lists overloads without out_dtype)
+    old = TypeError("mm() received an invalid combination of arguments - got (Tensor, Tensor, "
+                    "out_dtype=torch.dtype), but expected one of:\n * (Tensor input, Tensor mat2, *, Tensor out = None)")
+    assert refuses_out_dtype(old)
+    # real failures whose text mentions "dtype" are not that refusal: they must propagate
+    mixed = _raised(lambda: torch.mm(a, torch.ones(4, 4)))
+    assert "dtype" in str(mixed) and not refuses_out_dtype(mixed)
+    assert not refuses_out_dtype(_raised(lambda: torch.mm(a, a, out_dtype_typo=torch.float32)))
+    assert not refuses_out_dtype(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+
+
+@pytest.mark.parametrize("exc", [ValueError, NotImplementedError, RuntimeError])
+def test_scaled_mm_retries_bf16_output_whatever_exception_class_refuses_fp32(exc, monkeypatch):
+    calls = []
+
+    def fake(a, b, out_dtype):
+        calls.append(out_dtype)
+        if out_dtype is torch.float32:
+            raise exc("Block-wise scaling only supports BFloat16 or Half output types")
+        return ksm.emulated_scaled_mm(a, b).to(out_dtype)
+
+    monkeypatch.setattr(ksm, "_call_scaled_mm", fake)
+    monkeypatch.setattr(ksm, "_OUT_DTYPE", {})
+    ops = _hw_operands("mxfp8_e4m3")
+    out = ksm.torch_scaled_mm(*ops)
+    assert calls == [torch.float32, torch.bfloat16] and out.dtype is torch.float32
+    # any other refusal propagates, whatever its class
+    monkeypatch.setattr(ksm, "_OUT_DTYPE", {})
+    monkeypatch.setattr(ksm, "_call_scaled_mm", lambda a, b, dt: (_ for _ in ()).throw(exc("mat2 shape mismatch")))
+    with pytest.raises(exc, match="shape mismatch"):
+        ksm.torch_scaled_mm(*ops)
+
+
+def _hw_operands(fmt):
+    from kernels.operand import gemm_operands
+    from precision.state import LayerQuantState
+
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(32, 64, generator=gen), torch.randn(32, 64, generator=gen)
+    ops = gemm_operands(Gemm.FPROP, x, w, parse_gemm(fmt, Gemm.FPROP), LayerQuantState(),
+                        impl="reference", codes=True)
+    return ksm.hw_operand(ops.a), ksm.hw_operand(ops.b)
+
+
+@pytest.fixture
+def clean_refusals():
+    kb.REFUSED_FORMATS.pop(SM100, None)
+    yield
+    kb.REFUSED_FORMATS.pop(SM100, None)
+
+
+def test_sm100_probe_reports_each_formats_path_and_reroutes_a_refused_one(clean_refusals):
+    def fake_scaled_mm(a, b):  # a torch without FBGEMM GenAI: MXFP4 through F.scaled_mm is refused
+        if a.fmt == "mxfp4":
+            raise NotImplementedError("MXFP4 scaled_mm requires PyTorch built with FBGEMM GenAI\nmore")
+        return ksm.emulated_scaled_mm(a, b)
+
+    lines = ksm.probe_formats("cpu", capability=SM100, mm=fake_scaled_mm)
+    assert lines[0] == "one-GEMM probe per format on sm_100:"
+    by_fmt = {ln.split(":")[0].strip(): ln for ln in lines[1:]}
+    assert set(by_fmt) == set(ksm.PROBE_FORMATS)
+    assert by_fmt["fp8_e4m3"].startswith("  fp8_e4m3: fp8_scaled_mm (relative error")
+    assert by_fmt["nvfp4"].startswith("  nvfp4: mx_scaled_mm (relative error")
+    assert by_fmt["mxfp4"] == ("  mxfp4: mx_scaled_mm refused (NotImplementedError: MXFP4 scaled_mm requires "
+                               "PyTorch built with FBGEMM GenAI) -> bf16_mm")
+    mxfp4, nvfp4 = parse_gemm("mxfp4", Gemm.FPROP), parse_gemm("nvfp4", Gemm.FPROP)
+    assert kb.select_backend(mxfp4, SM100) == "bf16_mm"
+    assert kb.select_backend(nvfp4, SM100) == "mx_scaled_mm"
+    with pytest.raises(kb.BackendError, match="torch refused mxfp4 here at the start-up probe"):
+        kb.select_backend(mxfp4, SM100, "mx_scaled_mm")
+    assert kb.select_backend(mxfp4, (10, 3)) == "mx_scaled_mm"  # another device is not affected
+
+
+def test_probe_refuses_a_format_whose_result_is_off_the_spec(clean_refusals):
+    lines = ksm.probe_formats("cpu", capability=SM100, formats=("nvfp4",),
+                              mm=lambda a, b: ksm.emulated_scaled_mm(a, b) * 1.1)
+    assert "nvfp4: mx_scaled_mm refused (ValueError: result off the emulated spec" in lines[1]
+    assert lines[1].endswith("-> bf16_mm")
+
+
+def test_sm90_probe_says_block_formats_take_bf16_mm(clean_refusals):
+    lines = ksm.probe_formats("cpu", capability=(9, 0), formats=("mxfp4", "nvfp4"))
+    assert lines[1:] == ["  mxfp4: bf16_mm (no mx_scaled_mm here)", "  nvfp4: bf16_mm (no mx_scaled_mm here)"]
+
+
+class _OldScaling:  # the enum spellings of another torch release
+    Blockwise_1x16, Blockwise_1x32 = "b16", "b32"
+
+
+class _OldSwizzle:
+    Swizzle_32_4_4, NoSwizzle = "sw", "none"
+
+
+def test_scaled_mm_enums_under_either_spelling(monkeypatch):
+    torch_api.scaled_mm_enums.cache_clear()
+    try:
+        assert torch_api.scaled_mm_enums() is not None  # this torch's spelling
+        monkeypatch.setattr(torch.nn.functional, "ScalingType", _OldScaling)
+        monkeypatch.setattr(torch.nn.functional, "SwizzleType", _OldSwizzle)
+        torch_api.scaled_mm_enums.cache_clear()
+        assert torch_api.scaled_mm_enums() == {"block16": "b16", "block32": "b32", "swizzle": "sw",
+                                               "no_swizzle": "none"}
+        monkeypatch.delattr(torch.nn.functional, "scaled_mm")
+        torch_api.scaled_mm_enums.cache_clear()
+        assert torch_api.scaled_mm_enums() is None  # -> the positional torch._scaled_mm call
+    finally:
+        monkeypatch.undo()
+        torch_api.scaled_mm_enums.cache_clear()
+
+
+def test_api_report_names_every_api_the_gpu_path_uses():
+    text = "\n".join(torch_api.api_report())
+    for name in ("torch.mm(out_dtype=)", "torch._scaled_mm", "F.scaled_mm", "fp32_precision", "enable_gqa"):
+        assert name in text
+    assert "MISSING" not in text  # this torch has them all
