@@ -159,6 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--amax-history-len", type=int, metavar="N", help="amax history window (steps) for --amax-algo")
     add(
+        "--fp8-margin",
+        type=int,
+        metavar="N",
+        help="Megatron-LM/TransformerEngine's margin for every per-tensor operand (FP8, HiF8) of the plan: "
+        "scale = target / amax / 2^N, target the format's scale target (FP8: its max normal, as TE; "
+        "HiF8: 2^3); N >= 0 for FP8, N >= -12 for HiF8 (-12: amax -> 2^15, TE's FP8 rule); default: "
+        "the plan's own (0)",
+    )
+    add(
         "--qat-warmup-iters",
         type=int,
         default=0,

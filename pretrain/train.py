@@ -191,6 +191,29 @@ def override_amax(plan, algo: str | None, history_len: int | None):
     return PrecisionPlan(entries)
 
 
+def override_margin(plan, margin: int):
+    """``--fp8-margin N``: ``margin=N`` on every per-tensor operand (FP8, HiF8) of the plan, so its
+    scale is the format's scale target / amax / 2^N; block formats and BF16 are left alone."""
+    from precision import FORMATS, PrecisionPlan, SpecError
+
+    def operand(op):
+        if FORMATS[op.fmt].kind != "tensor":
+            return op
+        try:  # the range depends on the format: FP8 >= 0, HiF8 >= -12
+            return dataclasses.replace(op, margin=margin)
+        except SpecError as e:
+            raise ConfigError(f"--fp8-margin {margin}: {e}") from None
+
+    def recipe(r):
+        return dataclasses.replace(r, a=operand(r.a), b=operand(r.b))
+
+    entries = {}
+    for name, p in plan.items():
+        q = dataclasses.replace(p, fprop=recipe(p.fprop), dgrad=recipe(p.dgrad), wgrad=recipe(p.wgrad))
+        entries[name] = (q, plan.rule_for(name) + ("" if q == p else f" + --fp8-margin {margin}"))
+    return PrecisionPlan(entries)
+
+
 def check_gemm_backends(plan, device: torch.device, requested: str, label: str = "") -> None:
     """Refuse (one line) a forced hardware backend that cannot run some layer's GEMM here, and print
     once which GEMM of which layer runs on what (after ``label:``, e.g. a schedule's phase)."""
@@ -246,6 +269,8 @@ def _resolve_plan(args, precision: str, every: list[str], names: list[str], labe
                               for n in plan})
     if args.amax_algo or args.amax_history_len:
         plan = override_amax(plan, args.amax_algo, args.amax_history_len)
+    if getattr(args, "fp8_margin", None) is not None:
+        plan = override_margin(plan, args.fp8_margin)
     return PrecisionPlan({n: (plan[n], plan.rule_for(n)) for n in names}), plan
 
 
