@@ -15,6 +15,18 @@ and ours: ``consumed_train_samples`` (the data position), ``precision_plan``
 included) and ``tokenizer_model`` (the tokenizer file the run used). Load with
 ``torch.load(..., weights_only=False)``: RNG states hold numpy arrays.
 
+Beside them global rank 0 writes how the checkpoint was made, so that every entry point that loads
+it (evaluation, generation, RL, export) needs no flag the run already had:
+
+    DIR/iter_0000010/run_config.json           {"iteration", "args", "model_config", "tokenizer"}
+    DIR/iter_0000010/tokenizer/tokenizer.model a copy of the run's tokenizer (sentencepiece file, or a
+                                               Hugging Face folder's tokenizer files)
+
+``tokenizer`` is ``{"type": --tokenizer-type, "path": "tokenizer/...", "source": the file the run
+read, "bytes"}`` or null; :func:`checkpoint_tokenizer` finds it (for checkpoints without
+``run_config.json``: the saved ``--tokenizer-model`` path, where it still exists). Both are written
+for states that carry a ``model_config`` (every training run's), and listed in ``checksums.json``.
+
 Atomicity: all ranks write into ``DIR/.tmp_iter_0000010``; after a barrier global rank 0 writes
 ``checksums.json`` there, renames it to ``DIR/iter_0000010`` and then replaces the tracker file
 (written beside it, fsynced, ``os.replace``). A crash at any point leaves either the previous
@@ -54,6 +66,12 @@ from megatron.core import parallel_state
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
 CHECKSUMS = "checksums.json"
+RUN_CONFIG = "run_config.json"
+TOKENIZER_DIR = "tokenizer"
+SP_TOKENIZER = "SentencePieceTokenizer"
+# what a Hugging Face tokenizer folder's copy keeps (pretrain.hf_convert.TOKENIZER_FILES: no weights)
+_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                       "vocab.json", "merges.txt", "added_tokens.json")
 CHECKPOINT_VERSION = 3.0
 _ITER_DIR = re.compile(r"iter_(\d{7,})")
 _HASH_CHUNK = 1 << 24
@@ -320,6 +338,63 @@ def _write_failure(e: BaseException) -> OSError | None:
     return None
 
 
+def _write_run_config(ckpt_dir: str, iteration: int, state: dict) -> dict:
+    """``run_config.json`` and the tokenizer copy in ``ckpt_dir`` (module docstring); returns their
+    checksum entries. Only for states with a ``model_config``."""
+    if not state.get("model_config"):
+        return {}
+    args = state.get("args") or {}
+    source = state.get("tokenizer_model") or args.get("tokenizer_model")
+    tokenizer, written = None, []
+    if source and os.path.exists(source):
+        dest = os.path.join(ckpt_dir, TOKENIZER_DIR)
+        os.makedirs(dest)
+        names = [n for n in _HF_TOKENIZER_FILES if os.path.isfile(os.path.join(source, n))] if os.path.isdir(source) \
+            else [os.path.basename(source)]  # fmt: skip
+        for name in names:
+            shutil.copyfile(os.path.join(source, name) if os.path.isdir(source) else source, os.path.join(dest, name))
+            written.append(os.path.join(dest, name))
+        rel = TOKENIZER_DIR if os.path.isdir(source) else f"{TOKENIZER_DIR}/{names[0]}"
+        tokenizer = {"type": args.get("tokenizer_type", SP_TOKENIZER), "path": rel,
+                     "source": os.path.abspath(source), "bytes": sum(os.path.getsize(p) for p in written)}
+    config = {"iteration": iteration, "tokenizer": tokenizer, "model_config": state["model_config"], "args": args}
+    path = os.path.join(ckpt_dir, RUN_CONFIG)
+    with open(path, "w") as f:
+        json.dump(config, f, indent=1, sort_keys=True, default=repr)  # args may hold non-JSON values
+        f.flush()
+        os.fsync(f.fileno())
+    return {os.path.relpath(p, ckpt_dir).replace(os.sep, "/"): file_entry(p) for p in [*written, path]}
+
+
+def read_run_config(ckpt_dir: str) -> dict | None:
+    """``ckpt_dir``'s ``run_config.json`` (an ``iter_*`` directory), or None for a checkpoint written
+    before it existed (or by a state without a ``model_config``)."""
+    path = os.path.join(ckpt_dir, RUN_CONFIG)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"--load: {path} is unreadable ({e.__class__.__name__}: {e}); "
+                              f"{_advice(os.path.dirname(ckpt_dir), ckpt_dir)}") from None
+
+
+def checkpoint_tokenizer(ckpt_dir: str, ckpt: dict | None = None) -> tuple[str | None, str | None]:
+    """``(path, tokenizer type)`` of the tokenizer the run that wrote ``ckpt_dir`` used: the copy in
+    the checkpoint; for older checkpoints (no ``run_config.json``) the ``--tokenizer-model`` file or
+    folder recorded in ``ckpt`` (its ``args`` / ``tokenizer_model``) if it still exists; else
+    ``(None, None)``."""
+    tok = (read_run_config(ckpt_dir) or {}).get("tokenizer")
+    if tok and os.path.exists(path := os.path.join(ckpt_dir, tok["path"])):
+        return path, tok.get("type", SP_TOKENIZER)
+    args = (ckpt or {}).get("args") or {}
+    path = args.get("tokenizer_model") or (ckpt or {}).get("tokenizer_model")
+    if path and os.path.exists(path):
+        return path, args.get("tokenizer_type", SP_TOKENIZER)
+    return None, None
+
+
 def _save_problem(save_dir: str, iteration: int, e: OSError) -> str:
     """The one line of a save that could not be completed (see :class:`CheckpointSaveError`)."""
     what = e.strerror or str(e)
@@ -418,6 +493,11 @@ def save_checkpoint(save_dir: str, iteration: int, state: dict, write_beside=Non
         if (failure := _write_failure(e)) is None:
             raise
         problem = _save_problem(save_dir, iteration, failure)
+    if rank == 0 and problem is None:
+        try:
+            files.update(_write_run_config(tmp, iteration, state))
+        except OSError as e:
+            problem = _save_problem(save_dir, iteration, e)
     gathered = _gather((problem, files))
     if problem := next((p for p, _ in gathered if p), None):
         give_up(problem)

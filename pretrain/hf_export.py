@@ -98,15 +98,15 @@ def load_tp1_weights(path: str) -> tuple[dict[str, torch.Tensor], ModelConfig, s
     from pretrain.checkpointing import TRACKER
 
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, TRACKER)):
-        from pretrain.checkpointing import load_checkpoint
+        from pretrain.checkpointing import checkpoint_tokenizer, load_checkpoint
 
         ckpt = load_checkpoint(path, tp_size=1, reshard_model=True)
         if ckpt is None or not ckpt.get("model_config"):
             raise HFExportError(f"--load {path}: no checkpoint with a model_config (saved by an older version)")
-        args = ckpt.get("args", {})
-        tok = args.get("tokenizer_model") if args.get("tokenizer_type") == "HuggingFaceTokenizer" else None
+        tok, tok_type = checkpoint_tokenizer(ckpt["path"], ckpt)
+        hf_dir = tok if tok_type == "HuggingFaceTokenizer" and os.path.isdir(tok) else None
         state = {k: v for k, v in ckpt["model"].items() if not k.endswith("._extra_state")}
-        return state, ModelConfig(**ckpt["model_config"]), tok if tok and os.path.isdir(tok) else None
+        return state, ModelConfig(**ckpt["model_config"]), hf_dir
     file = os.path.join(path, hf_convert.FILE_NAME) if os.path.isdir(path) else path
     if not os.path.isfile(file):
         raise HFExportError(f"--load {path}: neither a training checkpoint ({TRACKER}) nor a "

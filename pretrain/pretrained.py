@@ -74,7 +74,13 @@ def _checkpoint_rank0_file(ckpt_dir: str) -> str | None:
 def read_pretrained(path: str) -> Pretrained:
     """Config and metadata of ``path`` (see module docstring) without reading its tensors."""
     from pretrain import hf_convert
-    from pretrain.checkpointing import TRACKER, CheckpointError, iter_dir_name, read_tracker
+    from pretrain.checkpointing import (
+        TRACKER,
+        CheckpointError,
+        checkpoint_tokenizer,
+        iter_dir_name,
+        read_tracker,
+    )
 
     flag = f"--pretrained-checkpoint {path}"
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, TRACKER)):
@@ -88,14 +94,11 @@ def read_pretrained(path: str) -> Pretrained:
         ckpt = torch.load(first, map_location="cpu", weights_only=False, mmap=True)
         if not ckpt.get("model_config"):
             raise PretrainedError(f"{flag}: {first} has no model_config (saved by an older version)")
-        saved = ckpt.get("args", {})
-        tok = saved.get("tokenizer_model") or ckpt.get("tokenizer_model")
-        tok_type = saved.get("tokenizer_type", SP_TOKENIZER_TYPE)
-        return Pretrained(
-            "checkpoint", path, ModelConfig(**ckpt["model_config"]),
-            tok if tok and os.path.exists(tok) else None, tok_type if tok and os.path.exists(tok) else None,
-            iteration,
-        )  # fmt: skip
+        try:  # the copy the checkpoint carries; older ones: the saved --tokenizer-model, if it still exists
+            tok, tok_type = checkpoint_tokenizer(os.path.dirname(os.path.dirname(first)), ckpt)
+        except CheckpointError as e:
+            raise PretrainedError(f"{flag}: {e}") from None
+        return Pretrained("checkpoint", path, ModelConfig(**ckpt["model_config"]), tok, tok_type, iteration)
     file = _converted_file(path)
     if file is None:
         raise PretrainedError(

@@ -125,6 +125,7 @@ def load_training_checkpoint(
     seed: int = 1234,
 ) -> LoadedModel:
     """A training checkpoint from ``load_dir`` (latest iteration), as a TP=1 model for evaluation.
+    Its tokenizer is the one the run used (``pretrain.checkpointing.checkpoint_tokenizer``).
 
     The model config is the checkpoint's ``model_config`` (``dataclasses.asdict(ModelConfig)``) when
     it has one, else rebuilt from its ``args`` (``pretrain.arguments.model_config``) with the
@@ -134,7 +135,7 @@ def load_training_checkpoint(
     maximum over shards); resharding needs its ``model_config``, which every training run saves.
     """
     from pretrain.arguments import model_config
-    from pretrain.checkpointing import load_checkpoint
+    from pretrain.checkpointing import checkpoint_tokenizer, load_checkpoint
 
     ckpt = load_checkpoint(load_dir, tp_size=1, reshard_model=True)
     if ckpt is None:
@@ -160,6 +161,7 @@ def load_training_checkpoint(
         raise ValueError(f"--load {ckpt['path']} does not fit its own args: {' '.join(str(e).split())[:300]}") from None
     plan = _plan(model, cfg, precision, precision_rules, ckpt.get("precision_plan"))
     apply_precision_plan(model, plan)
-    hf_dir = tokenizer_model if hf and tokenizer_model and os.path.isdir(tokenizer_model) else None
+    tok_path, tok_type = checkpoint_tokenizer(ckpt["path"], ckpt)  # the run's own, also the built-in one
+    hf = tok_type == "HuggingFaceTokenizer"
     return LoadedModel(model.to(device).eval(), cfg, plan, "checkpoint", ckpt["path"],
-                       tokenizer_dir=hf_dir, tokenizer_model=None if hf else tokenizer_model)
+                       tokenizer_dir=tok_path if hf else None, tokenizer_model=None if hf else tok_path)

@@ -10,7 +10,15 @@ import pytest
 import torch
 
 import pretrain.checkpointing as ckpt_mod
-from pretrain.checkpointing import CHECKSUMS, TRACKER, load_checkpoint, read_tracker, save_checkpoint
+from pretrain.checkpointing import (
+    CHECKSUMS,
+    RUN_CONFIG,
+    TOKENIZER_DIR,
+    TRACKER,
+    load_checkpoint,
+    read_tracker,
+    save_checkpoint,
+)
 
 from ._launch import (
     TINY,
@@ -214,7 +222,7 @@ def test_sigterm_finishes_the_iteration_saves_and_exits_zero(tmp_path, data_cach
     iteration = int(stopped[0].rsplit(" ", 1)[1])
     assert iteration >= 3 and read_tracker(str(ckpt)) == iteration
     done = ckpt / f"iter_{iteration:07d}"
-    assert sorted(os.listdir(done)) == [CHECKSUMS, "mp_rank_00", "mp_rank_01"]
+    assert sorted(os.listdir(done)) == [CHECKSUMS, "mp_rank_00", "mp_rank_01", RUN_CONFIG, TOKENIZER_DIR]
     assert sorted(os.listdir(ckpt)) == [done.name, TRACKER]
     assert load_rank_checkpoint(done, 1)["consumed_train_samples"] == 4 * iteration
 

@@ -74,7 +74,8 @@ def test_pipeline_parallel_matches_pp1_and_resumes_exactly(tmp_path, data_cache,
     # the whole model's plan is printed (rank 0 holds layer 0 only); the rule counts global layers
     assert "decoder.layers.0.mlp.linear_fc2" in out and "decoder.layers.1.mlp.linear_fc2" in out
     assert sorted(p.name for p in (save / "iter_0000002").iterdir()) == ["checksums.json", "mp_rank_00_000",
-                                                                         "mp_rank_00_001"]
+                                                                         "mp_rank_00_001", "run_config.json",
+                                                                         "tokenizer"]
     assert "resumed from" in run_pretrain(pp2, nproc=2, script=HARNESS).stdout
 
     # per-layer telemetry of both stages reaches rank 0's TensorBoard
