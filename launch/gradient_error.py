@@ -21,10 +21,20 @@ distinct group means), it reports, relative to ``|G|``:
 - ``bias``: ``|E[e]|``, from groups of batches (mean of the inner products of distinct groups'
   mean errors, so the noise does not inflate it; may come out negative when there is none, and is
   then shown as its signed square root), with a jackknife standard error over the groups;
-- ``break-even tokens``: the tokens per step at which sampling noise falls to the bias
-  (``tokens_per_step * noise**2 / bias**2``): beyond it the bias dominates what a step sees, which
-  is where a precision that is free at small batches starts to cost (the study trains at ~4M
-  tokens per step).
+- ``break-even tokens``: the tokens per step at which one step's sampling noise falls to the bias
+  (``tokens_per_step * noise**2 / bias**2``): beyond it the bias dominates what a single step sees
+  (the study trains at ~4M tokens per step);
+- ``<G, E[e]> / |G|^2``: the bias's projection on the mean gradient, the first-order effect of the
+  bias on the loss (an SGD step moves the loss by ``-lr * <G, g + e>``; positive: the error points
+  along the gradient, a slightly larger step; negative: it opposes descent). Estimated without the
+  same-batch covariance of ``g_i`` and ``e_i`` (inner products of *distinct* groups' means only),
+  with a jackknife standard error over the groups;
+- ``break-even steps``: over S steps the bias's drift grows like ``S * bias`` and the sampling
+  noise's like ``sqrt(S) * noise``, so they are equal after ``(noise / bias)**2`` steps (with the
+  tokens that makes in total); ``drift ratio at N steps`` is ``bias * sqrt(N) / noise`` for the
+  run's ``--train-iters`` N. This compares whole training runs, not one step's noise with the bias.
+  Paired runs (same seed, same batches) cancel much of the sampling noise in a gap, so a gap
+  shows the bias earlier than this.
 
 Also per parameter kind (embedding, qkv, proj, fc1, fc2, output layer, norms), the bias, and each
 precision's mean loss difference from the reference on the same batches. It measures at TP=1 and
@@ -43,7 +53,7 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # before launch/ itself
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
-import torch  # noqa: E402
+import torch
 
 KINDS = ("embedding", "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer", "norm/bias")
 
@@ -115,6 +125,35 @@ def cross_group_square(group_sum: torch.Tensor, per_group: int, sl: slice = slic
     return full, se
 
 
+def bias_projection(ref_sums: torch.Tensor, err_sums: torch.Tensor, per_group: int) -> tuple[float, float]:
+    """``<G, E[e]> / |G|**2`` from group sums of the exact gradients and of the errors, each inner
+    product over distinct groups only (unbiased for both numerator and denominator), and its
+    jackknife standard error over groups (NaN with fewer than 3 groups)."""
+    g = ref_sums / per_group
+    e = err_sums / per_group
+
+    def ratio(a: torch.Tensor, b: torch.Tensor) -> float:
+        k = a.shape[0]
+        sa, sb = a.sum(0), b.sum(0)
+        inner = float((sa @ sb - (a * b).sum()) / (k * (k - 1)))
+        square = float((sa @ sa - (a * a).sum()) / (k * (k - 1)))
+        return inner / square if square > 0 else float("nan")
+
+    full = ratio(g, e)
+    k = g.shape[0]
+    if k < 3:
+        return full, float("nan")
+    loo = torch.tensor([ratio(torch.cat([g[:j], g[j + 1:]]), torch.cat([e[:j], e[j + 1:]])) for j in range(k)],
+                       dtype=torch.float64)
+    return full, float(((k - 1) / k * (loo - loo.mean()).square().sum()).sqrt())
+
+
+def break_even_steps(noise: float, bias: float) -> float:
+    """Steps after which a bias's drift (``S * bias``) equals accumulated sampling noise
+    (``sqrt(S) * noise``): ``(noise / bias)**2``; inf without a bias."""
+    return (noise / bias) ** 2 if bias > 0 else float("inf")
+
+
 def signed_sqrt(v: float) -> float:
     return math.copysign(math.sqrt(abs(v)), v)
 
@@ -122,11 +161,11 @@ def signed_sqrt(v: float) -> float:
 def main(argv: list[str] | None = None) -> int:
     ours, flags = parse(sys.argv[1:] if argv is None else argv)
     from model.gpt import apply_precision_plan, policy_linear_names, policy_linears
+    from precision import PrecisionPolicy, SpecError
     from pretrain.arguments import ConfigError, parse_args, validate_args
     from pretrain.data import batches
     from pretrain.engine import _to
     from pretrain.train import setup
-    from precision import PrecisionPolicy, SpecError
 
     args = parse_args(flags + ["--precision", ours.reference])
     try:
@@ -212,8 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     noise = math.sqrt(max(noise_sq, 0.0)) / g_norm
     print(f"\nmean gradient |G| = {g_norm:.4g}; one step's sampling noise = {noise:.3f} |G| "
           f"({tokens_per_step:,} tokens per step)\n")
-    print("| precision | loss - ref (s.e.) | step error / abs(G) | bias / abs(G) (s.e.) | break-even tokens/step |")
-    print("|---|---|---|---|---|")
+    steps = args.train_iters or 0
+    print("| precision | loss - ref (s.e.) | step error / abs(G) | bias / abs(G) (s.e.) | break-even tokens/step "
+          f"| <G, E[e]> / abs(G)^2 (s.e.) | break-even steps (tokens in total) | drift ratio at {steps} steps |")
+    print("|---|---|---|---|---|---|---|---|")
     for p in ours.precisions:
         m = err[p]
         b_sq, b_se = cross_group_square(m.group_sum, per_group)
@@ -223,7 +264,12 @@ def main(argv: list[str] | None = None) -> int:
         dl = torch.tensor(dloss[p], dtype=torch.float64)
         dl_se = float(dl.std() / math.sqrt(len(dl)))
         breakeven = f"{tokens_per_step * noise ** 2 / bias ** 2:,.0f}" if bias > 0 else "none (no bias)"
-        print(f"| {p} | {float(dl.mean()):+.5f} ({dl_se:.5f}) | {step:.4f} | {bias:.4f} ({bias_se:.4f}) | {breakeven} |")
+        proj, proj_se = bias_projection(ref.group_sum, m.group_sum, per_group)
+        s_even = break_even_steps(noise, bias)
+        even = f"{s_even:,.0f} ({s_even * tokens_per_step:,.0f})" if math.isfinite(s_even) else "none (no bias)"
+        drift = f"{bias * math.sqrt(steps) / noise:.3f}" if bias > 0 and noise > 0 else "n/a"
+        print(f"| {p} | {float(dl.mean()):+.5f} ({dl_se:.5f}) | {step:.4f} | {bias:.4f} ({bias_se:.4f}) | {breakeven} "
+              f"| {proj:+.4f} ({proj_se:.4f}) | {even} | {drift} |")
     print("\nbias / abs(G) by parameter kind (each kind's bias over its own mean gradient):\n")
     present = [k for k in KINDS if kind_slices[k]]
     print("| precision | " + " | ".join(present) + " |")

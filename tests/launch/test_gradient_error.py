@@ -54,6 +54,35 @@ def test_bias_estimate_separates_bias_from_noise():
         assert naive > expected + 1.0  # the noise term, 200 / 128, the estimator removes
 
 
+def test_bias_projection_ignores_same_batch_covariance():
+    """e_i = b + 0.5 (g_i - G): the error follows each batch's own noise. The naive mean of
+    <g_i, e_i> picks up that covariance (0.5 * E|noise|^2, large); the distinct-group estimate finds
+    <G, b> / |G|^2 = 0.3 within its standard error."""
+    mod = _estimator()
+    gen = torch.Generator().manual_seed(1)
+    dim, groups, per_group = 100, 16, 4
+    big_g = torch.ones(dim, dtype=torch.float64)  # |G|^2 = 100
+    b = 0.3 * big_g + 0.2 * torch.tensor([(-1.0) ** k for k in range(dim)], dtype=torch.float64)  # <G, b> = 30
+    noise = 3.0 * torch.randn(groups * per_group, dim, generator=gen, dtype=torch.float64)
+    g, e = big_g + noise, b + 0.5 * noise
+    proj, se = mod.bias_projection(g.view(groups, per_group, dim).sum(1), e.view(groups, per_group, dim).sum(1),
+                                   per_group)
+    assert abs(proj - 0.3) < 3 * se and se < 0.1, (proj, se)
+    naive = float((g * e).sum(1).mean()) / float(g.mean(0).square().sum())
+    assert naive > 1.5  # the covariance term 0.5 * 9 * 100 swamps <G, b> = 30
+
+
+def test_break_even_steps_from_the_issue_figures():
+    # bias 0.067 and noise 4.89 of |G| (configs/sweeps/mxfp4_study_cpu.md, section 3): their drifts are
+    # equal after (4.89 / 0.067)^2 ~ 5,300 steps (11M tokens at 2,048 per step); at 500 steps 0.31
+    mod = _estimator()
+    s = mod.break_even_steps(4.89, 0.067)
+    assert s == pytest.approx((4.89 / 0.067) ** 2) and 5000 < s < 5600
+    assert s * 2048 == pytest.approx(10.9e6, rel=0.01)
+    assert 0.067 * math.sqrt(500) / 4.89 == pytest.approx(0.306, abs=0.001)
+    assert math.isinf(mod.break_even_steps(4.89, 0.0))
+
+
 def test_gradient_error_smoke(tmp_path, data_cache):
     ckpt = tmp_path / "ckpt"
     common = [*TINY, "--data-cache-dir", str(data_cache), "--train-iters", "2"]
@@ -61,11 +90,14 @@ def test_gradient_error_smoke(tmp_path, data_cache):
     out = run_pretrain(["--precisions", "bf16", "mxfp4", "--batches", "4", "--groups", "2", "--",
                         *common, "--load", str(ckpt)], nproc=0, script=SCRIPT).stdout
     assert "gradient error at iteration 2" in out
-    rows = {m[1]: float(m[2]) for m in re.finditer(r"^\| (\w+) \| [^|]+ \| ([0-9.]+) \|", out, re.M)}
+    rows = {m[1]: float(m[2]) for m in re.finditer(r"^\| (\w+) \| [^|]+ \| ([0-9.]+) \|", out, re.MULTILINE)}
     assert set(rows) == {"bf16", "mxfp4"}
     # one step's error relative to the mean gradient: MXFP4 (2^-2 steps) far above BF16 (2^-9)
     assert 0 < rows["bf16"] < 0.05 < rows["mxfp4"], out
     assert "| precision | embedding |" in out
+    assert "<G, E[e]> / abs(G)^2 (s.e.) | break-even steps (tokens in total) | drift ratio at 2 steps |" in out
+    mx = next(line for line in out.splitlines() if line.startswith("| mxfp4 |")).split(" | ")
+    assert re.fullmatch(r"[+-][0-9.]+ \([0-9.na]+\)", mx[5]) and re.fullmatch(r"[0-9.]+", mx[7].rstrip(" |")), mx
 
 
 def test_gradient_error_needs_load(tmp_path):
