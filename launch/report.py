@@ -13,8 +13,9 @@ summary naming the worst layers (``numerics.md``). Values are those of the last 
 
 For a sweep directory (it holds ``sweep.json``) the results are collected again from the runs'
 TensorBoard logs (``launch/sweep.py --collect``) and the per-grid-point table is printed: mean and
-spread over seeds, the paired gap to the baseline with its 95% interval, extra tokens with theirs,
-and which gaps are within noise.
+spread over seeds, the paired gap to the baseline with its (unadjusted) 95% interval, extra tokens
+with theirs, and the table's Holm-adjusted verdicts (worse / better / equivalent within the sweep's
+``equivalence_margin`` / not shown to differ / diverged in k of n seeds).
 """
 
 from __future__ import annotations
@@ -131,9 +132,11 @@ def sweep_report(out: Path) -> int:
 
     info = json.loads((out / "sweep.json").read_text())
     runs = [sweep.Run(**r) for r in info["runs"]]
-    sweep.collect(out, runs, info["sweep"].get("baseline"))
+    sweep.collect(out, runs, info["sweep"].get("baseline"), margin=info["sweep"].get("equivalence_margin"))
     print((out / "results.md").read_text().split("\n## Runs")[0])
-    print(f"wrote {out / 'results.md'}, {out / 'summary.csv'}, {out / 'loss_curves.png'}, {out / 'gap.png'}")
+    plots = ([out / "rl_curves.png"] if runs and runs[0].script == "rl"
+             else [out / "loss_curves.png", out / "loss_gap_curves.png", out / "gap.png"])
+    print(f"wrote {out / 'results.md'}, {out / 'summary.csv'}, " + ", ".join(map(str, plots)))
     return 0
 
 

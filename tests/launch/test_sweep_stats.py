@@ -2,6 +2,7 @@
 ratio, censored and diverged seeds, Holm-adjusted and equivalence verdicts (against scipy's own
 t-tests and a hand-computed Holm example), the tuned table's note and the paired-difference plot."""
 
+import json
 import math
 import random
 import sys
@@ -23,6 +24,7 @@ from pretrain.evaluation.extra_tokens import (
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "launch"))
 
+import report
 import sweep
 
 
@@ -180,6 +182,11 @@ def test_sweep_tables_positive_extra_tokens_equivalence_margin_and_gap_curves(tm
     assert header[:len(sweep.SUMMARY_COLUMNS)] == sweep.SUMMARY_COLUMNS  # old columns keep their places
     assert "extra_tokens_fit_mean" in header and "verdict_unadjusted" in header
     assert (out / "loss_gap_curves.png").stat().st_size > 5000
+    # launch/report.py on the sweep directory reads the margin from the sweep file it recorded
+    (out / "results.md").unlink()
+    (out / "sweep.json").write_text(json.dumps({"sweep": sw, "extra": [], "runs": [r.__dict__ for r in runs]}))
+    assert report.main([str(out)]) == 0
+    assert "equivalent (±0.02)" in (out / "results.md").read_text()
     # the plotted paired difference: the treatment's offset, 0.01 at every step, in every seed
     by_group = {}
     for row in rows:
