@@ -10,13 +10,12 @@ amaxes, and stochastic rounding draws each element's uniform from its index in t
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests._dist import free_port
+from tests._dist import free_port, run_scaled
 
 REPO = Path(__file__).resolve().parents[2]
 SPECS = ["fp8", "fprop=fp8+delayed(max,4),dgrad=fp8+delayed(most_recent,1),wgrad=fp8", "mxfp4", "mxfp4_sr",
@@ -32,7 +31,7 @@ def reports(tmp_path_factory):
            "--specs", ";".join(SPECS)]
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+    proc = run_scaled(cmd, 600, cwd=REPO, env=env, capture_output=True, text=True)  # idle-machine budget, grows with load
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 

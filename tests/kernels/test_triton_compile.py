@@ -7,11 +7,12 @@ division (``div.rn.f32``, never ``div.full``) and no FMA contraction.
 """
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests._dist import run_scaled
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'lowprec-pretrain[gpu]')")
 
@@ -85,7 +86,6 @@ print("compiled", 2 * (len(VARIANTS) + 2))
 def test_kernels_compile_for_sm90_and_sm100():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "0"
-    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600, cwd=ROOT,
-                       env=env)
+    r = run_scaled([sys.executable, "-c", SCRIPT], 600, capture_output=True, text=True, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "compiled 18" in r.stdout
