@@ -14,7 +14,9 @@ from precision.srand import SRKey
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON_PROBLEM = triton_missing_reason(torch.zeros(1, device=DEV))
-pytestmark = pytest.mark.skipif(TRITON_PROBLEM is not None, reason=str(TRITON_PROBLEM))
+# pytest -m gpu selects these: on a CUDA device they check the compiled kernels; without one they
+# run in Triton's interpreter (tests/kernels/conftest.py), as every CPU run does
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(TRITON_PROBLEM is not None, reason=str(TRITON_PROBLEM))]
 
 
 def same(a, b) -> bool:

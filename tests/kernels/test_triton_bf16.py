@@ -11,7 +11,9 @@ from precision import FORMATS, Gemm, LayerQuantState
 from precision.recipe import parse_gemm
 
 TRITON_PROBLEM = triton_missing_reason(torch.zeros(1, device="cuda" if torch.cuda.is_available() else "cpu"))
-pytestmark = pytest.mark.skipif(TRITON_PROBLEM is not None, reason=str(TRITON_PROBLEM))
+# pytest -m gpu selects these: on a CUDA device they check the compiled kernels; without one they
+# run in Triton's interpreter (tests/kernels/conftest.py), as every CPU run does
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(TRITON_PROBLEM is not None, reason=str(TRITON_PROBLEM))]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -14,15 +14,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install 'lowprec-pretrain[gpu]')")
 
-import kernels  # noqa: E402
-from kernels.fused import _sr_uniforms  # noqa: E402
-from kernels.triton_quant import interpreter_problem, interpreting, quantize_triton  # noqa: E402
-from precision import FORMATS, quantize  # noqa: E402
-from precision.rotation import random_signs, rotate  # noqa: E402
+import kernels
+from kernels.fused import _sr_uniforms
+from kernels.triton_quant import interpreter_problem, interpreting, quantize_triton
+from precision import FORMATS, quantize
+from precision.rotation import random_signs, rotate
 
 if not torch.cuda.is_available() and not interpreting():
     pytest.skip("no CUDA device and TRITON_INTERPRET is not 1", allow_module_level=True)
@@ -30,6 +30,9 @@ if not torch.cuda.is_available() and interpreter_problem():
     pytest.skip(interpreter_problem(), allow_module_level=True)
 
 DEV = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
+# pytest -m gpu selects these: on a CUDA device they check the compiled kernels; without one they
+# run in Triton's interpreter (tests/kernels/conftest.py), as every CPU run does
+pytestmark = pytest.mark.gpu
 ALL_FORMATS = kernels.quantizer.TRITON_FORMATS  # the registry's formats with a Triton kernel (MXFP6 too)
 
 
