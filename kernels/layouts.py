@@ -15,6 +15,13 @@ Block scales come as ``[rows, K / block]`` (one byte per block). cuBLAS on sm_10
 ``(r % 32) * 16 + (r // 32) * 4 + c`` -- 32 row-groups of 4x4. ``to_blocked`` / ``from_blocked``
 compute that placement by index arithmetic (torchao's ``to_blocked`` reshapes instead: the tests
 hold the two equal). On gfx950 (MI355X) the scales stay plain row-major ``[rows, K / block]``.
+
+A weight in 2-D tiles (``/2d``: NVFP4 16x16, MX 32x32) is quantized once and feeds both GEMMs that
+consume it: every square carries one scale, so Dgrad's ``B_k = wᵀ`` is Fprop's ``B_k = w`` with its
+codes transposed and its square scales re-laid, no second quantization (:func:`transpose_tiled`)::
+
+    FPROP  B_k = w  [out, in]  codes, scales [out, in/t]  (square (i, j)'s scale on rows 16i..)
+    DGRAD  B_k = wᵀ [in, out]  codes.t(), scales [in, out/t] = squares.t() repeated on t rows
 """
 
 from __future__ import annotations
@@ -23,8 +30,16 @@ import torch
 
 from precision.formats import pack_codes, unpack_codes
 
-__all__ = ["SCALE_LAYOUTS", "to_blocked", "from_blocked", "blocked_offsets", "pack_fp4", "unpack_fp4",
-           "pad_rows"]
+__all__ = [
+    "SCALE_LAYOUTS",
+    "blocked_offsets",
+    "from_blocked",
+    "pack_fp4",
+    "pad_rows",
+    "to_blocked",
+    "transpose_tiled",
+    "unpack_fp4",
+]
 
 SCALE_LAYOUTS = ("blocked", "row_major")
 
@@ -92,3 +107,20 @@ def pad_rows(t: torch.Tensor, multiple: int, dim: int = 0) -> torch.Tensor:
     shape = list(t.shape)
     shape[dim] = pad
     return torch.cat([t, torch.zeros(shape, dtype=t.dtype, device=t.device)], dim=dim)
+
+
+def transpose_tiled(codes: torch.Tensor, scales: torch.Tensor, tile: int, *, packed: bool):
+    """A 2-D-tiled operand's hardware form for the GEMM that contracts its other axis.
+
+    ``codes`` ``[rows, K]`` (``[rows, K/2]`` FP4 two per byte when ``packed``) and ``scales``
+    ``[rows, K/tile]`` (each square's scale on each of its rows) -> ``(codes [K, rows]`` (packed
+    likewise), ``scales [K, rows/tile])``: Fprop's weight ``w`` as Dgrad's ``wᵀ`` from the same
+    quantization. ``rows`` must be even when ``packed``."""
+    c = unpack_fp4(codes) if packed else codes
+    rows = c.shape[0]
+    if packed and rows % 2:
+        raise ValueError(f"transpose_tiled: {rows} rows cannot pack two FP4 codes per byte once transposed")
+    ct = c.t().contiguous()
+    squares = scales[::tile]  # [ceil(rows / tile), K / tile]
+    st = squares.t().repeat_interleave(tile, dim=0)[: ct.shape[0]].contiguous()
+    return (pack_fp4(ct) if packed else ct), st

@@ -7,7 +7,8 @@ policy's weights change, and keeps only the packed form::
     === FPROP: y = x · wᵀ ===            x [T, in] (each call)    w [out, in] (once per update)
         w  -> pad in to whole blocks/rotation groups -> rotate -> quantize -> PackedWeight
               codes  uint8 [out, in/2] for FP4 (two per byte, low nibble = even index), [out, in] else
-              scales uint8 [out, in/block] (E8M0 for MX, E4M3 for NVFP4), FP32 per tensor for FP8
+              scales uint8 [out, in/block] (E8M0 for MX, E4M3 for NVFP4), FP32 per tensor for FP8;
+                     2-D tiles (w ``/2d``): [out/tile, in/tile], one byte per square
               tensor_scale  NVFP4's FP32 g_enc
         x  -> the trainer's operand pipeline (kernels.operand.quantize_operand), every call
         y  =  FP32-accumulated GEMM of the dequantized operands (the emulated backend)
@@ -70,7 +71,10 @@ class PackedWeight:
 
     def values(self) -> torch.Tensor:
         """The dequantized weight, float32 ``[out, padded in]`` (what the emulated GEMM multiplies)."""
-        q = QuantizedTensor(self.fmt, self.unpacked_codes(), self.scales, 1, tensor_scale=self.tensor_scale)
+        codes, scales = self.unpacked_codes(), self.scales
+        if self.recipe.b.block2d:  # one scale byte per square, repeated on the square's rows
+            scales = scales.repeat_interleave(get_format(self.fmt).tile, dim=0)[: codes.shape[0]]
+        q = QuantizedTensor(self.fmt, codes, scales, 1, tensor_scale=self.tensor_scale)
         return q.dequantize(torch.float32)
 
     @property
@@ -109,7 +113,8 @@ def pack_weight(w: torch.Tensor, recipe: GemmRecipe, state: LayerQuantState) -> 
                              codes=True)
     f = get_format(recipe.b.fmt)
     codes = f.pack(q.codes) if f.packable else q.codes
-    return PackedWeight(recipe, codes.contiguous(), q.scales, q.tensor_scale, w.shape[1])
+    scales = q.scales[:: f.tile].contiguous() if recipe.b.block2d else q.scales  # 2-D: one byte per square
+    return PackedWeight(recipe, codes.contiguous(), scales, q.tensor_scale, w.shape[1])
 
 
 class RolloutModel:

@@ -46,8 +46,17 @@ from precision.elements import (
     round_to_grid,
 )
 
-__all__ = ["to_blocks", "from_blocks", "mx_scale_bytes", "mx_quantize_blocks", "mx_dequantize_blocks",
-           "nvfp4_quantize_blocks", "nvfp4_dequantize_blocks", "tile_amax", "FP32_MAX"]
+__all__ = [
+    "FP32_MAX",
+    "from_blocks",
+    "mx_dequantize_blocks",
+    "mx_quantize_blocks",
+    "mx_scale_bytes",
+    "nvfp4_dequantize_blocks",
+    "nvfp4_quantize_blocks",
+    "tile_amax",
+    "to_blocks",
+]
 
 FP32_MAX = torch.finfo(torch.float32).max
 SCALE_NAN = 0xFF

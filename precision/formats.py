@@ -39,8 +39,19 @@ from precision.hif8 import HIF8_MAX, HIF8_SCALE_TARGET, hif8_decode, hif8_encode
 from precision.srand import SRKey
 from precision.tensorwise import scale_from_amax, tensor_amax
 
-__all__ = ["Rounding", "ScaleRule", "AmaxAlgo", "Scaling", "Format", "QuantizedTensor", "FORMATS",
-           "get_format", "format_names", "pack_codes", "unpack_codes"]
+__all__ = [
+    "FORMATS",
+    "AmaxAlgo",
+    "Format",
+    "QuantizedTensor",
+    "Rounding",
+    "ScaleRule",
+    "Scaling",
+    "format_names",
+    "get_format",
+    "pack_codes",
+    "unpack_codes",
+]
 
 
 # ====================================================================== typed vocabularies

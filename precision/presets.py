@@ -13,11 +13,11 @@ per-layer rules a preset brings with it (e.g. which layers ``hif8_w8a8`` leaves 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from precision.recipe import Gemm, LinearPrecision, parse_gemm
 
-__all__ = ["get", "names", "default_rules", "describe"]
+__all__ = ["default_rules", "describe", "get", "names"]
 
 _REGISTRY: dict[str, Callable[[], LinearPrecision]] = {}
 

@@ -19,8 +19,18 @@ import torch
 from precision.formats import FORMATS, Format, QuantizedTensor, Rounding, ScaleRule, get_format
 from precision.srand import SRKey
 
-__all__ = ["FormatSpec", "FORMATS", "QuantizedTensor", "quantize", "fake_quantize", "format_spec",
-           "margin_amax", "resolve_format", "ROUNDINGS", "SCALE_RULES"]
+__all__ = [
+    "FORMATS",
+    "ROUNDINGS",
+    "SCALE_RULES",
+    "FormatSpec",
+    "QuantizedTensor",
+    "fake_quantize",
+    "format_spec",
+    "margin_amax",
+    "quantize",
+    "resolve_format",
+]
 
 FormatSpec = Format  # the registry's format objects (kept under their older name)
 ROUNDINGS = Rounding.values()

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from precision.formats import FORMATS, AmaxAlgo, Format, Rounding, ScaleRule, Scaling, format_names
 from precision.rotation import ROTATIONS
 
-__all__ = ["Gemm", "OperandFormat", "GemmRecipe", "LinearPrecision", "SpecError"]
+__all__ = ["Gemm", "GemmRecipe", "LinearPrecision", "OperandFormat", "SpecError"]
 
 
 class SpecError(ValueError):
@@ -301,7 +301,7 @@ class LinearPrecision:
         return ",".join(f"{g.value}={self.recipe(g).spec()}" for g in Gemm)
 
     @classmethod
-    def parse(cls, text: str) -> "LinearPrecision":
+    def parse(cls, text: str) -> LinearPrecision:
         """Parse ``fprop=...,dgrad=...,wgrad=...`` (optionally ``base=PRESET`` for the rest)."""
         from precision import presets  # presets build on this module
 

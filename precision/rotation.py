@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-__all__ = ["ROTATIONS", "TE_SIGNS", "fixed_signs", "rotation_size", "hadamard_matrix", "random_signs", "rotate"]
+__all__ = ["ROTATIONS", "TE_SIGNS", "fixed_signs", "hadamard_matrix", "random_signs", "rotate", "rotation_size"]
 
 ROTATIONS = ("none", "had16", "had32", "rht16", "rht16_resample", "rht16_te")
 # TransformerEngine's NVFP4 Wgrad sign vector (its ``get_wgrad_sign_vector``; as a bit mask with
@@ -41,7 +41,7 @@ def fixed_signs(rotation: str, device=None) -> torch.Tensor | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hadamard_cpu(n: int) -> torch.Tensor:
     if n < 1 or n & (n - 1):
         raise ValueError(f"Hadamard size must be a power of two, got {n}")
