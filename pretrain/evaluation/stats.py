@@ -66,7 +66,8 @@ class Interval:
 
     @property
     def within_noise(self) -> bool | None:
-        """True when the interval contains 0; None when there is no interval (one value)."""
+        """True when the interval contains 0 (on its own, the gap is *not shown to differ*); None when
+        there is no interval (one value)."""
         if self.n < 2 or math.isnan(self.lo):
             return None
         return self.lo <= 0.0 <= self.hi
