@@ -12,9 +12,12 @@ shards are merged, ``pretrain/reshard.py``), or a plain ``{"model", "model_confi
 ``configs/eval/`` (offline) or any lm-eval task name (their data needs the network or a filled
 HF datasets cache). Runs in one process at TP=1, on CUDA when available.
 
-Writes ``OUT/results.csv`` (task, metric, value, stderr), ``OUT/results.md`` and
-``OUT/results.json``; ``--compare A B`` writes ``OUT/compare.csv`` / ``compare.md`` with the per-task
-``B - A`` deltas (pretrain/evaluation/results.py).
+Writes ``OUT/results.csv`` (task, metric, value, stderr), ``OUT/results.md``, ``OUT/results.json``
+and ``OUT/samples.jsonl`` (every document's scores and gold negative log-likelihood); ``--compare A B``
+writes ``OUT/compare.csv`` / ``compare.md``: a paired test over the documents both runs scored, per
+task and metric ``B - A`` in percentage points for accuracies, the relative change, the 95% paired
+interval and a Holm-adjusted verdict, and the loss (nll) / perplexity-ratio gap
+(pretrain/evaluation/results.py).
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ def evaluate(args) -> list[dict]:
     import torch
 
     from pretrain.evaluation import mc_task
-    from pretrain.evaluation.results import result_rows, write_results
+    from pretrain.evaluation.results import result_rows, sample_rows, write_results
 
     names = [t.strip() for t in args.tasks.split(",") if t.strip()]
     specs, needs_builtin = mc_task.resolve_tasks(names)
@@ -126,13 +129,14 @@ def evaluate(args) -> list[dict]:
         num_fewshot=args.num_fewshot,
         limit=int(args.limit) if args.limit and args.limit >= 1 else args.limit,
         bootstrap_iters=args.bootstrap_iters,
-        log_samples=False,
+        log_samples=True,  # per-sample results: --compare's paired test
         random_seed=args.seed,
         numpy_random_seed=args.seed,
         torch_random_seed=args.seed,
         fewshot_random_seed=args.seed,
     )
     rows = result_rows(out["results"])
+    samples = sample_rows(out.get("samples") or {})
     label = args.label or f"{os.path.basename(os.path.normpath(args.load))} ({precision})"
     write_results(rows, args.out, label=label, extra={
         "load": os.path.abspath(loaded.path), "kind": loaded.kind, "precision": precision,
@@ -140,11 +144,14 @@ def evaluate(args) -> list[dict]:
         "num_fewshot": args.num_fewshot, "seq_length": seq_length, "tokenizer": repr(tokenizer),
         "n_samples": out.get("n-samples"), "versions": out.get("versions"),
         "lm_eval_version": getattr(lm_eval, "__version__", None),
-    })
+    }, samples=samples)
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pretrain.runtime import filter_expected_warnings
+
+    filter_expected_warnings()  # megatron-core's notes on TransformerEngine / Apex being absent
     args = build_parser().parse_args(argv)
     if args.compare:
         from pretrain.evaluation.results import write_comparison

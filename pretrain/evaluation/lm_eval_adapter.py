@@ -35,9 +35,13 @@ Numerics: cached and uncached generation run the same per-position computations 
 shapes, so logits agree to float rounding and greedy tokens agree except at near-ties. Under the
 precision policy only Fprop runs: formats blocked along the contraction axis (MXFP4, MXFP8: blocks
 of 32 in-features within one token's row) quantize each token exactly as the full recomputation
-does. Formats with a per-tensor scale (FP8 current scaling, NVFP4's global scale, HiF8 delayed
-scaling) scale a decode step by that step's tokens only, so there the cache legitimately changes
-the quantized numbers (recomputation already depends on the batch's other rows the same way).
+does. Formats whose per-tensor scale comes from the tensor itself (FP8 current scaling, NVFP4's
+global scale) scale a decode step by that step's tokens only, so there the cache legitimately
+changes the quantized numbers (recomputation already depends on the batch's other rows the same
+way). Delayed scaling (HiF8 QAT's ``max`` over 64 steps) is different: once the checkpoint holds an
+amax history, the history sets the scale -- evaluation reads it and never changes it
+(``precision.state``) -- so cached and recomputed steps quantize with the same scale, and only a
+layer whose history is still empty falls back to the step's own amax.
 """
 
 from __future__ import annotations

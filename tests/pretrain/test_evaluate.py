@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import math
 import os
 
 import pytest
@@ -226,6 +227,11 @@ def test_evaluate_cli_local_mc_end_to_end(gpt, tok, tmp_path, capsys):
     assert meta["kind"] == "plain" and meta["n_samples"]["local_python_mc"]["effective"] == 6
     assert "| local_python_mc | acc |" in (out / "results.md").read_text()
     assert "# tiny" in capsys.readouterr().out
+    samples = results.read_samples(str(out))  # per-document results for --compare's paired test
+    assert len(samples) == 6 and {s["doc_id"] for s in samples} == set(range(6))
+    assert all(set(s["metrics"]) == {"acc", "acc_norm"} and s["nll"] > 0 for s in samples)
+    acc = next(r["value"] for r in rows if r["metric"] == "acc")
+    assert sum(s["metrics"]["acc"] for s in samples) / 6 == pytest.approx(acc)
 
 
 def test_evaluate_cli_training_checkpoint(gpt, tok, tmp_path):
@@ -303,8 +309,56 @@ def test_compare_table(tmp_path, capsys):
     assert rows["local_python_mc"]["delta_stderr"] == pytest.approx(0.05)
     assert rows["hellaswag"]["delta"] == pytest.approx(0.01) and rows["hellaswag"]["delta_stderr"] is None
     md = (tmp_path / "cmp" / "compare.md").read_text()
-    assert "| local_python_mc | acc | 0.5000 | 0.4800 | -0.0200 | 0.0500 |" in md
-    assert "Δ (QAT − BF16)" in md and md in capsys.readouterr().out
+    # no per-sample results: unpaired, proportions' deltas in percentage points, relative drop
+    assert "| local_python_mc | acc | 0.5000 | 0.4800 | -2.0000 pp | 5.0000 | -4.00% |" in md
+    assert "Δ (QAT − BF16)" in md and "Unpaired" in md and md in capsys.readouterr().out
+
+
+def test_sample_rows_from_lm_eval_records():
+    rows = results.sample_rows({"t": [
+        {"doc_id": 3, "target": 1, "filtered_resps": [[-2.0, False], [-0.5, True]], "acc": 1.0, "acc_norm": 0,
+         "doc": {"q": "x"}, "arguments": [], "resps": []},
+        {"doc_id": 4, "target": 0, "filtered_resps": [-7.25], "word_perplexity": -7.25},  # rolling
+    ]})
+    assert rows == [{"task": "t", "doc_id": 3, "metrics": {"acc": 1.0, "acc_norm": 0.0}, "nll": 0.5},
+                    {"task": "t", "doc_id": 4, "metrics": {"word_perplexity": -7.25}, "nll": 7.25}]
+
+
+def test_paired_compare_sees_a_drop_the_unpaired_table_cannot(tmp_path, capsys):
+    from scipy.stats import ttest_rel
+
+    from launch.evaluate import main
+
+    acc_a = [1, 1, 0, 1, 0, 1, 1, 0] * 8
+    acc_b = [1, 0, 0, 1, 0, 1, 1, 0] * 8  # one document in eight flips to wrong: -12.5 pp
+    nll_a = [1.0 + 0.1 * i for i in range(64)]
+    nll_b = [v + 0.05 + (0.01 if i % 2 else -0.01) for i, v in enumerate(nll_a)]
+
+    def samples(acc, nll):
+        return [{"task": "mc", "doc_id": i, "metrics": {"acc": float(v)}, "nll": n}
+                for i, (v, n) in enumerate(zip(acc, nll))]
+
+    for name, acc, nll, value in (("bf16", acc_a, nll_a, 0.625), ("qat", acc_b, nll_b, 0.5)):
+        se = math.sqrt(value * (1 - value) / 63)  # lm-eval's stderr of a mean of 64 Bernoulli scores
+        results.write_results([{"task": "mc", "metric": "acc", "value": value, "stderr": se}],
+                              str(tmp_path / name), label=name, samples=samples(acc, nll))
+    assert main(["--compare", str(tmp_path / "bf16"), str(tmp_path / "qat"), "--labels", "BF16", "QAT",
+                 "--out", str(tmp_path / "cmp")]) == 0
+    rows = {r["metric"]: r for r in results.paired_rows(results.read_samples(str(tmp_path / "bf16")),
+                                                        results.read_samples(str(tmp_path / "qat")))}
+    acc = rows["acc"]
+    assert acc["n"] == 64 and acc["a"] == 62.5 and acc["b"] == 50.0 and acc["delta"] == pytest.approx(-12.5)
+    assert acc["relative_pct"] == pytest.approx(-20.0)
+    # the paired interval is scipy's paired t-test's (an independent oracle)
+    ci = ttest_rel([100.0 * v for v in acc_b], [100.0 * v for v in acc_a]).confidence_interval(0.95)
+    assert (acc["lo"], acc["hi"]) == (pytest.approx(ci.low), pytest.approx(ci.high))
+    assert acc["hi"] < 0 and acc["verdict"] == "worse"  # the unpaired +-8.6 pp stderr could not show it
+    nll = rows["nll"]
+    assert nll["delta"] == pytest.approx(0.05) and nll["unit"] == "nats" and nll["verdict"] == "worse"
+    assert rows["ppl ratio"]["delta"] == pytest.approx(math.exp(0.05))
+    md = (tmp_path / "cmp" / "compare.md").read_text()
+    assert "| mc | acc | 64 | 62.5000 | 50.0000 | -12.5000 pp | -20.00% |" in md and "| worse |" in md
+    assert "Paired over the documents" in md and md in capsys.readouterr().out
 
 
 def test_result_rows_from_lm_eval_output():
