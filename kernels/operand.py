@@ -19,6 +19,11 @@ codes and scales it needs (``kernels.scaled_mm``). One operand's road, in order:
     6. form        FP32 ``values`` (emulated backends), the hardware form (``codes=True``) or the
                    BF16 form (``bf16=True``: ``kernels.bf16_operand``, for the BF16 tensor-core GEMM)
 
+A weight in 2-D tiles (``/2d``, the ``nvfp4`` preset) takes steps 2-4 once per tensor version: the
+layer state keeps it, and the next GEMM that consumes the same tensor (Dgrad after Fprop, the next
+micro-batch) gets the same codes with the square scales laid along its own contraction axis
+(:func:`_block2d_weight`, ``QuantizedTensor.along``).
+
 So "where is Wgrad's ``dy`` quantized" has one answer: :func:`quantize_operand` called from
 :func:`gemm_operands` with ``Gemm.WGRAD`` and ``"dy"``, whatever backend runs the GEMM. Nothing
 here reads a device value to the host (telemetry on ``collect_stats`` steps aside).
