@@ -75,9 +75,9 @@ def crossing_extra_pct(run_curve, base_curve) -> ExtraTokens:
         return ExtraTokens(0.0)
     if run_final >= base_final:  # worse: where did the baseline reach the treatment's final loss?
         s_b = crossing_step(bs, bl, run_final)  # found: the baseline's last point is at or below it
-        return ExtraTokens(100.0 * (rs[-1] / s_b - 1.0))
+        return ExtraTokens(100.0 * (rs[-1] / s_b - 1.0) if s_b > 0 else math.nan)
     s_t = crossing_step(rs, rl, base_final)  # better: found, the run's last point is below it
-    return ExtraTokens(100.0 * (s_t / bs[-1] - 1.0))
+    return ExtraTokens(100.0 * (s_t / bs[-1] - 1.0) if bs[-1] > 0 else math.nan)
 
 
 @dataclass(frozen=True)
