@@ -20,7 +20,7 @@ facts of TE's reference quantizer (not from our ``precision.blocks``):
 ``test_nvfp4_sr_quantize.py``
   * stochastic rounding, 1-D and 2-D, with and without the Hadamard: the mean of 50 SR
     quantizations of ``randn * 2 - 1`` has a smaller RMSE than round-to-nearest, rowwise and
-    columnwise (TE: 8192x8192; here 256x256).
+    columnwise (TE: 8192x8192; here 128x128).
 
 Differences, each explained and tested as such (everything else: 0 mismatches):
   1. TE's current reference multiplies the block amax by ``g_enc * fl(1/6)`` ("fold the FP4 reciprocal
@@ -191,7 +191,7 @@ def test_multiplier_rule_difference():
     torch.manual_seed(0)
     total = 0
     for shape in TILE_SHAPES:
-        for scale in (1.0, 3.0, 1e-3, 77.0):
+        for scale in (1.0, 1e-3, 77.0):
             x = torch.randn(shape) * scale
             for two_d in (False, True):
                 _, scales, _ = ours(x, 1, two_d)
@@ -199,7 +199,7 @@ def test_multiplier_rule_difference():
                     ref = te_reference(x, two_d, rule)[1]
                     assert torch.equal(scales, ref[: scales.shape[0]]), rule
                 total += scales.numel()
-    assert total > 100_000
+    assert total > 50_000
     # tensor amax 6.840786933898926, block amax 2.5652949810028076: amax_b * g_enc / 6 rounds to
     # 160 (0x72) with the true division, to 176 (0x73) with TE's g_enc * fl(1/6)
     x = torch.zeros(1, 32)
@@ -223,7 +223,7 @@ def test_negative_zero_difference():
 @pytest.mark.parametrize("signs", [True, False], ids=["with_random_sign_mask", "no_random_sign_mask"])
 @pytest.mark.parametrize("mode", ["rowwise_only", "both_directions", "columnwise_only"])
 @pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "noncontiguous"])
-@pytest.mark.parametrize("shape", [(128, 128), (256, 272), (304, 304), (32, 128)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", [(128, 128), (256, 272), (32, 128)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_rht_with_quantization_versus_reference(shape, contiguous, mode, signs):
     torch.manual_seed(0)
     x = torch.randn(shape if contiguous else shape[::-1], dtype=torch.bfloat16)
@@ -247,7 +247,7 @@ def test_rht_with_quantization_versus_reference(shape, contiguous, mode, signs):
 @pytest.mark.parametrize("two_d", [False, True], ids=["1d", "2d"])
 def test_stochastic_rounding_beats_nearest(two_d, use_rht):
     torch.manual_seed(0)
-    x = torch.randn(256, 256) * 2 - 1
+    x = torch.randn(128, 128) * 2 - 1
     g = torch.Generator().manual_seed(0)
     for axis in (1, 0):
         src = rotate(x, axis, 16, torch.tensor(TE_SIGNS, dtype=torch.float32)) if (use_rht and axis == 0) else x
