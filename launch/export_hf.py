@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pretrain.runtime import filter_expected_warnings
+
+    filter_expected_warnings()  # megatron-core's notes on TransformerEngine / Apex being absent
     args = build_parser().parse_args(argv)
 
     from pretrain.evaluation.loading import init_single_process

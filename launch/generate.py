@@ -277,6 +277,9 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pretrain.runtime import filter_expected_warnings
+
+    filter_expected_warnings()  # megatron-core's notes on TransformerEngine / Apex being absent
     args = build_parser().parse_args(argv)
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size)):
         if value < (0 if flag == "--max-new-tokens" else 1):

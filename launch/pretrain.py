@@ -16,12 +16,11 @@ status is 0. The loop itself lives in ``pretrain/train.py``.
 
 import os
 import sys
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# megatron-core's UserWarnings (TransformerEngine / Apex absent, deprecated config fields) are
-# about features this entry point does not use.
-warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+from pretrain import runtime
+
+runtime.start("pretrain.py")  # before megatron is imported: its expected warnings; end with torchrun
 
 from pretrain.train import main
 

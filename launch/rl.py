@@ -15,10 +15,11 @@ The loop lives in ``pretrain/rl/trainer.py``, the flags in ``pretrain/rl/argumen
 
 import os
 import sys
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+from pretrain import runtime
+
+runtime.start("rl.py")  # before megatron is imported: its expected warnings; end with torchrun
 
 from pretrain.rl.trainer import main
 

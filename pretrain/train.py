@@ -1200,8 +1200,10 @@ def _refuse(message: str, status: int):
 def main(argv: list[str] | None = None) -> int:
     """``launch/pretrain.py``: parse, validate, set up, train; returns the exit status
     (``pretrain.status``: 0 done, 2 bad input, 3 diverged, 4 a checkpoint could not be written)."""
+    from pretrain import runtime
     from pretrain.checkpointing import CheckpointError, CheckpointSaveError
 
+    runtime.start(PROG)  # (launch/pretrain.py already did, before megatron was imported)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     problem = None
     try:

@@ -793,11 +793,13 @@ def main(argv: list[str] | None = None) -> int:
     """``launch/rl.py``: parse, validate, set up, train; exit status 0 done, 2 bad input, 4 a
     checkpoint could not be written (``pretrain.status``)."""
     import pretrain.train as pt
+    from pretrain import runtime
     from pretrain.checkpointing import CheckpointError, CheckpointSaveError
     from pretrain.rl.arguments import PROG, parse_rl_args
     from pretrain.status import EXIT_BAD_INPUT, EXIT_SAVE_FAILED
 
     pt.PROG = PROG  # pretrain.train's one-line refusals name this program
+    runtime.start(PROG)  # (launch/rl.py already did, before megatron was imported)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     problem = None
     try:
