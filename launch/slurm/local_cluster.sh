@@ -117,6 +117,7 @@ CONF
 export SLURM_CONF="$DIR/slurm.conf"
 
 if [ "$NODES" = 1 ]; then
+  mkdir -p "$DIR/spool/$HEAD"
   slurmctld -c -f "$SLURM_CONF"
   slurmd -f "$SLURM_CONF"
   RUN_IN=()
