@@ -34,6 +34,9 @@ Each layer holds, as plain attributes:
                    whole-tensor amaxes are reduced over the TP group for sharded operands and
                    stochastic rounding draws, for each element, the number TP=1 draws for it;
   ``gemm_backend`` which ``kernels`` backend runs the GEMMs (``"emulated"`` by default);
+  ``backward_operands`` ``"hp"`` (default) or ``"ste"``: Dgrad / Wgrad from the high-precision
+                   ``w`` / ``x`` or from Fprop's quantized ``Q(w)`` / ``Q(x)`` (``model.linear``;
+                   ``--qat-backward``);
   ``rollout_weight`` None, or while the generation engine runs under a rollout plan the layer's
                    weight quantized once into packed storage (``model.rollout.PackedWeight``):
                    Fprop then reads it instead of quantizing ``weight`` at every call;
@@ -74,12 +77,14 @@ class _PolicyLinearMixin:
     layer_name: str | None
     quant_state: LayerQuantState
     gemm_backend: str
+    backward_operands: str
 
     def _init_policy(self, config) -> None:
         self.precision = None
         self.layer_name = None
         self.quant_state = LayerQuantState()
         self.gemm_backend = "emulated"
+        self.backward_operands = "hp"  # model.linear: Dgrad / Wgrad from w, x ("hp") or Fprop's Q(w), Q(x) ("ste")
         self._awaiting_recompute = 0  # checkpointed first passes not yet recomputed (model.recompute)
         self.rollout_weight = None
         self.fprop_x = None
@@ -114,7 +119,7 @@ class _PolicyLinearMixin:
         calls[Gemm.FPROP.value] += ahead
         try:
             return policy_linear(x, w, self.precision, bias, state=self.quant_state, backend=self.gemm_backend,
-                                 fprop_x=self.fprop_x)
+                                 fprop_x=self.fprop_x, backward=self.backward_operands)
         finally:
             calls[Gemm.FPROP.value] -= ahead
 

@@ -31,6 +31,17 @@ A forward run without autograd (``torch.no_grad``: evaluation, generation) reads
 quantization state and changes nothing -- no call counter advances, no amax is recorded -- so
 evaluating between training steps leaves training bit-identical (``precision.state``).
 
+**Backward operands** (``backward``): ``"hp"`` (the default, and what ``hif8_w8a8`` uses) --
+Dgrad and Wgrad quantize their own operands from the high-precision ``w`` and ``x`` under their
+own recipes, as above (TransformerEngine's ``override_linear_precision`` keeps a QAT backward in
+high precision the same way). ``"ste"`` -- the fake-quant straight-through estimator of QAT
+libraries: Dgrad consumes Fprop's quantized ``Q(w)`` and Wgrad Fprop's quantized ``Q(x)``
+(``dx = dy·Q(w)``, ``dw = dyᵀ·Q(x)``; the gradient of the quantized forward, with the rounding's
+derivative taken as 1), each then under its own recipe (a BF16 Dgrad / Wgrad rounds the
+dequantized values to BF16). ``Q`` is Fprop's quantizer re-read at the same call and scale, so it
+equals what Fprop consumed bit for bit; during a QAT warm-up (``observe_only``) that is BF16. A
+rotated Fprop has no unrotated ``Q(x)``: refused.
+
 ``fprop_x`` (rollout-guided QAT, ``pretrain.rl.qat``): a function of ``x`` whose result Fprop
 consumes as its ``x`` operand (e.g. the rollout's recorded rounding replayed on ``x``); Dgrad and
 Wgrad still consume the high-precision ``x`` itself -- a straight-through estimator.
@@ -44,16 +55,36 @@ import torch
 
 from kernels.cast_transpose import share_dy
 from kernels.gemm import gemm
+from kernels.operand import CONTRACTION_AXES, quantize_operand
 from precision.recipe import Gemm, LinearPrecision
 from precision.state import LayerQuantState
 
-__all__ = ["policy_linear"]
+__all__ = ["BACKWARD_OPERANDS", "fprop_quantized", "policy_linear"]
+
+BACKWARD_OPERANDS = ("hp", "ste")  # what Dgrad / Wgrad consume: high-precision w, x or Fprop's Q(w), Q(x)
+
+
+def fprop_quantized(x2d: torch.Tensor, w: torch.Tensor, precision: LinearPrecision, state: LayerQuantState):
+    """``(Q(x), Q(w))``: the float32 values Fprop's last call consumed (re-quantized read-only at
+    that call, so delayed scales, SR streams and TP amaxes are the same; BF16 in a QAT warm-up)."""
+    recipe = precision.fprop
+    if recipe.rotation != "none":
+        raise ValueError(f"backward='ste': Fprop's {recipe.rotation} rotation leaves no unrotated Q(x), Q(w); "
+                         "use backward='hp'")
+    if state.observe_only:
+        return x2d.to(torch.bfloat16).float(), w.to(torch.bfloat16).float()
+    call = state.calls[Gemm.FPROP.value] - (0 if state.frozen else 1)
+    ax, aw = CONTRACTION_AXES[Gemm.FPROP]
+    with state.read_only():
+        qx = quantize_operand(x2d, ax, recipe.a, Gemm.FPROP, "x", state, call, impl="reference").values
+        qw = quantize_operand(w, aw, recipe.b, Gemm.FPROP, "w", state, call, impl="reference").values
+    return qx, qw
 
 
 class _PolicyLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_hp, w_hp, bias, precision: LinearPrecision, state: LayerQuantState, backend: str,
-                fprop_x: Callable | None):
+                fprop_x: Callable | None, backward: str):
         in_features = x_hp.shape[-1]
         lead = x_hp.shape[:-1]
         x2d = x_hp.reshape(-1, in_features)
@@ -62,7 +93,11 @@ class _PolicyLinearFn(torch.autograd.Function):
         y = gemm(Gemm.FPROP, x_fprop, w_hp, precision.fprop, backend, state=state)
         if bias is not None:
             y = y + bias.float()
-        ctx.save_for_backward(x2d, w_hp)
+        if backward == "ste" and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+            x_q, w_q = fprop_quantized(x_fprop, w_hp, precision, state)  # Wgrad's x, Dgrad's w
+            ctx.save_for_backward(x_q, w_q)
+        else:
+            ctx.save_for_backward(x2d, w_hp)
         ctx.precision, ctx.state, ctx.backend = precision, state, backend
         ctx.lead, ctx.has_bias = lead, bias is not None
         ctx.dtypes = (x_hp.dtype, w_hp.dtype, bias.dtype if bias is not None else None)
@@ -84,7 +119,7 @@ class _PolicyLinearFn(torch.autograd.Function):
                 dw = gemm(Gemm.WGRAD, dy2d, x2d, p.wgrad, backend, state=state).to(ctx.dtypes[1])
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.float().sum(0).to(ctx.dtypes[2])
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 def policy_linear(
@@ -96,6 +131,7 @@ def policy_linear(
     state: LayerQuantState | None = None,
     backend: str = "emulated",
     fprop_x: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    backward: str = "hp",
 ) -> torch.Tensor:
     """``y = x·wᵀ + bias`` with Fprop, Dgrad and Wgrad each run under ``precision``'s recipe.
 
@@ -103,8 +139,11 @@ def policy_linear(
     ``state``: the layer's :class:`LayerQuantState` (random streams, amax histories); layers
     keep one for their lifetime -- without it each call starts a fresh seed-0 state.
     ``fprop_x``: Fprop's ``x`` operand is ``fprop_x(x)`` (same shape) instead of ``x``; Dgrad and
-    Wgrad see ``x`` (module docstring).
+    Wgrad see ``x`` (module docstring). ``backward``: ``"hp"`` (Dgrad / Wgrad from the
+    high-precision ``w`` / ``x``) or ``"ste"`` (from Fprop's quantized ``Q(w)`` / ``Q(x)``).
     """
+    if backward not in BACKWARD_OPERANDS:
+        raise ValueError(f"policy_linear: backward {backward!r}; valid: {', '.join(BACKWARD_OPERANDS)}")
     if not isinstance(precision, LinearPrecision):
         raise TypeError(f"policy_linear: precision must be a LinearPrecision, got {type(precision).__name__}")
     if w.dim() != 2:
@@ -116,7 +155,7 @@ def policy_linear(
     if not torch.is_grad_enabled() and not state.frozen:
         # no autograd: evaluation or generation, never a training step -- read the state, change nothing
         with state.read_only():
-            y2d = _PolicyLinearFn.apply(x, w, bias, precision, state, backend, fprop_x)
+            y2d = _PolicyLinearFn.apply(x, w, bias, precision, state, backend, fprop_x, backward)
     else:
-        y2d = _PolicyLinearFn.apply(x, w, bias, precision, state, backend, fprop_x)
+        y2d = _PolicyLinearFn.apply(x, w, bias, precision, state, backend, fprop_x, backward)
     return y2d.reshape(*x.shape[:-1], w.shape[0])

@@ -159,6 +159,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--amax-history-len", type=int, metavar="N", help="amax history window (steps) for --amax-algo")
     add(
+        "--qat-backward",
+        choices=("hp", "ste"),
+        default="hp",
+        help="what Dgrad and Wgrad consume: hp -- the high-precision w and x, each quantized by its own "
+        "GEMM's recipe (default; TE's override_linear_precision, the hif8_w8a8 recipe); ste -- Fprop's "
+        "quantized Q(w) and Q(x), the fake-quant straight-through estimator (dx = dy Q(w), dw = dy^T Q(x))",
+    )
+    add(
         "--fp8-margin",
         type=int,
         metavar="N",

@@ -48,9 +48,11 @@ SQNR_FLOORS = {  # preset: (y, dx, dw) lower bounds, dB
     "mxfp4_rht": (14, 14, 14),
     "mxfp4_hadamard_all": (14, 14, 14),
     "nvfp4": (16, 14, 14),
-    "hif8_w8a8": (14, 45, 45),  # amax -> 2^15 puts the bulk where HiF8 keeps 1-2 mantissa bits
+    # amax -> 2^3 keeps the bulk in HiF8's 3-mantissa-bit binades: y 28.6 dB (16.6 with TE's FP8
+    # rule, amax -> 2^15, where it keeps 1-2 bits); backward in BF16 on the high-precision operands
+    "hif8_w8a8": (25, 45, 45),
 }
-SQNR_CEILINGS = {"mxfp4": 22, "fp8": 40, "nvfp4": 24}  # y must really be quantized
+SQNR_CEILINGS = {"mxfp4": 22, "fp8": 40, "nvfp4": 24, "hif8_w8a8": 34}  # y must really be quantized
 
 
 @pytest.mark.parametrize("name", list(SQNR_FLOORS))
@@ -146,8 +148,12 @@ def test_bad_inputs():
         policy_linear(torch.randn(2, 4), torch.randn(3, 4), LinearPrecision(), backend="tpu")
 
 
-def test_delayed_scaling_history_lives_in_the_state():
-    p = presets.get("hif8_w8a8")
+@pytest.mark.parametrize("spec,clips", [
+    ("hif8_w8a8", False),  # amax -> 2^3: 2^12 of headroom absorbs the 10x jump
+    ("fprop=hif8+delayed(max,64)+margin(-12),dgrad=bf16,wgrad=bf16", True),  # TE's FP8 rule: amax -> 2^15
+])
+def test_delayed_scaling_history_lives_in_the_state(spec, clips):
+    p = presets.get(spec) if spec in presets.names() else LinearPrecision.parse(spec)
     st = LayerQuantState(0, "l")
     w = torch.randn(OUT, IN)
     for scale in (1.0, 1.0, 10.0):  # one call per optimizer step
@@ -157,7 +163,7 @@ def test_delayed_scaling_history_lives_in_the_state():
     assert len(h.history) == 3 and h.amax() == max(h.history)
     assert isinstance(h.values, torch.Tensor) and h.values.device == w.device  # a device tensor
     # The jump to 10x happened with a scale from the 1x history: values clipped and counted.
-    assert st.stats["fprop/x"]["num_clipped"] > 0
+    assert (st.stats["fprop/x"]["num_clipped"] > 0) == clips
     again = LayerQuantState()
     again.load_state_dict(st.state_dict())
     assert again.amax["fprop/x"].history == h.history and again.calls == st.calls

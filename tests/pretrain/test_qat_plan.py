@@ -20,9 +20,11 @@ def test_hif8_w8a8_on_a_small_model_quantizes_nothing_and_is_refused(data_cache,
 
 def test_start_up_reports_quantized_linears_and_a_short_warmup(data_cache, capsys):
     status, out = run_main([*FAST, "--data-cache-dir", str(data_cache), "--train-iters", "3", "--precision",
-                            "hif8_w8a8", "--precision-rule", "kind:mlp=hif8_w8a8", "--qat-warmup-iters", "2"], capsys)
+                            "hif8_w8a8", "--precision-rule", "kind:mlp=hif8_w8a8", "--qat-warmup-iters", "2",
+                            "--qat-backward", "ste"], capsys)
     assert status == 0, out
-    assert "precision phase 1 (hif8_w8a8): 4 of 9 linears quantized" in out  # fc1 + fc2 of 2 layers
+    assert ("precision phase 1 (hif8_w8a8): 4 of 9 linears quantized; --qat-backward ste: Dgrad / Wgrad consume "
+            "Fprop's Q(w), Q(x)") in out  # fc1 + fc2 of 2 layers
     assert ("warning: --qat-warmup-iters 2 is shorter than the amax window (64 steps of max): QAT starts with "
             "histories of 2 steps, not 64") in out
     status, out = run_main([*FAST, "--data-cache-dir", str(data_cache), "--train-iters", "2",
