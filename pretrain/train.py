@@ -300,7 +300,9 @@ def check_quantized_plans(args, schedule, whole: dict) -> None:
             continue
         n, m = quantized_linears(whole[k][1])
         label = f"precision phase {k} ({phase.precision})" if len(schedule) > 1 else f"--precision {phase.precision}"
-        rank0_print(f"{label}: {n} of {m} linears quantized")
+        ste = getattr(args, "qat_backward", "hp") == "ste" and n
+        rank0_print(f"{label}: {n} of {m} linears quantized"
+                    + ("; --qat-backward ste: Dgrad / Wgrad consume Fprop's Q(w), Q(x)" if ste else ""))
         try:
             lp = parse_precision(phase.precision)
             quantizes = not (lp.fprop.is_high_precision and lp.dgrad.is_high_precision and lp.wgrad.is_high_precision)
@@ -350,6 +352,7 @@ def build_scheduled_model(args, vocab_size: int, device: torch.device):
     apply_precision_plan(model, plans.stage[0])
     for _, module in policy_linears(model):
         module.gemm_backend = args.gemm_backend
+        module.backward_operands = getattr(args, "qat_backward", "hp")
     return model.to(device), plans
 
 
