@@ -19,7 +19,8 @@
    CUDA also with the ``auto`` GEMM backend (FP8 / MX tensor cores where the device has them).
 4. torchao's float8 and MXFP8 training paths on the same linear, where torchao can run them.
 
-Times are the best of ``--repeats`` runs after warm-up (compilation happens in warm-up): on a shared
+``--json`` is rewritten after each table (and each ``--ffn`` size), so a run cut short keeps its
+results. Times are the best of ``--repeats`` runs after warm-up (compilation happens in warm-up): on a shared
 machine the minimum is the least noisy estimate. The copy bandwidth is measured before and after the
 quantizer table and the better of the two is the reference.
 """
@@ -36,13 +37,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import BACKENDS  # noqa: E402
-from kernels.fused import compile_available, fake_quantize  # noqa: E402
-from kernels.quantizer import TRITON_FORMATS  # noqa: E402
-from model.linear import policy_linear  # noqa: E402
-from precision import LayerQuantState, presets, quantize  # noqa: E402
-from precision.quantize import FORMATS  # noqa: E402
-from precision.rotation import rotate  # noqa: E402
+from kernels import BACKENDS
+from kernels.fused import compile_available, fake_quantize
+from kernels.quantizer import TRITON_FORMATS
+from model.linear import policy_linear
+from precision import LayerQuantState, presets, quantize
+from precision.quantize import FORMATS
+from precision.rotation import rotate
 
 FORMAT_CHOICES = TRITON_FORMATS  # the registry's formats with fused quantizers
 DEFAULT_PRESETS = ("bf16", "fp8", "mxfp4_fprop", "mxfp4", "mxfp4_sr", "wgrad_hadamard", "nvfp4")
@@ -195,13 +196,13 @@ def bench_torchao(args, device, x, w, dy, ffn, t_torch) -> list[dict]:
 
                 quantize_(model, MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_RCEIL))
 
-            def step():
+            def step(model=model):
                 xr = x.detach().requires_grad_(True)
                 model(xr).backward(dy)
 
             t = timeit(step, device, args.repeats)
             row.update(ms=t * 1e3, vs_torch=t / t_torch)
-        except Exception as e:  # torchao paths are optional and hardware-specific
+        except Exception as e:  # noqa: BLE001 - torchao paths are optional and hardware-specific
             row["na"] = f"n/a ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
         out.append(row)
     return out
@@ -276,6 +277,11 @@ def main(argv=None) -> dict:
     print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
     results: dict = {"env": env, "args": {k: v for k, v in vars(args).items() if k != "json"}}
 
+    def save():  # after every table (and every linear size): a run cut by a timeout keeps what it measured
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(results, indent=2))
+
     if not args.skip_quantizers:
         x = torch.randn(args.size, args.size, device=device)
         copy = bench_copy(x, args.repeats * 3)
@@ -289,23 +295,24 @@ def main(argv=None) -> dict:
             copy = results["copy"] = copy_after
         print(f"copy bandwidth used as the reference: {copy['gbps']:.2f} GB/s")
         results["quantizers"] = q
+        save()
         _print_table(f"quantizers, {args.size}x{args.size} float32 input (GB/s = bytes read + written)", q,
                      [("format", "format", "{}"), ("layout", "layout", "{}"), ("rotation", "rotation", "{}"),
                       ("impl", "impl", "{}"), ("ms", "ms", "{:.2f}"), ("gbps", "GB/s", "{:.2f}"),
                       ("frac_copy", "of copy", "{:.1%}")])
     if not args.skip_linear:
         lin = []
+        results["linear"] = lin
         for ffn in args.ffn:
             lin.extend(bench_linear(args, device, ffn))
-        results["linear"] = lin
+            save()
         _print_table(f"linear fwd+bwd, tokens={args.tokens} hidden={args.hidden} (ratios vs the bf16 preset, "
                      "same backend, this run)", lin,
                      [("ffn", "ffn", "{}"), ("preset", "preset", "{}"), ("backend", "backend", "{}"),
                       ("ms", "ms", "{:.1f}"), ("vs_torch", "vs F.linear", "{:.2f}x"),
                       ("vs_bf16", "vs bf16 preset", "{:.2f}x")])
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        save()
         print(f"\nwrote {args.json}")
     return results
 

@@ -18,8 +18,10 @@ CUDA, FP32 on CPU). From each run's TensorBoard scalars:
                 ones compile kernels and fill caches)
   TFLOP/s/dev   median of ``train/tflops_per_device``: model FLOPs (``model.gpt.
                 training_flops_per_token``, the same count for every recipe) per second and device
-  MFU           TFLOP/s/dev over the device's dense BF16 peak (``--peak-tflops``, or known GPUs:
-                H100/H200 989, B200 2250); on CPU: not reported
+  MFU           TFLOP/s/dev over the device's dense BF16 datasheet peak (``--peak-tflops``, or known
+                GPUs: H100/H200 989, B200 2250), and over the BF16 GEMM ceiling measured in the same
+                run (``bf16_gemm_ceiling``: the best of a few large cuBLAS BF16 GEMMs; ~790 on an
+                H200) -- the fraction of what this device's GEMMs actually reach; on CPU: not reported
   loss@N        ``train/loss`` at the last iteration (same batches for every recipe)
 
 and the ratio of tokens/s (and of step time) to the baseline recipe -- the first of ``--precisions``
@@ -33,8 +35,9 @@ and the ratio of tokens/s (and of step time) to the baseline recipe -- the first
   GEMM paths    the start-up report's "GEMMs per backend": ``emulated`` GEMMs are FP32 GEMMs of
                 FP32-dequantized operands, ``bf16_mm`` GEMMs emulate the format on BF16 tensor
                 cores, ``fp8_scaled_mm`` / ``mx_scaled_mm`` run it on FP8 / FP4 tensor cores. A
-                recipe whose GEMMs are not all on tensor cores of its own format is *emulated*
-                speed, and the table says so.
+                recipe with a quantized GEMM that is not on tensor cores of its own format is
+                *emulated* speed, and the table says so; GEMMs the recipe keeps in BF16 (the
+                output layer) run plain BF16 GEMMs on ``bf16_mm`` and do not count.
 
 Writes ``OUT/bench_pretrain.json`` and ``OUT/bench_pretrain.md``; each run's log is
 ``OUT/<recipe>[-<mode>]/log``. Everything after ``--`` goes to ``pretrain.py`` unchanged.
@@ -71,6 +74,30 @@ def device_peak(explicit: float | None) -> tuple[str, float | None]:
     return name, next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name.replace(" ", "")), None)
 
 
+def bf16_gemm_ceiling(size: int = 8192, repeats: int = 10) -> float | None:
+    """The best TFLOP/s of ``repeats`` cuBLAS BF16 GEMMs ``[size, size] @ [size, size]`` (after a
+    warm-up), measured now on this device: what its BF16 GEMMs reach in practice. None on CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * size**3 / best / 1e12
+
+
 def scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -103,7 +130,30 @@ def _log_fields(text: str) -> dict:
         for part in paths.group(1).split(", "):
             name, _, n = part.rpartition(" ")
             counts[name] = int(n)
-    return {"tokens_per_iter": int(tokens.group(1).replace(",", "")) if tokens else None, "gemm_paths": counts}
+    cells = re.findall(r"(\S+) -> (emulated|reference|bf16_mm|fp8_scaled_mm|mx_scaled_mm)\b", text)
+    return {"tokens_per_iter": int(tokens.group(1).replace(",", "")) if tokens else None, "gemm_paths": counts,
+            "emulated_gemms": sum(_gemm_emulated(spec, backend) for spec, backend in cells) if cells else None}
+
+
+def _plain_bf16(spec: str) -> bool:
+    """Whether a GEMM recipe (the start-up report's spec) has two unscaled BF16-exact operands."""
+    from precision import Gemm
+    from precision.formats import Scaling, get_format
+    from precision.recipe import parse_gemm
+
+    try:
+        r = parse_gemm(spec, Gemm.FPROP)
+    except ValueError:
+        return False
+    return all(get_format(f.fmt).kind == Scaling.NONE and get_format(f.fmt).bf16_exact for f in (r.a, r.b))
+
+
+def _gemm_emulated(spec: str, backend: str) -> bool:
+    """One GEMM of the start-up report: emulated unless on FP8/MX tensor cores, or a plain BF16 GEMM
+    on ``bf16_mm``."""
+    if backend in ("fp8_scaled_mm", "mx_scaled_mm"):
+        return False
+    return not (backend == "bf16_mm" and _plain_bf16(spec))
 
 
 def quant_fraction(stats: dict, steps: list[tuple[int, float]], tokens_per_iter: int | None, skip: int) -> float:
@@ -154,7 +204,9 @@ def run_one(precision: str, mode: str, args, extra: list[str]) -> dict:
         "memory_kind": stats.get("memory_kind", "?"),
         "quant_fraction": quant_fraction(stats, steps, fields["tokens_per_iter"], args.skip),
         "gemm_paths": fields["gemm_paths"],
-        "emulated": is_emulated(precision, fields["gemm_paths"]),
+        "emulated": (fields["emulated_gemms"] > 0 if fields["emulated_gemms"] is not None
+                     else is_emulated(precision, fields["gemm_paths"])),
+        "emulated_gemms": fields["emulated_gemms"],
         "wall_s": wall,
     }
 
@@ -175,30 +227,32 @@ def is_emulated(precision: str, paths: dict) -> bool:
     return bool(set(paths) - ({"bf16_mm"} if unscaled else {"fp8_scaled_mm", "mx_scaled_mm"}))
 
 
-def table(rows: list[dict], peak: float | None) -> str:
-    """One Markdown table; ratios against the first recipe of the same ``--bf16`` mode."""
+def table(rows: list[dict], peak: float | None, ceiling: float | None = None) -> str:
+    """One Markdown table; ratios against the first recipe of the same ``--bf16`` mode; MFU against
+    the datasheet ``peak`` and the measured BF16 GEMM ``ceiling`` (TFLOP/s)."""
     base = {}
     for r in rows:
         base.setdefault(r["mode"], r.get("tokens_per_sec"))
     first = rows[0]["precision"] if rows else "?"
     lines = [
-        (f"| recipe | --bf16 | tokens/s | vs {first} | step time vs {first} | TFLOP/s/device | MFU | peak memory "
-         "| quantizing | GEMM paths | loss@N |"),
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        (f"| recipe | --bf16 | tokens/s | vs {first} | step time vs {first} | TFLOP/s/device | MFU (datasheet) "
+         "| MFU (measured BF16 GEMM) | peak memory | quantizing | GEMM paths | loss@N |"),
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['precision']} | {r['mode']} | {r['error']} | | | | | | | | |")
+            lines.append(f"| {r['precision']} | {r['mode']} | {r['error']} | | | | | | | | | |")
             continue
         b = base.get(r["mode"])
         ratio = r["tokens_per_sec"] / b if b else float("nan")
         mfu = f"{100 * r['tflops_per_device'] / peak:.1f}%" if peak else "n/a"
+        mfu_c = f"{100 * r['tflops_per_device'] / ceiling:.1f}%" if ceiling else "n/a"
         paths = ", ".join(f"{k} {v}" for k, v in sorted(r["gemm_paths"].items())) or "?"
         label = " (emulated)" if r["emulated"] else ""
         mem = f"{r['peak_memory_gib']:.2f} GiB{' RSS' if r['memory_kind'] == 'cpu_rss' else ''}"
         lines.append(
             f"| {r['precision']}{label} | {r['mode']} | {r['tokens_per_sec']:,.0f} | {ratio:.2f}x | "
-            f"{1 / ratio if ratio else float('nan'):.2f}x | {r['tflops_per_device']:.3g} | {mfu} | {mem} | "
+            f"{1 / ratio if ratio else float('nan'):.2f}x | {r['tflops_per_device']:.3g} | {mfu} | {mfu_c} | {mem} | "
             f"{100 * r['quant_fraction']:.0f}% | {paths} | {r['final_loss']:.4f} |"
         )
     return "\n".join(lines)
@@ -323,31 +377,38 @@ def main(argv: list[str] | None = None) -> int:
             print(shlex.join(command(precision, mode, args, extra, stats)))
         return 0
     name, peak = device_peak(args.peak_tflops)
+    ceiling = bf16_gemm_ceiling()
+    if ceiling:
+        print(f"BF16 GEMM ceiling measured on {name}: {ceiling:.0f} TFLOP/s (8192^3, best of 10)", flush=True)
     rows = []
     for precision, mode in runs:
         row = run_one(precision, mode, args, extra)
         rows.append(row)
         print(json.dumps(row), flush=True)
-        md = write_results(args, extra, name, peak, rows)  # after every run: a timeout keeps the table so far
+        md = write_results(args, extra, name, peak, rows, ceiling)  # after every run: a timeout keeps the table so far
     print(md)
     return 0 if all("error" not in r for r in rows) else 1
 
 
-def write_results(args, extra: list[str], name: str, peak: float | None, rows: list[dict]) -> str:
+def write_results(args, extra: list[str], name: str, peak: float | None, rows: list[dict],
+                  ceiling: float | None = None) -> str:
     md = (
         f"{args.model_size}, {args.train_iters} iterations, {args.nproc} process(es) on {name}"
-        f"{f' (BF16 peak {peak:g} TFLOP/s)' if peak else ''}; medians after iteration {args.skip}; "
-        f"flags: {' '.join(extra) or '(model-size defaults)'}\n\n{table(rows, peak)}\n"
+        f"{f' (BF16 datasheet peak {peak:g} TFLOP/s)' if peak else ''}"
+        f"{f' (BF16 GEMM ceiling measured in this run {ceiling:.0f} TFLOP/s)' if ceiling else ''}; "
+        f"medians after iteration {args.skip}; "
+        f"flags: {' '.join(extra) or '(model-size defaults)'}\n\n{table(rows, peak, ceiling)}\n"
     )
     if args.goals:
         md += "\nGoals (issue 13):\n" + ("\n".join(goal_lines(rows, peak)) or "- (no goal's recipes ran)") + "\n"
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "bench_pretrain.md").write_text(md)
     (Path(args.out) / "bench_pretrain.json").write_text(
-        json.dumps({"device": name, "peak_tflops": peak, "model_size": args.model_size, "flags": extra,
+        json.dumps({"device": name, "peak_tflops": peak, "bf16_gemm_ceiling_tflops": ceiling, "model_size": args.model_size, "flags": extra,
                     "runs": rows}, indent=1)
     )
     return md
+
 
 if __name__ == "__main__":
     sys.exit(main())
