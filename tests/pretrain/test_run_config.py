@@ -141,3 +141,27 @@ def test_old_checkpoints_load_as_before(run, tmp_path, capsys):
     assert checkpoint_tokenizer(ckpt_dir, torch.load(os.path.join(ckpt_dir, "mp_rank_00", "model_optim_rng.pt"),
                                                      weights_only=False)) == (str(cache / "tokenizer.model"),
                                                                               "SentencePieceTokenizer")
+
+
+def test_a_hugging_face_tokenizer_folder_travels_without_the_weights_beside_it(tmp_path, world_of_one):
+    """--tokenizer-type HuggingFaceTokenizer: the folder's tokenizer files are copied (not a model's
+    weights kept in the same folder); export_hf.py and evaluation find the copy."""
+    from pretrain.data.hf_tokenizer import HFTokenizer
+    from pretrain.evaluation.loading import load_for_eval
+    from pretrain.hf_export import load_tp1_weights
+    from tests.pretrain.test_hf_tokenizer_data import TEXTS, _byte_level_bpe
+
+    src = _byte_level_bpe(tmp_path / "hf")
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"\0" * 4096)  # a model folder used as tokenizer
+    want = HFTokenizer(src).tokenize(TEXTS[0])
+    torch.manual_seed(0)
+    state = {"model": build_gpt(CFG).state_dict(), "model_config": dataclasses.asdict(CFG), "tokenizer_model": src,
+             "args": {"tensor_model_parallel_size": 1, "tokenizer_model": src,
+                      "tokenizer_type": "HuggingFaceTokenizer"}}  # fmt: skip
+    ckpt_dir = save_checkpoint(str(tmp_path / "ckpt"), 1, state)
+    shutil.rmtree(tmp_path / "hf")
+    copy = os.path.join(ckpt_dir, TOKENIZER_DIR)
+    assert "tokenizer.json" in os.listdir(copy) and "model.safetensors" not in os.listdir(copy)
+    assert HFTokenizer(copy).tokenize(TEXTS[0]) == want
+    assert load_tp1_weights(str(tmp_path / "ckpt"))[2] == copy  # launch/export_hf.py copies its files
+    assert load_for_eval(str(tmp_path / "ckpt")).tokenizer_dir == copy
