@@ -62,7 +62,9 @@ def test_pipeline_parallel_matches_pp1(tmp_path, data_cache, precision):
     pp2 = _run(tmp_path, "pp2", [*flags, "--pipeline-model-parallel-size", "2", "--save", str(save)], 2, data_cache)
     assert pp2[0] == pytest.approx(pp1[0], abs=1e-5)
     assert pp2 == pytest.approx(pp1, abs=1e-3)
-    assert sorted(p.name for p in (save / "iter_0000004").iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
+    assert sorted(p.name for p in (save / "iter_0000004").iterdir()) == ["checksums.json", "mp_rank_00_000",
+                                                                         "mp_rank_00_001", "run_config.json",
+                                                                         "tokenizer"]
 
 
 def test_distributed_optimizer_resume_is_exact(tmp_path, data_cache):
