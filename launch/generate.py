@@ -8,8 +8,9 @@
 
 ``--load``: what ``launch/evaluate.py`` loads (a training checkpoint at any TP size, a converted HF
 checkpoint, a plain ``{"model", "model_config"}`` file). ``--prompts``: ``.jsonl`` with one object
-per line, ``{"prompt": TEXT}`` (needs a tokenizer) or ``{"prompt_ids": [ids]}``; any other file is
-plain text, one prompt per line. ``--precision`` (default: the checkpoint's plan, else bf16) is the
+per line, ``{"prompt": TEXT}`` (needs a tokenizer: ``--tokenizer-model`` / ``--hf-tokenizer``, else the one
+that came with ``--load``, e.g. the copy a training checkpoint carries of its run's, built-in or given) or
+``{"prompt_ids": [ids]}``; any other file is plain text, one prompt per line. ``--precision`` (default: the checkpoint's plan, else bf16) is the
 trainer's plan the model is built with -- what re-scoring the rollouts against the trainer uses.
 Generation runs on ``model.generate.Engine`` (one process, TP=1, CUDA when available) with the
 rollout plan's packed weights and KV-cache (``model.rollout``, ``model.rollout_plan``).
