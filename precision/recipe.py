@@ -220,7 +220,7 @@ def _apply_modifier(fields: dict, mod: str) -> None:
     elif m := _MARGIN_RE.match(mod):
         fields["margin"] = int(m.group(1))
     else:
-        raise SpecError(f"unknown modifier {mod!r}; valid: sr, prescale, {', '.join(ScaleRule.values())}, "
+        raise SpecError(f"unknown modifier {mod!r}; valid: sr, prescale, 2d, {', '.join(ScaleRule.values())}, "
                         f"current, margin(N), delayed(ALGO[,N]) with ALGO in {', '.join(AmaxAlgo.values()[1:])}, or a rotation "
                         f"({', '.join(ROTATIONS[1:])})")
 

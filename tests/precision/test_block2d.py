@@ -118,3 +118,8 @@ def test_te_sign_vector():
     assert sum(1 << i for i, v in enumerate(TE_SIGNS) if v == -1) == 0xD7E8
     assert torch.equal(fixed_signs("rht16_te"), torch.tensor(TE_SIGNS, dtype=torch.float32))
     assert fixed_signs("rht16") is None and Gemm.WGRAD.operands == ("dy", "x")
+
+
+def test_unknown_modifier_lists_2d():
+    with pytest.raises(SpecError, match=r"unknown modifier '2D'; valid: sr, prescale, 2d, "):
+        LinearPrecision.parse("base=bf16,fprop=nvfp4@nvfp4/2D")
