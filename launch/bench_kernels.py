@@ -255,8 +255,10 @@ def _print_table(title: str, rows: list[dict], cols: list[tuple[str, str, str]])
     print(f"\n== {title}")
     cells = [[(fmt.format(r[k]) if k in r else r.get("na", "-") if k == cols[-1][0] else "-")
               for k, _, fmt in cols] for r in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (_, h, _) in enumerate(cols)]
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, (_, h, _) in enumerate(cols)]
     print("  ".join(h.ljust(widths[i]) for i, (_, h, _) in enumerate(cols)))
+    if not cells:
+        print("(no rows: none of the asked implementations runs on this device)")
     for c in cells:
         print("  ".join(v.ljust(widths[i]) for i, v in enumerate(c)))
 

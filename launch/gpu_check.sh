@@ -7,6 +7,7 @@
 #   FETCH_WHEELS=1 bash launch/gpu_check.sh   # on a machine with network: download the wheels into .whl/
 #   MODEL_SIZE=350m bash launch/gpu_check.sh  # a smaller model if 1.3B does not fit the time
 #   STEPS="0 2" bash launch/gpu_check.sh      # only some steps (numbered below)
+#   BUDGET_SCALE=3 bash launch/gpu_check.sh   # every step's budget x3 (a slower or shared machine)
 #
 # What the node lacks travels as cp312 wheels in .whl/ beside the checkout (the list is WHEELS
 # below: megatron-core 0.16.x is required, torchao optional; the rest are pure-Python or cp312
@@ -40,6 +41,7 @@ PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3
 DRY=${DRY_RUN:-0}
 SITE=${SITE:-${TMPDIR:-/tmp}/lowprec-site}
 STEPS=" ${STEPS:-0 1 2 3 4 5} "
+BUDGET_SCALE=${BUDGET_SCALE:-1}  # an integer factor on every step's budget, for a slower machine
 
 # module:wheel spec:required(1)/optional(0) -- what the training path imports, and its cp312 wheel
 WHEELS=(
@@ -109,7 +111,7 @@ if [ ${#missing[@]} -gt 0 ] && { [ "$DRY" != 1 ] || [ ${#files[@]} -eq 0 ]; }; t
 fi
 
 step() {  # step N SECONDS LOGFILE CMD...: run (or, with DRY_RUN=1, print) bounded step N, appending to LOGFILE
-    local n=$1 secs=$2 log=$3
+    local n=$1 secs=$(( $2 * BUDGET_SCALE )) log=$3
     shift 3
     [[ "$STEPS" == *" $n "* ]] || return 0
     if [ "$DRY" = 1 ]; then
@@ -166,7 +168,7 @@ KB=(--formats mxfp4,nvfp4,fp8_e4m3 --impls triton,triton_bf16,cast_transpose_bf1
 if [ "$DRY" = 1 ] || "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     KB+=(--size 8192 --tokens 16384 --hidden 2048 --ffn 5632)  # the 1.3B model's fc1 at micro-batch 8
 else
-    KB+=(--size 256 --tokens 256 --hidden 128 --ffn 64)  # a CPU smoke run
+    KB+=(--size 256 --tokens 256 --hidden 128 --ffn 64 --impls reference)  # a CPU smoke run
 fi
 step 4 45 "$OUT/bench_kernels.txt" "$PY" launch/bench_kernels.py "${KB[@]}" --json "$OUT/bench_kernels.json" || status=1
 

@@ -44,3 +44,11 @@ def test_table_gives_mfu_against_both_peaks():
     assert "| 395 | 39.9% | 50.0% |" in md
     assert "| 395 | 39.9% | n/a |" in bp.table([row], 989.0)  # no ceiling measured (a CPU run)
     assert bp.bf16_gemm_ceiling() is None or bp.bf16_gemm_ceiling() > 0
+
+
+def test_bench_kernels_prints_an_empty_table(capsys):
+    """On a CPU the device check's kernel set (Triton only) has no quantizer rows: a line, not a crash."""
+    import bench_kernels as bk
+
+    bk._print_table("quantizers", [], [("format", "format", "{}"), ("ms", "ms", "{:.2f}")])
+    assert "(no rows: none of the asked implementations runs on this device)" in capsys.readouterr().out
