@@ -16,9 +16,22 @@ runs, so an interrupted search resumes where it stopped):
    by seed with the baseline's probe; a plan fits when the upper bound of its relative validation
    loss gap (Student-t over seeds; with one seed, the validation batches' paired s.e.) is within
    ``--budget``;
-4. **confirmation**: the chosen plan and the baseline at full length, same seeds (none when the
-   chosen plan is the baseline; with ``--probe-iters`` equal to ``--train-iters`` the chosen plan's
-   probes are full-length runs and are its confirmation).
+   The units are searched coarse first: per GEMM, groups of ``--group-layers`` consecutive layers
+   (``layers0-7/wgrad``), then, inside each group kept above its cheapest rung, a bisection over its
+   layers (least sensitive first). One error budget, ``alpha = (1 - --confidence) / 2`` (one-sided),
+   is spent over every test: half over the probes (each bound at ``alpha / 2 / --max-probes``; the
+   default ``--max-probes`` is the search's worst case), half on the confirmation. With two or more
+   seeds a gap's spread is pooled over every plan measured (``pretrain.plan_search.SpentBounds``);
+4. **confirmation** on seeds no probe used (``--confirm-seeds``, default as many as ``--seeds``
+   after the largest): the candidate and the baseline at full length. Only a confirmed candidate
+   becomes ``plan.yaml``; unconfirmed, ``plan.yaml`` is the baseline and ``candidate.yaml`` the
+   candidate, and both files and ``report.md`` say what the confirmation measured (exit status 1).
+
+How many probe runs: with the default 4 groups per GEMM (``--group-layers`` = layers / 4) and the
+default 3-rung ladder, a 32-layer model's search runs at most ``1 + 12 x 3 + 12 x 2 x 4 = 133``
+probes -- typically 30 to 60 (the simulation's mean) -- each of ``len(--seeds)`` runs of
+``--probe-iters``, plus the calibration, the baseline's probe and ``2 x len(--confirm-seeds)``
+full-length confirmation runs.
 
 Output in ``OUT``: ``plan.yaml`` (``--precision OUT/plan.yaml`` takes it), ``report.md`` (which
 units stayed in higher precision and why, predicted cost ratios against the baseline and against
@@ -56,11 +69,13 @@ from pretrain.plan_search import (
     DEFAULT_LADDER,
     GRANULARITIES,
     Ladder,
+    Sample,
     apply_levels,
     cheapest_levels,
-    fits,
-    greedy_search,
+    guarded_search,
+    layer_groups,
     make_units,
+    probe_budget,
     unit_sensitivity,
 )
 
@@ -113,7 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "or of every linear (gemm); the output layer keeps the baseline")
     ap.add_argument("--probe-iters", type=int, required=True, help="iterations of each probe run")
     ap.add_argument("--numerics-interval", type=int, default=10, help="telemetry interval of the calibration")
-    ap.add_argument("--max-probes", type=int, default=None, help="at most this many candidate plans")
+    ap.add_argument("--max-probes", type=int, default=None, help="at most this many candidate plans; the probes' "
+                    "error budget is split over this many (default: the search's worst case)")
+    ap.add_argument("--confirm-seeds", default=None, help="comma-separated seeds of the confirmation, none of them "
+                    "in --seeds (default: as many as --seeds, after the largest)")
+    ap.add_argument("--group-layers", type=int, default=None, help="coarse stage: per GEMM, groups of this many "
+                    "consecutive layers, searched before single layers (default: a quarter of the layers; 1: "
+                    "single layers only)")
     ap.add_argument("--confidence", type=float, default=0.95, help="two-sided interval level (default 0.95)")
     ap.add_argument("--parallel", type=int, default=1, help="runs at a time (default 1)")
     ap.add_argument("--nproc-per-node", type=int, default=1, help="processes per run (default 1)")
@@ -161,6 +182,16 @@ class Context:
         self.args, self.extra, self.pargs = args, extra, pargs
         self.budget = parse_budget(args.budget)
         self.seeds = parse_seeds(args.seeds)
+        if args.confirm_seeds is None:
+            self.confirm_seeds = [max(self.seeds) + 1 + i for i in range(len(self.seeds))]
+        else:
+            self.confirm_seeds = parse_seeds(args.confirm_seeds).copy()
+            if set(self.confirm_seeds) & set(self.seeds):
+                raise SearchError(f"--confirm-seeds {args.confirm_seeds}: {sorted(set(self.confirm_seeds) & set(self.seeds))} "
+                                  f"also in --seeds {args.seeds}; the confirmation needs seeds no probe used")
+        if args.group_layers is not None and not 1 <= args.group_layers <= pargs.num_layers:
+            raise SearchError(f"--group-layers {args.group_layers}: must be in 1..--num-layers ({pargs.num_layers})")
+        self.group_layers = args.group_layers or max(1, math.ceil(pargs.num_layers / 4))
         self.target = get_target(args.target)
         cfg = model_config(pargs, vocab_size=vocab)
         self.shapes = linear_shapes(cfg, pargs.micro_batch_size, pargs.tensor_model_parallel_size)
@@ -230,11 +261,13 @@ class Context:
         return ", ".join(moved) or "baseline"
 
     # ------------------------------------------------------------ runs
-    def runs_for(self, label: str, precision: str, iters: int, numerics: bool = False) -> list[Run]:
+    def runs_for(self, label: str, precision: str, iters: int, numerics: bool = False,
+                 seeds: list[int] | None = None) -> list[Run]:
         flags = list(self.extra) + ["--train-iters", str(iters), "--eval-interval", str(iters)]
         if numerics:
             flags += ["--numerics-interval", str(self.args.numerics_interval)]
-        return [Run(f"{label}__seed-{s}", precision, flags + ["--seed", str(s)], label, {}, s) for s in self.seeds]
+        return [Run(f"{label}__seed-{s}", precision, flags + ["--seed", str(s)], label, {}, s)
+                for s in (self.seeds if seeds is None else seeds)]
 
     def execute(self, runs: list[Run]) -> None:
         run_local(self.out, runs, self.args.nproc_per_node, self.args.parallel, [])
@@ -246,6 +279,12 @@ class Context:
         tb = run_dir(self.out, run) / "tensorboard"
         val = dict(read_scalars(tb).get("val/loss", []))
         return val.get(iters, math.nan), read_val_batches(tb).get(iters)
+
+    def sample(self, runs: list[Run], base_runs: list[Run], iters: int) -> tuple[Sample, list[dict]]:
+        """The per-seed relative gaps (and, for one seed, its validation-batch s.e.) of ``runs``."""
+        _, per_seed = self.gap(runs, base_runs, iters)
+        gaps = tuple(p["rel_gap"] for p in per_seed)
+        return Sample(gaps, per_seed[0]["batch_se"] if len(per_seed) == 1 else math.nan), per_seed
 
     def gap(self, runs: list[Run], base_runs: list[Run], iters: int) -> tuple[Interval, list[dict]]:
         """The relative gap ``val / val_baseline - 1`` paired by seed, with its interval."""
@@ -313,51 +352,81 @@ def search(ctx: Context) -> dict:
         pid, runs = plan_runs(levels, numerics=levels == cheapest)
         print(f"probe {pid}: {ctx.describe(levels)}", flush=True)
         ctx.execute(runs)
-        gap, per_seed = ctx.gap(runs, base_runs, iters)
-        records[pid] = {"plan_id": pid, "levels": {k: v for k, v in levels.items() if v}, "gap": _iv(gap),
-                        "per_seed": per_seed, "cost_ratio": ctx.cost(levels), "fits": fits(gap, ctx.budget)}
+        sample, per_seed = ctx.sample(runs, base_runs, iters)
+        records[pid] = {"plan_id": pid, "levels": {k: v for k, v in levels.items() if v}, "per_seed": per_seed,
+                        "cost_ratio": ctx.cost(levels)}
         (out / "probes.json").write_text(json.dumps(list(records.values()), indent=1))
-        print(f"  gap {gap.text(4)} (relative), fits {fits(gap, ctx.budget)} (budget {ctx.budget:.2%}), "
-              f"modelled cost {ctx.cost(levels):.3f} x baseline", flush=True)
-        return gap
+        print(f"  per-seed gaps {', '.join(_pct(g) for g in sample.gaps)}, modelled cost {ctx.cost(levels):.3f} x "
+              "baseline", flush=True)
+        return sample
 
-    result = greedy_search(ctx.unit_keys, ctx.n_levels, ctx.cost, evaluate, ctx.budget, priority, args.max_probes)
-    chosen = ctx.plan(result.levels)
+    full = ctx.pargs.train_iters
+    confirm_record = {}
+
+    def confirm(levels):
+        plan = ctx.plan(levels)
+        cid = ctx.plan_id(plan)
+        path = out / "plans" / f"confirm-{cid}.yaml"
+        ctx.write_plan(path, plan)
+        c_runs = ctx.runs_for(f"confirm-{cid}", str(path), full, seeds=ctx.confirm_seeds)
+        cb_runs = ctx.runs_for("baseline-confirm", args.baseline, full, seeds=ctx.confirm_seeds)
+        print(f"confirmation: the candidate and the baseline at {full} iterations on fresh seeds "
+              f"{ctx.confirm_seeds}", flush=True)
+        ctx.execute(cb_runs + c_runs)
+        sample, per_seed = ctx.sample(c_runs, cb_runs, full)
+        confirm_record["per_seed"] = per_seed
+        return sample
+
+    groups = layer_groups(ctx.units, ctx.group_layers)
+    max_probes = args.max_probes or probe_budget(len(groups), max(len(m) for m in groups.values()),
+                                                 max(ctx.n_levels.values()))
+    alpha = (1 - args.confidence) / 2
+    result = guarded_search(groups, ctx.n_levels, ctx.cost, evaluate, None if args.no_confirm else confirm,
+                            ctx.budget, priority, alpha, max_probes)
+    for p in result.probes:  # each probe's bound at its share of the error budget
+        pid = ctx.plan_id(ctx.plan(dict(p.levels)))
+        if pid in records:
+            records[pid].update(gap=_iv(p.gap), fits=p.fits, why=p.why)
+    (out / "probes.json").write_text(json.dumps(list(records.values()), indent=1))
+    delivered = result.candidate if args.no_confirm else result.levels
+    chosen = ctx.plan(delivered)
     ref_plan = dict(PrecisionPolicy.from_args(REFERENCE[0], list(REFERENCE[1])).resolve(ctx.names, ctx.num_layers))
     ref_ratio = plan_cost(ctx.shapes, ref_plan, ctx.target, ctx.fused).ratio(ctx.base_cost)
     other = plan_cost(ctx.shapes, ctx.baseline, ctx.target, not ctx.fused)  # the other quantization model
-    other_ratios = {"chosen": plan_cost(ctx.shapes, ctx.plan(result.levels), ctx.target, not ctx.fused).ratio(other),
+    other_ratios = {"chosen": plan_cost(ctx.shapes, chosen, ctx.target, not ctx.fused).ratio(other),
                     "reference": plan_cost(ctx.shapes, ref_plan, ctx.target, not ctx.fused).ratio(other)}
-    ratio = ctx.cost(result.levels)
+    ratio = ctx.cost(delivered)
 
-    # 4. confirmation at full length
-    full = ctx.pargs.train_iters
-    confirm = None
-    chosen_id = ctx.plan_id(chosen)
+    # 4. the confirmation ran inside guarded_search, on fresh seeds
     plan_path = out / "plan.yaml"
-    ctx.write_plan(plan_path, chosen, {"target": args.target, "baseline": args.baseline})  # first, for the runs
-    if not any(result.levels.values()):
-        print("the chosen plan is the baseline: no confirmation runs (its gap is 0 by construction)", flush=True)
-    elif full == iters and not args.no_confirm:  # the probes ran at full length: the chosen plan's probe confirms
-        _, p_runs = plan_runs(result.levels, numerics=result.levels == cheapest)
-        gap, per_seed = ctx.gap(p_runs, base_runs, iters)
-        print(f"confirmation: --probe-iters = --train-iters ({full}): the chosen plan's probe runs are full length",
-              flush=True)
-        confirm = {"iterations": full, "gap": _iv(gap), "per_seed": per_seed, "fits": fits(gap, ctx.budget),
-                   "runs": "the chosen plan's probes (full length)"}
-    elif not args.no_confirm:
-        c_runs = ctx.runs_for(f"confirm-{chosen_id}", str(out / "plans" / f"confirm-{chosen_id}.yaml"), full)
-        ctx.write_plan(out / "plans" / f"confirm-{chosen_id}.yaml", chosen)
-        cb_runs = ctx.runs_for("baseline-confirm", args.baseline, full)
-        print(f"confirmation: the chosen plan and the baseline at {full} iterations, {len(ctx.seeds)} seed(s)",
-              flush=True)
-        ctx.execute(cb_runs + c_runs)
-        gap, per_seed = ctx.gap(c_runs, cb_runs, full)
-        confirm = {"iterations": full, "gap": _iv(gap), "per_seed": per_seed, "fits": fits(gap, ctx.budget)}
+    confirm = None
+    if result.confirmation is not None:
+        g = result.confirmation
+        confirm = {"iterations": full, "seeds": ctx.confirm_seeds, "gap": _iv(g), "fits": result.confirmed,
+                   "alpha": result.confirm_alpha, "per_seed": confirm_record.get("per_seed", [])}
+    if not any(result.candidate.values()):
+        found = "the candidate is the baseline: nothing to confirm (its gap is 0 by construction)"
+    elif confirm is None:
+        found = "the candidate was NOT confirmed (--no-confirm): no guarantee holds for it"
+    else:
+        g = confirm["gap"]
+        found = (f"confirmation on fresh seeds {ctx.confirm_seeds} at {full} iterations: gap {_pct(g['mean'])}, "
+                 f"one-sided {1 - result.confirm_alpha:.2%} bound {_pct(g['hi'])} -- "
+                 + (f"within +{ctx.budget:.2%}" if result.confirmed else
+                    f"NOT within +{ctx.budget:.2%}: plan.yaml is the baseline, the candidate is candidate.yaml"))
+    print(found, flush=True)
+    if any(result.candidate.values()) and not result.confirmed and not args.no_confirm:
+        ctx.write_plan(out / "candidate.yaml", ctx.plan(result.candidate),
+                       {"levels": {k: v for k, v in result.candidate.items() if v}},
+                       header=f"the search's candidate, NOT confirmed: {found}")
     summary = {
         "target": args.target, "baseline": args.baseline, "budget": ctx.budget, "seeds": ctx.seeds,
         "probe_iters": iters, "ladder": ctx.ladder.text(), "granularity": args.granularity,
-        "levels": {k: v for k, v in result.levels.items() if v}, "cost_ratio": ratio,
+        "levels": {k: v for k, v in delivered.items() if v}, "cost_ratio": ratio,
+        "candidate_levels": {k: v for k, v in result.candidate.items() if v},
+        "candidate_cost_ratio": ctx.cost(result.candidate), "confirmed": result.confirmed, "found": found,
+        "confirm_seeds": ctx.confirm_seeds, "group_layers": ctx.group_layers, "max_probes": max_probes,
+        "alpha": alpha, "probe_alpha": result.probe_alpha,
         "reference": {"plan": f"{REFERENCE[0]} with {', '.join(REFERENCE[1])}", "cost_ratio": ref_ratio},
         "all_cheapest_cost_ratio": ctx.cost(cheapest), "reason": result.reason, "confirmation": confirm,
         "fused_quantization": ctx.fused,
@@ -370,8 +439,8 @@ def search(ctx: Context) -> dict:
         "cost_ratio_vs_baseline": round(ratio, 4), "cost_ratio_reference": round(ref_ratio, 4),
         "measured_gap": confirm["gap"] if confirm else None, "seeds": ctx.seeds,
         "evidence": f"{out / 'report.md'}",
-    }, header=(f"written by launch/search_plan.py: cheapest plan within +{ctx.budget:.2%} validation loss of "
-               f"--baseline {args.baseline} on --target {args.target}\nuse: --precision {plan_path}"))
+    }, header=(f"written by launch/search_plan.py: --baseline {args.baseline}, budget +{ctx.budget:.2%} validation "
+               f"loss, --target {args.target}\n{found}\nuse: --precision {plan_path}"))
     (out / "search.json").write_text(json.dumps(summary, indent=1, default=str))
     (out / "report.md").write_text(report(ctx, summary, result, records, chosen, cal_id))
     return summary
@@ -398,6 +467,10 @@ def report(ctx: Context, s: dict, result, records: dict, chosen: dict, cal_id: s
              f"kernels; with {'separate' if ctx.fused else 'fused'} ones: chosen "
              f"{s['other_quantization_model']['chosen']:.3f} x, reference "
              f"{s['other_quantization_model']['reference']:.3f} x)")]
+    lines.append(f"- {s['found']}")
+    lines.append(f"- error budget: one-sided {s['alpha']:.2%} in all, {s['alpha'] / 2:.2%} over at most "
+                 f"{s['max_probes']} probes ({s['probe_alpha']:.2e} each), {s['alpha'] / 2:.2%} on the confirmation; "
+                 f"coarse groups of {s['group_layers']} layers per GEMM first")
     if s["confirmation"]:
         c = s["confirmation"]
         g = c["gap"]
@@ -417,7 +490,7 @@ def report(ctx: Context, s: dict, result, records: dict, chosen: dict, cal_id: s
     decided = {}
     for p in result.probes:
         for word in ("raise", "lower"):
-            if p.why.startswith(word):
+            if p.why.startswith(word) and p.why.split()[1] in s["sensitivity"]:
                 unit = p.why.split()[1]
                 decided.setdefault(unit, []).append(f"{p.why.split(' to ')[0].split()[0]} to rung "
                                                     f"{p.why.split('rung ')[1].split()[0]}: gap hi "
@@ -459,7 +532,7 @@ def main(argv=None) -> int:
           f"({s['reference']['plan']}: {s['reference']['cost_ratio']:.3f} x) | "
           + (f"confirmed gap {_pct(c['gap']['mean'])} [{_pct(c['gap']['lo'])}, {_pct(c['gap']['hi'])}]"
              if c else "no confirmation") + f" | report: {ctx.out / 'report.md'}")
-    return 0 if (c is None or c["fits"]) else 1
+    return 0 if (c is None or c["fits"]) else 1  # an unconfirmed candidate: status 1
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ answer is then the cheapest plan found that fits.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -44,15 +45,21 @@ from pretrain.evaluation.stats import Interval
 __all__ = [
     "DEFAULT_LADDER",
     "GRANULARITIES",
+    "GuardedResult",
     "Ladder",
     "Probe",
+    "Sample",
     "SearchResult",
+    "SpentBounds",
     "Unit",
     "apply_levels",
     "cheapest_levels",
     "fits",
     "greedy_search",
+    "guarded_search",
+    "layer_groups",
     "make_units",
+    "probe_budget",
     "unit_sensitivity",
 ]
 
@@ -311,3 +318,200 @@ def _best_fitting(probes: Iterable[Probe], like: dict[str, int],
     levels = {u: 0 for u in like}
     levels.update(dict(p.levels))
     return levels, p.cost
+
+
+# ====================================================================== the guarded search
+# greedy_search accepts a plan on one 95% bound per probe: over many probes, and on the same seeds the
+# answer is then judged by, noise passes for a fitting plan (issue's Monte Carlo: 10% of searches at
+# 96 units, 35% at 384 chose a plan whose true gap is over budget). guarded_search spends one error
+# budget over all its tests, searches coarse units first, and confirms on seeds no probe used.
+@dataclass(frozen=True)
+class Sample:
+    """The measured gaps of one plan: per-seed paired relative gaps (``inf``: a failed or diverged
+    run) and, for a single seed, its gap's standard error from the validation batches."""
+
+    gaps: tuple[float, ...]
+    se: float = math.nan
+
+
+class SpentBounds:
+    """One-sided upper bounds of gaps at levels that add up to one error budget ``alpha``.
+
+    With two or more seeds per plan the standard deviation of a paired gap is pooled over every
+    plan measured so far (the paired noise is that of seeds and data order, alike for plans near
+    the baseline), so a 3-seed probe's bound has the pooled degrees of freedom, not 2. With one seed
+    the bound is normal on the validation batches' standard error."""
+
+    def __init__(self) -> None:
+        self.ss, self.df = 0.0, 0
+
+    def add(self, s: Sample) -> None:
+        g = [x for x in s.gaps if math.isfinite(x)]
+        if len(g) == len(s.gaps) and len(g) >= 2:
+            m = sum(g) / len(g)
+            self.ss += sum((x - m) ** 2 for x in g)
+            self.df += len(g) - 1
+
+    def upper(self, s: Sample, alpha: float) -> Interval:
+        """The gap's mean with ``[lo, hi]`` its two-sided ``1 - 2 alpha`` interval (``hi`` the one-sided
+        ``1 - alpha`` bound); ``inf`` for a failed run, NaN bounds where none is defined."""
+        n, conf = len(s.gaps), 1 - 2 * alpha
+        if not n or not all(math.isfinite(x) for x in s.gaps):
+            return Interval(math.inf, math.inf, math.inf, n, math.nan, conf)
+        mean = sum(s.gaps) / n
+        if n >= 2 and self.df >= 1:
+            sd = math.sqrt(self.ss / self.df)
+            h = _quantile(alpha, self.df) * sd / math.sqrt(n)
+        elif n == 1 and math.isfinite(s.se):
+            sd, h = math.nan, _quantile(alpha, None) * s.se
+        else:
+            return Interval(mean, math.nan, math.nan, n, math.nan, conf)
+        return Interval(mean, mean - h, mean + h, n, sd, conf)
+
+
+@functools.lru_cache(maxsize=4096)
+def _quantile(alpha: float, df: int | None) -> float:
+    """The one-sided ``1 - alpha`` quantile of Student's t with ``df`` degrees of freedom (None: normal)."""
+    from scipy.stats import norm, t
+
+    return float(norm.ppf(1 - alpha) if df is None else t.ppf(1 - alpha, df))
+
+
+@dataclass(frozen=True)
+class GuardedResult:
+    levels: dict[str, int]  # the delivered plan: the candidate if confirmed, else the baseline (all 0)
+    candidate: dict[str, int]  # what the probes chose
+    cost: float  # of the delivered plan
+    probes: tuple[Probe, ...]
+    confirmation: Interval | None  # the candidate's gap on fresh seeds (None: nothing to confirm)
+    confirmed: bool
+    probe_alpha: float  # one-sided error rate of each probe's bound
+    confirm_alpha: float
+    reason: str
+
+
+def probe_budget(n_groups: int, group_size: int, n_rungs: int) -> int:
+    """The default number of probes a search may run (its error budget is split over them): the
+    coarse stage's worst case (the all-cheapest plan, each group raised, then lowered rung by rung)
+    plus the fine stage's bisections (``ceil(log2(group_size)) + 1`` probes per group and rung)."""
+    return 1 + n_groups * n_rungs + n_groups * (n_rungs - 1) * (math.ceil(math.log2(max(group_size, 1))) + 1)
+
+
+def guarded_search(groups: Mapping[str, Sequence[str]], n_levels: Mapping[str, int],
+                   cost: Callable[[Levels], float], evaluate: Callable[[Levels], Sample],
+                   confirm: Callable[[Levels], Sample] | None, budget: float, priority: Sequence[str],
+                   alpha: float = 0.025, max_probes: int | None = None) -> GuardedResult:
+    """Coarse-to-fine search with one error budget, confirmed on fresh seeds.
+
+    ``groups``: coarse unit -> its fine units (e.g. ``layers0-7/wgrad`` -> ``layer0/wgrad`` ...;
+    every fine unit of a group has the same ladder); ``priority``: the fine units, most sensitive
+    first. ``alpha`` (one-sided) is spent half on the probes -- ``alpha / 2 / max_probes`` each, a
+    union bound over every test the search may run -- and half on the confirmation, which measures
+    the candidate on seeds no probe used: the delivered plan's true gap exceeds ``budget`` with
+    probability at most ``alpha / 2`` from the confirmation alone, whatever the probes selected.
+
+    1. coarse: :func:`greedy_search` over the groups (a group's rung applies to all its members);
+    2. fine: in each group left above its cheapest rung, per rung, a bisection finds the longest run
+       of its members (least sensitive first) that can be lowered to it with the probe still fitting;
+    3. confirmation of the candidate (none when it is the baseline); unconfirmed, the baseline is
+       delivered and the candidate reported."""
+    fine = [u for g in groups.values() for u in g]
+    if sorted(priority) != sorted(fine):
+        raise ValueError("priority must order exactly the fine units")
+    rank = {u: i for i, u in enumerate(priority)}
+    rungs = {g: n_levels[m[0]] for g, m in groups.items()}
+    if max_probes is None:
+        max_probes = probe_budget(len(groups), max(len(m) for m in groups.values()), max(rungs.values()))
+    a_probe, a_confirm = alpha / 2 / max_probes, alpha / 2
+    bounds = SpentBounds()
+    probes: list[Probe] = []
+    zero = Interval(0.0, 0.0, 0.0, 0, 0.0)
+    cache: dict[tuple, Probe] = {}
+
+    def measure(levels: Mapping[str, int], why: str) -> Probe | None:
+        key = tuple(sorted((u, lv) for u, lv in levels.items() if lv))
+        if key in cache:
+            return cache[key]
+        if not key:
+            cache[key] = Probe(key, cost(levels), zero, True, why)
+            return cache[key]
+        if len(probes) >= max_probes:
+            return None
+        s = evaluate(dict(levels))
+        bounds.add(s)
+        gap = bounds.upper(s, a_probe)
+        p = Probe(key, cost(levels), gap, fits(gap, budget), why)
+        cache[key] = p
+        probes.append(p)
+        return p
+
+    def expand(glevels: Mapping[str, int]) -> dict[str, int]:
+        return {u: glevels.get(g, 0) for g, members in groups.items() for u in members}
+
+    g_priority = sorted(groups, key=lambda g: min(rank[u] for u in groups[g]))
+
+    def g_evaluate(glevels):  # greedy_search's evaluate: the expanded plan, measured once
+        p = measure(expand(glevels), "coarse: " + ", ".join(f"{g}={lv}" for g, lv in sorted(glevels.items()) if lv))
+        return p.gap if p is not None else Interval(math.inf, math.inf, math.inf, 0, math.nan)
+
+    coarse = greedy_search(list(groups), rungs, lambda gl: cost(expand(gl)), g_evaluate, budget, g_priority,
+                           max_probes)
+    current = expand(coarse.levels)
+    reason = f"coarse ({len(groups)} groups): {coarse.reason}"
+    rc = _rung_costs(fine, n_levels, cost)
+    stopped = False
+    for g in reversed(g_priority):  # fine: inside the groups the coarse stage kept above their cheapest
+        members = sorted(groups[g], key=lambda m: -rank[m])  # least sensitive first
+        for lvl in range(1, rungs[g]):
+            movable = [u for u in members if rc[u][lvl] < rc[u][current[u]]]
+            # bisect for the longest least-sensitive prefix that can take this rung (the gap is additive,
+            # so a longer prefix costs at least as much loss): ~log2(group size) probes per group and rung
+            lo, hi = 0, len(movable)
+            while lo < hi and not stopped:
+                k = (lo + hi + 1) // 2
+                p = measure({**current, **dict.fromkeys(movable[:k], lvl)},
+                            f"lower the {k} least sensitive of {g} to rung {lvl}")
+                if p is None:
+                    stopped = True
+                elif p.fits:
+                    lo = k
+                else:
+                    hi = k - 1
+            current = {**current, **dict.fromkeys(movable[:lo], lvl)}
+            if stopped:
+                break
+        if stopped:
+            reason += f"; fine stage stopped at {max_probes} probes"
+            break
+    else:
+        reason += "; fine stage done"
+    candidate = {u: v for u, v in current.items()}
+    conf_iv, confirmed = None, False
+    if any(candidate.values()) and confirm is not None:
+        s = confirm(dict(candidate))
+        bounds.add(s)
+        conf_iv = bounds.upper(s, a_confirm)
+        confirmed = fits(conf_iv, budget)
+    delivered = candidate if confirmed else {u: 0 for u in fine}
+    if not any(candidate.values()):
+        reason += "; the candidate is the baseline"
+    elif confirm is None:
+        reason += "; not confirmed (no confirmation): the baseline is delivered"
+    else:
+        reason += "; confirmed on fresh seeds" if confirmed else "; NOT confirmed on fresh seeds: the baseline is delivered"
+    return GuardedResult(delivered, candidate, cost(delivered), tuple(probes), conf_iv, confirmed, a_probe,
+                         a_confirm, reason)
+
+
+def layer_groups(units: Sequence[Unit], layers_per_group: int) -> dict[str, list[str]]:
+    """Coarse units: per GEMM, runs of ``layers_per_group`` consecutive layers (``layers0-7/wgrad``);
+    a unit outside the transformer layers is a group of its own. 0 or 1: every unit its own group."""
+    out: dict[str, list[str]] = {}
+    for u in units:
+        i = layer_index(u.linears[0])
+        if layers_per_group <= 1 or i is None:
+            out.setdefault(u.key, []).append(u.key)
+            continue
+        a = i // layers_per_group * layers_per_group
+        out.setdefault(f"layers{a}-{a + layers_per_group - 1}/{u.gemm.value}", []).append(u.key)
+    return out
