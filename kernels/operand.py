@@ -232,6 +232,7 @@ def quantize_operand(
     piece_axis, keys = _sr_keys(state, gemm, operand, call, t.shape) if sr else (None, [(0, None, None)])
     sharded = state.amax_group is not None and state.tp.shard_axis(operand) is not None
     needs_whole = _tensor_level(name) and (sharded or len(keys) > 1)  # one tensor-level amax for all runs
+    rotated = rotation is not None  # this GEMM's own rotated copy of t (a 2-D weight then is not kept)
     if rotation is not None and (codes or impl == "reference" or _no_rounding(name) or state.collect_stats
                                  or needs_whole):
         t, rotation = rotate(t, axis, *rotation), None
@@ -262,7 +263,7 @@ def quantize_operand(
         if rotation is not None:  # a rotation along this GEMM's contraction axis: this GEMM's own weight
             t = rotate(t, axis, *rotation)
         return _block2d_weight(t, axis, fmt, gemm, operand, state, needs_whole, codes, want_bf16,
-                               cacheable=rotation is None)
+                               cacheable=not rotated)
 
     # === 2-3. whole-tensor amax; the amax the tensor-level scale comes from
     whole = whole_tensor_amax(t, state, operand) if needs_whole else None

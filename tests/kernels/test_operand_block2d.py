@@ -159,3 +159,12 @@ def test_rollout_precision_takes_2d_weights():
     assert r.linear.b.block2d and str(r) == "linear=nvfp4@nvfp4/2d,kv=nvfp4"
     with pytest.raises(Exception, match="operand x .*weights only"):
         parse_rollout("linear=nvfp4/2d@nvfp4,kv=bf16")
+
+
+def test_rotated_2d_weight_is_not_kept():
+    """A rotation on Fprop rotates the weight along in-features: that copy is Fprop's own."""
+    w, x, _ = _weight_and_inputs()
+    st = LayerQuantState()
+    recipe = parse_gemm("nvfp4@nvfp4/2d+had16", Gemm.FPROP)
+    gemm_operands(Gemm.FPROP, x.detach(), w.detach(), recipe, st, impl="reference")
+    assert st.block2d_weight is None
