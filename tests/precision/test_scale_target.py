@@ -66,3 +66,15 @@ def test_telemetry_clipping_counts_the_headroom():
     deq = quantize(x, "hif8", amax=4.0).dequantize()
     s = operand_stats(x, deq, "hif8", scale_amax=4.0, headroom=32768 / 8)
     assert s["clipped"] == 0.0 and s["amax_ratio"] == 25.0
+
+
+@pytest.mark.parametrize("fmt", [OperandFormat("fp8_e4m3", margin=2), OperandFormat("hif8", margin=-5)])
+def test_fused_quantizer_applies_the_margin_as_the_reference(fmt):
+    from kernels.fused import fake_quantize
+
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1)) * 5
+    want = quantize(x, fmt, axis=1).dequantize()
+    got, stats = fake_quantize(x, fmt, axis=1, impl="eager")
+    assert torch.equal(got, want) and int(stats["num_clipped"]) == 0
+    got_delayed, _ = fake_quantize(x, fmt, axis=1, impl="eager", amax=torch.tensor(2.0))
+    assert torch.equal(got_delayed, quantize(x, fmt, axis=1, amax=2.0).dequantize())
