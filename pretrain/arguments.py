@@ -182,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="train the first N iterations in BF16 while the amax histories fill, then switch to the "
         "quantized plan (HiF8 QAT recipe: 500); the same as --precision-schedule 0:observe,N:PRECISION "
-        "with --precision PRECISION (not with --precision-schedule)",
+        "with --precision PRECISION (not with --precision-schedule). Either spelling makes "
+        "--lr-decay-style default to constant and --lr-warmup-iters to 0: warm-up and QAT at --lr",
     )
     add(
         "--kv-quant",
@@ -486,7 +487,24 @@ def parse_args_or_raise(argv: list[str] | None = None) -> argparse.Namespace:
         args.lr_decay_iters = args.train_iters
     if args.precision is None and args.precision_schedule is None:
         args.precision = "bf16"
+    if _starts_with_observe(args):
+        # QAT after a BF16 warm-up runs at a constant low lr (the HiF8 QAT recipe): a decay, or a
+        # model-size file's pretraining lr warm-up, running through the BF16 warm-up would start QAT
+        # at an lr set by the warm-up's length, not by --lr. Flags given on the command line win.
+        given = _given_flags(argv)
+        if "lr_decay_style" not in given:
+            args.lr_decay_style = "constant"
+        if "lr_warmup_iters" not in given and "lr_warmup_fraction" not in given:
+            args.lr_warmup_iters = 0
     return args
+
+
+def _starts_with_observe(args: argparse.Namespace) -> bool:
+    """Whether the run's precision schedule opens with a BF16 observe phase (``--qat-warmup-iters``)."""
+    if getattr(args, "qat_warmup_iters", 0):
+        return True
+    text = (getattr(args, "precision_schedule", None) or "").replace(" ", "")
+    return text.startswith("0:observe,")
 
 
 # =================================================================================================

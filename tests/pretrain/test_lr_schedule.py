@@ -158,3 +158,28 @@ def test_bad_schedule_flags_are_one_line_errors(extra, message):
     with pytest.raises(ConfigError) as e:
         _args(*extra)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+# === QAT after a BF16 warm-up: a constant low lr ===
+
+
+@pytest.mark.parametrize("spelling", [["--qat-warmup-iters", "3"], ["--precision-schedule", "0:observe,3:hif8_w8a8"]])
+def test_qat_after_a_bf16_warmup_runs_at_a_constant_lr(spelling):
+    # the case: a 6-iteration run, 3 of them the BF16 warm-up, lr 1e-5 / min 1e-6. Under the
+    # old default (cosine) QAT's first step (iteration 4) ran at 3.25e-6; the recipe means 1e-5
+    argv = [*TINY, "--train-iters", "6", "--lr", "1e-5", "--min-lr", "1e-6", "--lr-warmup-iters", "0"]
+    extra = ["--precision", "hif8_w8a8"] if spelling[0] == "--qat-warmup-iters" else []
+    args = parse_args_or_raise([*argv, *extra, *spelling])
+    assert args.lr_decay_style == "constant"
+    s = LRSchedule.from_args(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]), args)
+    assert [s.step() for _ in range(6)] == [1e-5] * 6
+    # a decay asked for is kept; without a warm-up phase the default stays cosine
+    assert parse_args_or_raise([*argv, *extra, *spelling, "--lr-decay-style", "cosine"]).lr_decay_style == "cosine"
+    # a model-size file's pretraining warm-up (1.3b: 2,000 iterations) is not applied; a flag's is
+    qat = ["--model-size", "1.3b", "--precision", "hif8_w8a8", "--qat-warmup-iters", "500", "--lr", "1e-5",
+           "--min-lr", "1e-6", "--train-iters", "10500"]
+    assert parse_args_or_raise(qat).lr_warmup_iters == 0
+    assert parse_args_or_raise([*qat, "--lr-warmup-iters", "100"]).lr_warmup_iters == 100
+    cosine = LRSchedule.from_args(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]),
+                                  parse_args_or_raise([*argv, "--precision", "hif8_w8a8"]))
+    assert cosine.lr_at(4) == pytest.approx(3.25e-6)
