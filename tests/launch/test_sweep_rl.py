@@ -124,4 +124,8 @@ def test_rl_results_against_hand_computed_numbers(tmp_path):
     assert summary["fp4"]["k3_kl"] == pytest.approx(2e-3) and math.isnan(summary["fp4"]["k3_kl_sd"]) is False
     md = (out / "results.md").read_text()
     assert "| fp4 | 3 | 0.453 ± 0.061 | -0.097 ± 0.038 (3 seeds) | n/a | -0.048 ± 0.019 |" in md
+    assert "verdict (Holm over 1) |" in md  # one comparison: Holm's adjustment is the t-test itself
+    # the same verdict function as the pretraining tables: an accuracy margin may show equivalence,
+    # a shown difference wins over it
+    assert {s["label"]: s["verdict"] for s in summarize_rl(rows, "bf16", margin=0.2)}["fp4"] == "worse"
     assert (out / "rl_curves.png").stat().st_size > 0 and (out / "summary.csv").exists()
