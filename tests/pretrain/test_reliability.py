@@ -155,13 +155,12 @@ def test_full_disk_is_one_line_naming_save_both_iterations_and_leaves_no_partial
     assert os.listdir(tmp_path / "empty") == []
 
 
-@pytest.fixture
-def small_filesystem(tmp_path):
-    """A real 1 MiB filesystem (tmpfs; needs root and a kernel that allows the mount): writes beyond
-    it fail with ENOSPC inside ``torch.save``'s zip writer, not where a test raised it."""
+def _tmpfs(tmp_path, size: str):
+    """A real filesystem of ``size`` (tmpfs; needs root and a kernel that allows the mount): writes
+    beyond it fail with ENOSPC inside ``torch.save``'s zip writer, not where a test raised it."""
     mnt = tmp_path / "disk"
     mnt.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True,
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True,
                              text=True, check=False)  # fmt: skip
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here ({(mounted.stderr or 'not permitted').strip()})")
@@ -169,6 +168,17 @@ def small_filesystem(tmp_path):
         yield mnt
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    yield from _tmpfs(tmp_path, "1m")
+
+
+@pytest.fixture
+def filesystem_for_one_checkpoint(tmp_path):
+    """10 MiB: one checkpoint of FULL_DISK_MODEL at TP=2 (6.7 MiB measured) fits, a second does not."""
+    yield from _tmpfs(tmp_path, "10m")
 
 
 def test_a_real_full_disk_is_one_line_and_the_previous_checkpoint_survives(small_filesystem, world_of_one):
@@ -362,6 +372,29 @@ def test_full_disk_under_torchrun_is_one_line_and_the_previous_checkpoint_surviv
     assert line.startswith(f"pretrain.py: error: --save {save}: could not write iteration 2 (No space left")
     assert f"iteration 1 ({save / 'iter_0000001'}) is intact" in line
     assert sorted(os.listdir(save)) == ["iter_0000001", TRACKER]  # the partial directory is gone
+
+
+FULL_DISK_MODEL = ["--num-layers", "1", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads",
+                   "2", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+                   "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "1"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_real_full_disk_under_torchrun_is_one_line_and_exit_4(filesystem_for_one_checkpoint, data_cache):
+    """The issue's run: --save on a filesystem that fills during the second save. Before the fix each
+    worker printed the OSError and zip-writer RuntimeError tracebacks and exited 1."""
+    save = filesystem_for_one_checkpoint / "ckpt"
+    argv = ["--train-iters", "3", *FULL_DISK_MODEL, "--tensor-model-parallel-size", "2", "--save", str(save),
+            "--save-interval", "1", "--data-cache-dir", str(data_cache)]  # fmt: skip
+    proc = run(argv, nproc=2)
+    # the first worker to exit 4 ends the job (torchrun may SIGTERM the other one first)
+    assert proc.returncode != 0 and EXIT_SAVE_FAILED in child_exit_codes(proc), proc.stderr[-3000:]
+    assert "]: Traceback" not in proc.stderr and "unexpected pos" not in proc.stderr  # torchrun's own report only
+    (line,) = error_lines(proc)
+    assert line.startswith(f"pretrain.py: error: --save {save}: could not write iteration 2 (No space left")
+    assert f"iteration 1 ({save / 'iter_0000001'}) is intact" in line
+    assert sorted(os.listdir(save)) == ["iter_0000001", TRACKER] and read_tracker(str(save)) == 1
+    assert load_checkpoint_file_ok(save / "iter_0000001")
 
 
 @pytest.mark.slow
