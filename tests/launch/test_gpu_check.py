@@ -59,7 +59,8 @@ def test_writes_at_most_8_files_and_names_no_machine_paths():
     files = set(re.findall(r"\$OUT/([\w.]+)", text)) - {"*.txt", "*.json", "*.md"}
     files |= {"bench_pretrain.md", "bench_pretrain.json"}  # copied from $WORK
     assert len(files) <= 8, files
-    assert "/work/" not in text and ".library" not in text and "/tmp/site" not in text
+    # paths live in variables ($OUT, $WORK, .whl/): no absolute path of any one machine is written in
+    assert not re.search(r"(?<![\w$}])/(?:work|root|home|tmp|opt|mnt)/", text)
 
 
 def test_gpu_marker_selects_the_triton_and_cast_transpose_tests():

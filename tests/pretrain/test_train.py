@@ -207,8 +207,8 @@ def test_tp2_run_logs_tensorboard_and_checkpoints(tmp_path, data_cache):
 #                   and TP shards hold whole blocks, so each rank quantizes exactly what TP=1 does);
 #                   then a 1-ulp difference of the clip coefficient flips a rounding: loss 1.6e-5,
 #                   grad norm 1.2e-3 at iteration 6.
-# Re-measured on this session's 2-core machine (the same numbers at 22ca48a, before any change of
-# this session): bf16 grad norm 1.7e-5 at iteration 1; wgrad_hadamard bit-identical for iterations
+# Re-measured on a 2-core CPU machine (the same numbers at 22ca48a, before the change that
+# prompted it): bf16 grad norm 1.7e-5 at iteration 1; wgrad_hadamard bit-identical for iterations
 # 1-2, then the flipped roundings grow: grad norm 5e-4, 4.8e-3 and up to 2e-2 by iteration 6. The
 # losses stay within LOSS_RTOL; a rank quantizing with its shard's own scales or blocks cut by a
 # shard edge is off by percent from iteration 1 on.
