@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -313,12 +314,16 @@ def test_pretrain_trains_on_hf_tokenized_data(hf_dir, hf_tok, tmp_path, world_of
     losses = [float(m) for m in re.findall(r"^iteration +\d+/3 \| loss (\S+) ", proc.stdout, re.MULTILINE)]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses), proc.stdout
 
-    # Evaluation finds the HF tokenizer the checkpoint was trained with, and can size the vocabulary
-    # from it when the checkpoint has no model_config.
+    # Evaluation finds the HF tokenizer the checkpoint was trained with (the copy the checkpoint
+    # carries: the same files, byte for byte), and can size the vocabulary from it when the checkpoint
+    # has no model_config.
     from pretrain.evaluation.loading import load_for_eval
 
     loaded = load_for_eval(str(tmp_path / "ckpt"))
-    assert (loaded.tokenizer_dir, loaded.tokenizer_model) == (hf_tok.path, None)
+    assert loaded.tokenizer_model is None
+    assert loaded.tokenizer_dir == str(tmp_path / "ckpt" / "iter_0000003" / "tokenizer")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (Path(loaded.tokenizer_dir) / name).read_bytes() == (Path(hf_tok.path) / name).read_bytes()
     ckpt_file = tmp_path / "ckpt" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt"
     ckpt = torch.load(ckpt_file, map_location="cpu", weights_only=False)
     assert ckpt["args"]["tokenizer_type"] == "HuggingFaceTokenizer"
