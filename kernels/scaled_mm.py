@@ -219,19 +219,25 @@ BACKENDS.setdefault("auto", _auto)
 
 
 # ============================================================================ the start-up probe
-PROBE_FORMATS = ("fp8_e4m3", "mxfp8_e4m3", "mxfp4", "nvfp4")
+PROBE_FORMATS = ("fp8_e4m3", "mxfp8_e4m3", "mxfp4", "nvfp4", "nvfp4@nvfp4/2d")
 PROBE_REL_TOL = 2.0 ** -7  # a BF16 output rounding (2^-8 relative) plus accumulation order, with room
 
 
 def probe_formats(device, *, capability="device", mm=None, formats=PROBE_FORMATS) -> list[str]:
-    """One small Fprop GEMM per format on its tensor-core backend, checked against the emulated
-    spec; returns the report lines, one per format: which path its GEMMs will take.
+    """One small GEMM per format on its tensor-core backend, checked against the emulated spec;
+    returns the report lines, one per format: which path its GEMMs will take.
+
+    A plain format probes Fprop. A spec whose weight is 2-D-tiled (``nvfp4@nvfp4/2d``, the
+    ``nvfp4`` preset's weight) probes Fprop and then Dgrad on one layer state, so Dgrad's ``wᵀ`` is
+    the hardware re-layout of Fprop's quantization (``kernels.layouts.transpose_tiled``), not a
+    second one; both results are checked against the spec.
 
     A format torch refuses (``REFUSALS``: e.g. MXFP4 through ``F.scaled_mm`` on a build without
     FBGEMM GenAI raises NotImplementedError), or whose result is off the spec by more than
     ``PROBE_REL_TOL`` (relative Frobenius norm), is recorded in ``kernels.backends.REFUSED_FORMATS``
-    for this device, so ``auto`` sends its GEMMs to ``bf16_mm`` (same operands, BF16 tensor cores).
-    ``capability`` / ``mm`` let tests simulate a device and its ``torch._scaled_mm``."""
+    for this device (under its weight's format), so ``auto`` sends its GEMMs to ``bf16_mm`` (same
+    operands, BF16 tensor cores). ``capability`` / ``mm`` let tests simulate a device and its
+    ``torch._scaled_mm``."""
     from kernels.backends import REFUSED_FORMATS, select_backend
 
     dev = torch.device(device)
@@ -240,22 +246,34 @@ def probe_formats(device, *, capability="device", mm=None, formats=PROBE_FORMATS
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(64, 128, generator=gen).to(dev)
     w = torch.randn(96, 128, generator=gen).to(dev)
+    dy = torch.randn(64, 96, generator=gen).to(dev)
     for fmt in formats:
         recipe = parse_gemm(fmt, Gemm.FPROP)
+        gemms = [(Gemm.FPROP, x, recipe)]
+        if recipe.b.block2d:
+            gemms.append((Gemm.DGRAD, dy, parse_gemm(fmt, Gemm.DGRAD)))
         hw, why = recipe_backend(recipe, cap)
         if hw is None or hw not in device_backends(cap):
             lines.append(f"  {fmt}: {select_backend(recipe, cap)} ({why if hw is None else 'no ' + hw + ' here'})")
             continue
+        hw_state, ref_state, errs = LayerQuantState(), LayerQuantState(), []
         try:
-            out = hw_gemm(Gemm.FPROP, x, w, recipe, LayerQuantState(), backend=hw, capability=cap, mm=mm)
-            ref = BACKENDS["reference"](Gemm.FPROP, x, w, recipe, LayerQuantState())
-            err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-            if not err <= PROBE_REL_TOL:
-                raise ValueError(f"result off the emulated spec: relative error {err:.2e} > {PROBE_REL_TOL:.2e}")
+            for g, a, r in gemms:
+                out = hw_gemm(g, a, w, r, hw_state, backend=hw, capability=cap, mm=mm)
+                ref = BACKENDS["reference"](g, a, w, r, ref_state)
+                err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+                if not err <= PROBE_REL_TOL:
+                    raise ValueError(f"result off the emulated spec in {g.value}: relative error {err:.2e} > "
+                                     f"{PROBE_REL_TOL:.2e}")
+                errs.append(err)
         except REFUSALS as e:
             reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"
-            REFUSED_FORMATS.setdefault(cap, {})[fmt] = reason
+            REFUSED_FORMATS.setdefault(cap, {})[recipe.b.fmt] = reason
             lines.append(f"  {fmt}: {hw} refused ({reason}) -> {select_backend(recipe, cap)}")
             continue
-        lines.append(f"  {fmt}: {hw} (relative error vs the emulated spec {err:.1e})")
+        if len(gemms) == 1:
+            lines.append(f"  {fmt}: {hw} (relative error vs the emulated spec {errs[0]:.1e})")
+        else:
+            lines.append(f"  {fmt}: {hw}, Fprop and Dgrad from one quantization of w (relative error vs the "
+                         f"emulated spec {max(errs):.1e})")
     return lines

@@ -16,6 +16,7 @@ from kernels import scaled_mm as ksm
 from kernels import torch_api
 from kernels.bf16_mm import refuses_out_dtype
 from precision.recipe import Gemm, parse_gemm
+from precision.state import LayerQuantState
 
 SM100 = (10, 0)
 
@@ -147,3 +148,38 @@ def test_api_report_names_every_api_the_gpu_path_uses():
     for name in ("torch.mm(out_dtype=)", "torch._scaled_mm", "F.scaled_mm", "fp32_precision", "enable_gqa"):
         assert name in text
     assert "MISSING" not in text  # this torch has them all
+
+
+def test_sm100_probe_runs_a_2d_weight_through_fprop_and_dgrad_from_one_quantization(clean_refusals):
+    """The nvfp4 preset's 2-D-tiled weight: Fprop's w and Dgrad's wᵀ reach torch._scaled_mm as the
+    same quantized values (one quantization, two layouts); with 1-D blocks the two differ."""
+    seen = []
+
+    def recording_scaled_mm(a, b):
+        seen.append(b.decode())
+        return ksm.emulated_scaled_mm(a, b)
+
+    lines = ksm.probe_formats("cpu", capability=SM100, mm=recording_scaled_mm, formats=("nvfp4@nvfp4/2d",))
+    assert lines[1].startswith("  nvfp4@nvfp4/2d: mx_scaled_mm, Fprop and Dgrad from one quantization of w "
+                               "(relative error vs the emulated spec")
+    w_fprop, wt_dgrad = seen  # [out, in] and [in, out], each zero-padded to the hardware multiples
+    assert torch.equal(w_fprop[:96, :128], wt_dgrad[:128, :96].t())
+
+    seen.clear()  # the same two GEMMs with 1-D weight blocks: two quantizations, other values
+    w = torch.randn(96, 128, generator=torch.Generator().manual_seed(0))
+    for g, a in ((Gemm.FPROP, torch.randn(64, 128)), (Gemm.DGRAD, torch.randn(64, 96))):
+        ksm.hw_gemm(g, a, w, parse_gemm("nvfp4", g), LayerQuantState(), backend="mx_scaled_mm",
+                    capability=SM100, mm=recording_scaled_mm)
+    assert not torch.equal(seen[0][:96, :128], seen[1][:128, :96].t())
+
+
+def test_a_refused_2d_weight_probe_reroutes_its_format(clean_refusals):
+    def refusing(a, b):
+        if a.rows == 64 and b.rows == 128:  # Dgrad's wᵀ [in, out]
+            raise RuntimeError("CUDA error: invalid argument")
+        return ksm.emulated_scaled_mm(a, b)
+
+    lines = ksm.probe_formats("cpu", capability=SM100, mm=refusing, formats=("nvfp4@nvfp4/2d",))
+    assert lines[1] == ("  nvfp4@nvfp4/2d: mx_scaled_mm refused (RuntimeError: CUDA error: invalid argument) "
+                        "-> bf16_mm")
+    assert kb.select_backend(parse_gemm("nvfp4", Gemm.FPROP), SM100) == "bf16_mm"
