@@ -27,7 +27,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "launch"))
 
 COLUMNS = ["fprop/x", "fprop/w", "dgrad/dy", "dgrad/w", "wgrad/dy", "wgrad/x"]
 # For each metric: is a higher value worse? And a one-line meaning for the summary.
@@ -128,11 +127,12 @@ def sweep_report(out: Path) -> int:
     """Re-collect a sweep's results and print its tables (intervals beside every gap)."""
     import json
 
-    import sweep
+    from pretrain.sweep.report import collect
+    from pretrain.sweep.spec import Run
 
     info = json.loads((out / "sweep.json").read_text())
-    runs = [sweep.Run(**r) for r in info["runs"]]
-    sweep.collect(out, runs, info["sweep"].get("baseline"), margin=info["sweep"].get("equivalence_margin"))
+    runs = [Run(**r) for r in info["runs"]]
+    collect(out, runs, info["sweep"].get("baseline"), margin=info["sweep"].get("equivalence_margin"))
     print((out / "results.md").read_text().split("\n## Runs")[0])
     plots = ([out / "rl_curves.png"] if runs and runs[0].script == "rl"
              else [out / "loss_curves.png", out / "loss_gap_curves.png", out / "gap.png"])

@@ -52,15 +52,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from launch.sweep import (
-    Run,
-    read_scalars,
-    read_status,
-    read_val_batches,
-    run_dir,
-    run_local,
-    split_passthrough,
-)
+from launch.sweep import split_passthrough
 from precision import PrecisionPolicy, SpecError
 from precision.cost_model import ASSUMPTIONS, get_target, linear_shapes, plan_cost, target_names
 from precision.policy import layer_index, write_plan_file
@@ -79,6 +71,9 @@ from pretrain.plan_search import (
     probe_budget,
     unit_sensitivity,
 )
+from pretrain.sweep.results import read_scalars, read_val_batches
+from pretrain.sweep.runner import read_status, run_dir, run_local
+from pretrain.sweep.spec import Run
 
 RESERVED = ("--precision", "--precision-rule", "--seed", "--save", "--load", "--tensorboard-dir",
             "--numerics-interval", "--eval-interval", "--precision-schedule")

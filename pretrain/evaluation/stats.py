@@ -27,7 +27,8 @@ Verdicts (``gap_verdict``, the one function every results table uses):
 
 An interval says how many seeds it used (``Interval.n``) and how many it left out
 (``Interval.excluded``). These are the numbers the sweep tables print beside every gap
-(``launch/sweep.py``, ``pretrain.rl.sweep_results``); MLCommons' FP4 discussion asks for exactly this.
+(``pretrain.sweep.results`` behind ``launch/sweep.py``, and ``pretrain.rl.sweep_results``); MLCommons' FP4
+discussion asks for exactly this.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Results of an RL sweep (``launch/sweep.py`` with ``script: rl``): one table row per treatment.
+"""Results of an RL sweep (``launch/sweep.py`` with ``script: rl``): one table row per treatment
+(a pretraining sweep's are ``pretrain.sweep.results``).
 
 Each run of ``launch/rl.py`` logs TensorBoard scalars (``rl/reward_mean``, ``rl/heldout_accuracy``,
 ``mismatch/k3_kl``, ``correction/ess``, ``rollout/tokens_per_sec``, ...) and writes

@@ -1,8 +1,8 @@
-"""The plots of a pretraining sweep (``launch/sweep.py``): ``loss_curves.png`` (absolute smoothed
-training-loss curves, a band over seeds), ``loss_gap_curves.png`` (the paired difference to the
-baseline over iterations, per precision: mean over seeds with its 95% Student-t band, as
-low-precision training papers plot it) and ``gap.png`` (final validation-loss gaps with intervals,
-coloured by verdict)."""
+"""The plots of a pretraining sweep (``launch/sweep.py``; written by ``pretrain.sweep.report``):
+``loss_curves.png`` (absolute smoothed training-loss curves, a band over seeds),
+``loss_gap_curves.png`` (the paired difference to the baseline over iterations, per precision: mean
+over seeds with its 95% Student-t band, as low-precision training papers plot it) and ``gap.png``
+(final validation-loss gaps with intervals, coloured by verdict)."""
 
 from __future__ import annotations
 

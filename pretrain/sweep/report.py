@@ -1,0 +1,189 @@
+"""A sweep's report: ``collect`` analyses every run and writes ``results.csv`` (one row per run),
+``summary.csv`` (one row per grid point), ``results.md`` (the tables, an interval and a verdict
+beside every gap) and the plots (``pretrain.sweep.plots``); an RL sweep's go through
+``pretrain.rl.sweep_results``.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+from pretrain.sweep.plots import write_plots
+from pretrain.sweep.results import (
+    analyse,
+    best_points,
+    pair_numbers,
+    paired_base,
+    read_scalars,
+    read_val_batches,
+    summarize,
+)
+from pretrain.sweep.runner import read_status, run_dir
+from pretrain.sweep.spec import Run
+
+__all__ = ["COLUMNS", "SUMMARY_COLUMNS", "SUMMARY_EXTRA_COLUMNS", "collect", "collect_rl", "summary_table",
+           "write_tables"]
+
+
+def collect(out: Path, runs: list[Run], baseline: str | None, window: int = 10,
+            margin: float | None = None) -> list[dict]:
+    """Analyse every run, write results.csv / summary.csv / results.md and the plots; return the run
+    rows. ``margin``: the sweep's ``equivalence_margin`` (none: no equivalence verdicts)."""
+    if runs and runs[0].script == "rl":
+        return collect_rl(out, runs, baseline, margin)
+    rows = []
+    for r in runs:
+        tb = run_dir(out, r) / "tensorboard"
+        row = analyse(r.name, read_scalars(tb) if tb.exists() else {}, window)
+        row["precision"] = r.precision
+        row["status"] = read_status(out, r)
+        row["seed"] = r.seed
+        row["_run"] = r
+        row["_val_batches"] = read_val_batches(tb) if tb.exists() else {}
+        rows.append(row)
+    pairs = paired_base(rows, baseline, hyper_equal=True)
+    for row in rows:
+        base = pairs.get(row["run"])
+        if base is not None:
+            row.update(pair_numbers(row, base))
+        else:
+            row.update(gap_train_loss=float("nan"), gap_val_loss=float("nan"), extra_tokens_pct=float("nan"),
+                       extra_tokens_censored=False, extra_tokens_fit_pct=float("nan"),
+                       extra_tokens_fit_extrapolated=False, extra_tokens_fit_censored=False,
+                       gap_val_batch_se=float("nan"))
+    summary = summarize(rows, baseline, margin=margin)
+    tuned = []
+    hyper = sorted({k for r in runs for k in r.point})
+    if hyper:
+        best = best_points(summary)
+        if baseline in best:
+            base_runs = {m["_run"].seed: m for m in rows if m["_run"].group == best[baseline]["point"]}
+            groups = [best[p]["point"] for p in dict.fromkeys(r.label for r in runs) if p in best]
+            tuned = summarize(rows, baseline, groups, base_runs, margin=margin)
+    write_tables(out, rows, summary, tuned, baseline, hyper)
+    write_plots(out, rows, summary, tuned or summary, baseline, base_runs if tuned else None)
+    return rows
+
+
+def collect_rl(out: Path, runs: list[Run], baseline: str | None, margin: float | None = None) -> list[dict]:
+    """An RL sweep's results (``pretrain.rl.sweep_results``): accuracy, reward AUC, mismatch, speed."""
+    from pretrain.rl.sweep_results import analyse_rl, read_summary, summarize_rl, write_rl_results
+
+    rows = []
+    for r in runs:
+        d = run_dir(out, r)
+        tb = d / "tensorboard"
+        row = analyse_rl(r.name, read_scalars(tb) if tb.exists() else {},
+                         read_summary(d / "checkpoints" / "rl_summary.json"))
+        row.update(status=read_status(out, r), label=r.label, seed=r.seed, _run=r)
+        rows.append(row)
+    write_rl_results(out, rows, summarize_rl(rows, baseline, margin), baseline,
+                     sorted({k for r in runs for k in r.point}))
+    return rows
+
+
+COLUMNS = ["run", "status", "precision", "seed", "iterations", "final_train_loss", "final_val_loss",
+           "val_loss_sem", "gap_train_loss", "gap_val_loss", "gap_val_batch_se", "extra_tokens_pct",
+           "diverged", "spike", "tokens_per_sec", "extra_tokens_censored", "extra_tokens_fit_pct",
+           "extra_tokens_fit_extrapolated", "extra_tokens_fit_censored"]
+SUMMARY_COLUMNS = ["point", "precision", "seeds", "val_loss_mean", "val_loss_sd", "val_loss_sem",
+                   "gap_val_mean", "gap_val_lo", "gap_val_hi", "gap_val_batch_se", "extra_tokens_mean",
+                   "extra_tokens_lo", "extra_tokens_hi", "extra_not_reached", "diverged", "verdict"]
+# after the hyper-parameter columns, so the columns above keep their places
+SUMMARY_EXTRA_COLUMNS = ["gap_val_n", "gap_val_excluded", "gap_val_p", "verdict_unadjusted",
+                         "extra_tokens_fit_mean", "extra_tokens_fit_lo", "extra_tokens_fit_hi",
+                         "extra_tokens_fit_extrapolated"]
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "n/a"
+        if math.isinf(v):
+            return "not reached"
+        return f"{v:.4f}"
+    return str(v)
+
+
+def _summary_csv_row(s: dict, hyper: list[str]) -> list:
+    g, e, f = s["gap_val"], s["extra_tokens"], s["extra_tokens_fit"]
+    flat = {**s, "gap_val_mean": g.mean, "gap_val_lo": g.lo, "gap_val_hi": g.hi,
+            "extra_tokens_mean": e.mean, "extra_tokens_lo": e.lo, "extra_tokens_hi": e.hi,
+            "gap_val_n": g.n, "gap_val_excluded": g.excluded, "gap_val_p": g.p_value(),
+            "extra_tokens_fit_mean": f.mean, "extra_tokens_fit_lo": f.lo, "extra_tokens_fit_hi": f.hi}
+    return [flat[c] for c in SUMMARY_COLUMNS] + [s.get(h) for h in hyper] + [flat[c] for c in SUMMARY_EXTRA_COLUMNS]
+
+
+def _mean_sd(mean: float, sd: float) -> str:
+    if math.isnan(mean):
+        return "n/a"
+    return f"{mean:.4f}" if math.isnan(sd) else f"{mean:.4f} ± {sd:.4f}"
+
+
+def summary_table(summary: list[dict], hyper: list[str]) -> list[str]:
+    """Markdown rows: one per grid point, every gap with its interval and noise verdict."""
+    k = sum(1 for s in summary if not s["is_baseline"] and s["gap_val"].n >= 2 and not s["gap_val"].excluded)
+    head = ["precision", *hyper, "seeds", "val loss (mean ± sd)", "val s.e.",
+            "gap to baseline (95% CI, unadjusted)", "gap s.e. (val batches)", "extra tokens % (95% CI)",
+            "extra tokens % from fitted L(D)", f"verdict (Holm over {k})"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in summary:
+        verdict_text = s["verdict"]
+        if s["diverged"] and not s["verdict"].startswith("diverged"):
+            verdict_text += f"; {s['diverged']} diverged"
+        cells = [s["precision"], *(str(s.get(h)) for h in hyper), str(s["seeds"]),
+                 _mean_sd(s["val_loss_mean"], s["val_loss_sd"]), _fmt(s["val_loss_sem"]),
+                 s["gap_val"].text(4, seeds=True), _fmt(s["gap_val_batch_se"]), s["_extra"].text(1),
+                 s["_extra_fit"].text(1), verdict_text]
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    return lines
+
+
+def write_tables(out: Path, rows: list[dict], summary: list[dict], tuned: list[dict],
+                 baseline: str | None, hyper: list[str]) -> None:
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(COLUMNS)
+        for row in rows:
+            w.writerow([row[c] for c in COLUMNS])
+    with open(out / "summary.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(SUMMARY_COLUMNS + hyper + SUMMARY_EXTRA_COLUMNS)
+        for s in summary:
+            w.writerow(_summary_csv_row(s, hyper))
+    seeds = max((s["seeds"] for s in summary), default=0)
+    lines = [(f"# Sweep results ({len(rows)} runs, {len(summary)} grid points x {seeds} seed(s), "
+              f"baseline: {baseline or 'none'})"), "",
+             "## Per grid point (gaps paired by seed against the baseline at the same hyper-parameters)", ""]
+    lines += summary_table(summary, hyper)
+    if tuned:
+        lines += ["", (f"## Each precision at its own best {', '.join(hyper)} (lowest mean val loss), "
+                       "paired with the baseline at its best"), "",
+                  (f"The best {', '.join(hyper)} was chosen on the same seeds these intervals use, so the "
+                   "intervals and verdicts are optimistic (selection and estimation share seeds); confirm a "
+                   "choice on seeds not in this sweep."), ""]
+        lines += summary_table(tuned, hyper)
+    lines += ["", "## Runs", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for row in rows:
+        lines.append("| " + " | ".join(_fmt(row[c]).replace("|", "/") for c in COLUMNS) + " |")
+    lines += ["", ("gap: final validation loss minus the baseline's, per seed (same initialization and data "
+              "order), mean over the seeds it used ± the half-width of its unadjusted 95% Student-t interval. "
+              "verdict: Holm-adjusted over the table's comparisons, so the chance of any false worse/better "
+              "in the table stays below 5%; *worse*/*better*: shown to differ; *equivalent (±m)*: two one-sided "
+              "tests show the gap inside the sweep's equivalence_margin m (the only verdict that means no cost "
+              "beyond m); *not shown to differ*: neither -- it does not mean no cost; *diverged in k of n "
+              "seeds*: those seeds are a result, not averaged away. val s.e.: standard error of the validation "
+              "loss over its batches; gap s.e. (val batches): standard error of the gap from the choice of "
+              "validation batches (paired per-batch differences). extra tokens: % more training tokens than "
+              "the baseline for the same smoothed training loss, paired by seed -- for a worse run, the "
+              "baseline's step at the run's final loss; for a better one, the run's step at the baseline's "
+              "final loss. From fitted L(D): the same ratio at the baseline's final loss from E + A*D^-alpha "
+              "fitted to each run ('extrapolated': beyond the run; '>': a lower bound, the run's fitted floor E "
+              "lies above the baseline's final loss, so it never reaches it; a mean with a lower bound in it "
+              "is a lower bound and has no interval). diverged: a NaN/Inf loss; spike: the smoothed loss "
+              "rose above 1.5x its early minimum in the second half.")]
+    (out / "results.md").write_text("\n".join(lines) + "\n")

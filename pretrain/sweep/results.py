@@ -1,0 +1,232 @@
+"""The results of a pretraining sweep: TensorBoard reading and the statistics over seeds (the RL
+sweep's are ``pretrain.rl.sweep_results``).
+
+Per run, ``analyse`` reads the smoothed training loss, the last validation loss and its standard
+error, tokens/s and whether it diverged or spiked. Runs with the same seed share their
+initialization and data order, so each run is paired with the baseline at that seed: the loss gaps,
+the "extra tokens" both ways and from a fitted ``L(D)`` (``pretrain.evaluation.extra_tokens``) and
+the gap's standard error over validation batches. ``summarize`` gives one row per grid point: means
+over seeds, paired 95% Student-t intervals and Holm-adjusted verdicts (``pretrain.evaluation.stats``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from pretrain.evaluation.extra_tokens import (
+    ExtraTokens,
+    crossing_extra_pct,
+    fit_power_law,
+    fitted_extra_pct,
+    summarize_extra,
+)
+from pretrain.evaluation.stats import (
+    Interval,
+    gap_verdict,
+    paired_batch_se,
+    paired_interval,
+    spread,
+    table_verdicts,
+)
+
+__all__ = ["analyse", "best_points", "extra_tokens_pct", "fitted_extra_tokens_pct", "pair_numbers", "paired_base",
+           "read_scalars", "read_val_batches", "smooth", "summarize", "verdict"]
+
+
+def read_scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[str, dict[int, float]] = {}
+    for f in sorted(tb_dir.rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            for e in acc.Scalars(tag):
+                out.setdefault(tag, {})[e.step] = e.value  # later files win (resumed runs)
+    return {t: sorted(v.items()) for t, v in out.items()}
+
+
+def read_val_batches(tb_dir: Path) -> dict[int, list[float]]:
+    """Per-batch validation losses by iteration (``val_batches.jsonl``; later lines win)."""
+    f = tb_dir / "val_batches.jsonl"
+    out: dict[int, list[float]] = {}
+    if f.exists():
+        for line in f.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a killed run
+            out[int(rec["iteration"])] = [float(v) for v in rec["batch_losses"]]
+    return out
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    res, acc = [], []
+    for v in values:
+        acc.append(v)
+        acc = acc[-window:]
+        res.append(sum(acc) / len(acc))
+    return res
+
+
+def analyse(name: str, scalars: dict, window: int) -> dict:
+    loss = scalars.get("train/loss", [])
+    steps = [s for s, _ in loss]
+    vals = [v for _, v in loss]
+    finite = [v for v in vals if math.isfinite(v)]
+    sm = smooth(finite, window) if finite else []
+    # pretrain.py logs train/nonfinite_steps (a running count) every iteration; a diverging step's
+    # loss may be finite while its gradient norm is not
+    nonfinite = [v for _, v in scalars.get("train/nonfinite_steps", [])]
+    norms = [v for _, v in scalars.get("train/grad_norm", [])]
+    diverged = (len(finite) < len(vals) or (max(nonfinite) > 0 if nonfinite else False)
+                or not all(math.isfinite(v) for v in norms))
+    spike = False
+    if len(sm) > 2 * window:
+        best = min(sm[: len(sm) // 2])
+        spike = any(v > 1.5 * best for v in sm[len(sm) // 2:])
+    val = scalars.get("val/loss", [])
+    sem = dict(scalars.get("val/loss_sem", []))
+    tps = [v for _, v in scalars.get("train/tokens_per_sec", [])]
+    return {
+        "run": name,
+        "iterations": steps[-1] if steps else 0,
+        "final_train_loss": sm[-1] if sm else float("nan"),
+        "final_val_loss": val[-1][1] if val else float("nan"),
+        "val_loss_sem": sem.get(val[-1][0], float("nan")) if val else float("nan"),
+        "tokens_per_sec": sum(tps) / len(tps) if tps else float("nan"),
+        "diverged": diverged,
+        "spike": spike,
+        "_curve": (steps[: len(sm)], sm),
+        "_val_step": val[-1][0] if val else None,
+    }
+
+
+def extra_tokens_pct(run_curve, base_curve) -> ExtraTokens:
+    """% more tokens the run needs than the baseline for the same smoothed loss, measured both ways
+    (``pretrain.evaluation.extra_tokens.crossing_extra_pct``): positive for a worse run, negative
+    for a better one, ``censored`` (a lower bound) when the crossing lies beyond a run's end."""
+    return crossing_extra_pct(run_curve, base_curve)
+
+
+def fitted_extra_tokens_pct(row: dict, base: dict) -> ExtraTokens:
+    """The token ratio at the baseline's final loss from each run's fitted ``L(D) = E + A*D^-alpha``."""
+    for r in (row, base):
+        if "_fit" not in r:
+            r["_fit"] = fit_power_law(*r["_curve"])
+    return fitted_extra_pct(row["_fit"], base["_fit"], base["final_train_loss"])
+
+
+def paired_base(rows: list[dict], baseline: str | None, hyper_equal: bool) -> dict[str, dict]:
+    """For each run, the baseline run it is compared with: same seed, and the same hyper-parameters
+    (``hyper_equal``) or the baseline's best ones."""
+    pairs = {}
+    base_rows = [r for r in rows if r["_run"].label == baseline]
+    for row in rows:
+        run = row["_run"]
+        for b in base_rows:
+            if b["_run"].seed == run.seed and (not hyper_equal or b["_run"].point == run.point):
+                pairs[row["run"]] = b
+    return pairs
+
+
+def _diverged(row: dict) -> bool:
+    return bool(row["diverged"] or row["status"] == "diverged")
+
+
+def pair_numbers(row: dict, base: dict) -> dict:
+    nan = float("nan")
+    if _diverged(row) or _diverged(base):  # no finite comparison: a result, reported as diverged
+        extra = fit = ExtraTokens(nan)
+    elif row is base:
+        extra = fit = ExtraTokens(0.0)
+    else:
+        extra, fit = extra_tokens_pct(row["_curve"], base["_curve"]), fitted_extra_tokens_pct(row, base)
+    lost = _diverged(row) or _diverged(base)
+    out = {"gap_train_loss": nan if lost else row["final_train_loss"] - base["final_train_loss"],
+           "gap_val_loss": nan if lost else row["final_val_loss"] - base["final_val_loss"],
+           "extra_tokens_pct": extra.pct, "extra_tokens_censored": extra.censored,
+           "extra_tokens_fit_pct": fit.pct, "extra_tokens_fit_extrapolated": fit.extrapolated,
+           "extra_tokens_fit_censored": fit.censored, "_extra": extra, "_extra_fit": fit,
+           "gap_val_batch_se": nan}
+    a, b = row["_val_batches"].get(row["_val_step"]), base["_val_batches"].get(base["_val_step"])
+    if a and b:
+        out["gap_val_batch_se"] = 0.0 if row is base else paired_batch_se(a, b)
+    return out
+
+
+def summarize(rows: list[dict], baseline: str | None, groups: list[str] | None = None,
+              base_group: dict[int | None, dict] | None = None, margin: float | None = None) -> list[dict]:
+    """One row per grid point: mean and spread over seeds, paired gaps with 95% intervals, verdicts
+    Holm-adjusted over the rows (``margin``: the sweep's ``equivalence_margin``).
+
+    ``base_group`` maps a seed to the baseline run that seed's runs are paired with (default: the
+    baseline at the same hyper-parameters). A diverged seed's gap is NaN and kept (the verdict
+    reports it); a pair whose baseline diverged is left out (the baseline's row reports it)."""
+    by_group: dict[str, list[dict]] = {}
+    for row in rows:
+        by_group.setdefault(row["_run"].group, []).append(row)
+    out = []
+    for group in groups or list(by_group):
+        members = by_group[group]
+        run = members[0]["_run"]
+        val_mean, val_sd = spread([m["final_val_loss"] for m in members])
+        train_mean, train_sd = spread([m["final_train_loss"] for m in members])
+        gaps, extras, fits, ses = [], [], [], []
+        for m in members:
+            if base_group is not None:
+                b = base_group.get(m["_run"].seed)
+            else:
+                b = next((r for r in rows if r["_run"].label == baseline and r["_run"].seed == m["_run"].seed
+                          and r["_run"].point == m["_run"].point), None)
+            if b is None or (_diverged(b) and b is not m):
+                continue
+            p = pair_numbers(m, b)
+            if not _diverged(m) and not math.isfinite(p["gap_val_loss"]):
+                continue  # no validation loss yet (a pending or failed run): no pair
+            gaps.append(p["gap_val_loss"])
+            extras.append(p["_extra"])
+            fits.append(p["_extra_fit"])
+            ses.append(p["gap_val_batch_se"])
+        gap = paired_interval(gaps)
+        n_diverged = sum(1 for m in members if _diverged(m))
+        extra = summarize_extra(extras, n_diverged)
+        fit = summarize_extra(fits, n_diverged)
+        ses = [s for s in ses if math.isfinite(s)]
+        out.append({
+            "point": group, "precision": run.label, **{k: v for k, v in run.point.items()},
+            "seeds": len(members),
+            "val_loss_mean": val_mean, "val_loss_sd": val_sd,
+            "train_loss_mean": train_mean, "train_loss_sd": train_sd,
+            "val_loss_sem": spread([m["val_loss_sem"] for m in members])[0],
+            "gap_val": gap,
+            "gap_val_batch_se": sum(ses) / len(ses) if ses else float("nan"),
+            "extra_tokens": extra.interval, "_extra": extra,
+            "extra_not_reached": extra.censored,
+            "extra_tokens_fit": fit.interval, "_extra_fit": fit,
+            "extra_tokens_fit_extrapolated": fit.extrapolated,
+            "diverged": n_diverged,
+            "is_baseline": run.label == baseline,
+            "verdict_unadjusted": verdict(gap, run.label == baseline, margin),
+        })
+    for s, v in zip(out, table_verdicts([s["gap_val"] for s in out], [s["is_baseline"] for s in out],
+                                        margin=margin)):
+        s["verdict"] = v
+    return out
+
+
+def verdict(gap: Interval, is_baseline: bool, margin: float | None = None) -> str:
+    """One gap's verdict on its own (unadjusted); tables use ``table_verdicts`` (Holm)."""
+    return gap_verdict(gap, is_baseline, margin=margin)  # a validation-loss gap: higher is worse
+
+
+def best_points(summary: list[dict]) -> dict[str, dict]:
+    """Each precision's grid point with the lowest mean validation loss (its best hyper-parameters)."""
+    best: dict[str, dict] = {}
+    for s in summary:
+        cur = best.get(s["precision"])
+        if math.isfinite(s["val_loss_mean"]) and (cur is None or s["val_loss_mean"] < cur["val_loss_mean"]):
+            best[s["precision"]] = s
+    return best
