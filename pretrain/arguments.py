@@ -304,6 +304,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--valid-data-path", nargs="+", metavar="PREFIX", help="separate validation prefixes")
     add("--split", default="99,1,0", help="train,valid,test document split of --data-path (default 99,1,0)")
     add(
+        "--fixed-train-set",
+        type=int,
+        metavar="N",
+        help="train on N fixed sequences of the training data, repeated (evenly spaced windows, "
+        "independent of --seed); with --global-batch-size N every step's gradient is the exact "
+        "gradient of the set (full batch). N must be a multiple of --global-batch-size",
+    )
+    add(
         "--tokenizer-model",
         metavar="PATH",
         help="sentencepiece .model file, or a Hugging Face tokenizer folder with --tokenizer-type "
@@ -751,6 +759,12 @@ def _check_parallel(args, world_size: int, cuda: bool) -> None:
         raise ConfigError(
             f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
             f"{args.micro_batch_size} x data-parallel size {dp} = {args.micro_batch_size * dp}"
+        )
+    n = getattr(args, "fixed_train_set", None)
+    if n is not None and (n < 1 or n % args.global_batch_size):
+        raise ConfigError(
+            f"--fixed-train-set {n}: must be a positive multiple of --global-batch-size "
+            f"{args.global_batch_size} (equal to it: every step trains on the whole set)"
         )
 
 

@@ -1012,6 +1012,7 @@ def setup(args) -> Trainer:
             cache_dir=args.data_cache_dir,
             split=args.split,
             valid_data_path=args.valid_data_path,
+            fixed_train_set=getattr(args, "fixed_train_set", None),
         )
     except (ValueError, FileNotFoundError) as e:  # the data module's one-line messages name the flag
         raise ConfigError(str(e)) from None

@@ -35,6 +35,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.utils import get_blend_from_list
 
 from pretrain.data.default_cache import DEFAULT_CORPUS, DefaultCorpusConfig, build_default_data
+from pretrain.data.fixed_set import FixedTrainSet
 from pretrain.data.helpers import ensure_dataset_helpers
 from pretrain.data.hf_tokenizer import HINT as HF_HINT
 from pretrain.data.hf_tokenizer import HFTokenizer
@@ -142,6 +143,7 @@ def build_train_valid_datasets(
     create_attention_mask: bool = False,
     is_rank0: bool | None = None,
     barrier: Callable[[], None] | None = None,
+    fixed_train_set: int | None = None,
 ) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset | None]:
     """The (train, valid) datasets; items are dicts of ``tokens``, ``labels``, ``loss_mask``,
     ``position_ids`` (each ``[seq_length]``; plus ``attention_mask`` if ``create_attention_mask``).
@@ -159,6 +161,8 @@ def build_train_valid_datasets(
         valid_data_path: megatron ``--valid-data-path``: separate validation prefixes.
         cache_dir: the built-in corpus lives here, and GPTDataset's index cache under
             ``cache_dir/gpt_index_cache/<data fingerprint>``.
+        fixed_train_set: ``--fixed-train-set N``: the train set is ``N`` fixed sequences of the
+            training documents, repeated (``pretrain.data.fixed_set``); the validation set is unchanged.
 
     Call on every rank: under ``torch.distributed`` rank 0 builds and caches the indices first, the
     others then load them. Every rank holds the whole dataset; ``batches`` picks its share.
@@ -191,6 +195,19 @@ def build_train_valid_datasets(
         blends = {"blend": blend, "split": split}
         prefixes = blend[0]
 
+    fixed = None
+    if fixed_train_set is not None:
+        if data_path is None:
+            train_prefixes, ranges = [default.train_prefix], None
+        elif valid_data_path is not None:
+            train_prefixes, ranges = train_blend[0], None
+        else:
+            train_prefixes = blend[0]
+            bookends = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))[0]
+            ranges = [(round(bookends[0] * n), round(bookends[1] * n))
+                      for n in (_num_sequences(q) for q in train_prefixes)]
+        fixed = FixedTrainSet.from_prefixes(train_prefixes, ranges, seq_length, fixed_train_set, train_samples)
+
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
@@ -203,9 +220,9 @@ def build_train_valid_datasets(
         **blends,
     )
     train, valid, _ = BlendedMegatronDatasetBuilder(
-        GPTDataset, [train_samples, valid_samples, 0], lambda: True, config
+        GPTDataset, [fixed_train_set or train_samples, valid_samples, 0], lambda: True, config
     ).build()
-    return train, valid
+    return (fixed or train), valid
 
 
 class MicroBatchSampler(torch.utils.data.Sampler):
