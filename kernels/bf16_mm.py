@@ -96,16 +96,17 @@ def bf16_operands_gemm(a: QuantizedOperand, b: QuantizedOperand, mm=None) -> tor
 
 
 def bf16_gemm(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe, state: LayerQuantState, *,
-              mm=None, quantizer: str = "auto") -> torch.Tensor:
+              mm=None, quantizer: str = "auto", shared_dy=None) -> torch.Tensor:
     """GEMM ``g`` (operands in natural layouts, ``kernels.gemm``) on BF16 tensor cores.
 
-    ``mm`` / ``quantizer`` let tests substitute the matrix product and the quantizer."""
-    ops = gemm_operands(g, a, b, recipe, state, impl=quantizer, bf16=True)
+    ``mm`` / ``quantizer`` let tests substitute the matrix product and the quantizer; ``shared_dy``
+    as in ``kernels.gemm.gemm``."""
+    ops = gemm_operands(g, a, b, recipe, state, impl=quantizer, bf16=True, shared_dy=shared_dy)
     return bf16_operands_gemm(ops.a, ops.b, mm)
 
 
-def _bf16_mm(g, a, b, recipe, state):
-    return bf16_gemm(g, a, b, recipe, state)
+def _bf16_mm(g, a, b, recipe, state, *, shared_dy=None):
+    return bf16_gemm(g, a, b, recipe, state, shared_dy=shared_dy)
 
 
 BACKENDS.setdefault("bf16_mm", _bf16_mm)

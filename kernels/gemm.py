@@ -85,26 +85,28 @@ def fp32_gemm(g: Gemm, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _emulated(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe,
-              state: LayerQuantState, impl: str = "auto") -> torch.Tensor:
-    ops = gemm_operands(g, a, b, recipe, state, impl=impl)
+              state: LayerQuantState, impl: str = "auto", *, shared_dy=None) -> torch.Tensor:
+    ops = gemm_operands(g, a, b, recipe, state, impl=impl)  # (a shared dy is for hardware backends)
     # === FP32-accumulated GEMM on exactly-representable operands ===
     return fp32_gemm(g, ops.a.values, ops.b.values)
 
 
-def _reference(g, a, b, recipe, state):
+def _reference(g, a, b, recipe, state, *, shared_dy=None):
     return _emulated(g, a, b, recipe, state, impl="reference")
 
 
 # emulated: fused (compiled) quantizers; reference: the eager specification. Same bits.
+# A backend is called as impl(g, a, b, recipe, state, *, shared_dy=None).
 BACKENDS: dict[str, Callable] = {"emulated": _emulated, "reference": _reference}
 
 
 def gemm(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe, backend: str = "emulated",
-         *, state: LayerQuantState | None = None) -> torch.Tensor:
+         *, state: LayerQuantState | None = None, shared_dy=None) -> torch.Tensor:
     """Run GEMM ``g`` on 2-D operands ``a``, ``b`` under ``recipe``; returns a float32 result.
 
     ``state`` carries the layer's random streams and amax histories; without one, a fresh state
-    (seed 0) is used, so stochastic rounding repeats the same draws on every call.
+    (seed 0) is used, so stochastic rounding repeats the same draws on every call. ``shared_dy``:
+    Dgrad's and Wgrad's plan for one read of a backward's ``dy`` (``kernels.cast_transpose.share_dy``).
     """
     g = Gemm(g)
     if a.dim() != 2 or b.dim() != 2:
@@ -117,4 +119,4 @@ def gemm(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe, backend:
         impl = BACKENDS[backend]
     except KeyError:
         raise ValueError(f"{g.value}: unknown GEMM backend {backend!r}; valid: {', '.join(BACKENDS)}") from None
-    return impl(g, a, b, recipe, state if state is not None else LayerQuantState())
+    return impl(g, a, b, recipe, state if state is not None else LayerQuantState(), shared_dy=shared_dy)

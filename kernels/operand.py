@@ -57,8 +57,6 @@ __all__ = [
 
 # (a axis, b axis) contracted by each GEMM, operands in their natural layouts.
 CONTRACTION_AXES = {Gemm.FPROP: (1, 1), Gemm.DGRAD: (1, 0), Gemm.WGRAD: (0, 0)}
-# A backward's dy shared by Dgrad and Wgrad (set by kernels.cast_transpose.share_dy, else None)
-_SHARED_DY = None
 
 
 @dataclass
@@ -151,13 +149,15 @@ def pad_and_rotation(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmReci
 
 
 def gemm_operands(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe, state: LayerQuantState, *,
-                  impl: str = "auto", codes: bool = False, bf16: bool = False) -> GemmOperands:
+                  impl: str = "auto", codes: bool = False, bf16: bool = False, shared_dy=None) -> GemmOperands:
     """Both operands of GEMM ``g`` (natural layouts, see ``CONTRACTION_AXES``), ready for its backend.
 
     ``codes=False``: dequantized float32 ``values`` (``impl``: ``reference``, or the fused
     quantizer's ``auto``/``compiled``/``eager``). ``codes=True``: the hardware form (``impl``:
     ``reference``, ``triton`` or ``auto`` = Triton on CUDA when it can run the format).
     ``bf16=True``: the BF16 form (``bf16`` / ``out_scale``; quantized as for ``codes=True``).
+    ``shared_dy``: a backward's ``kernels.cast_transpose.SharedDy`` plan (Dgrad's and Wgrad's ``dy``
+    from one read), or None.
     """
     call = state.next_call(g)
     names = g.operands
@@ -175,7 +175,7 @@ def gemm_operands(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe,
             qa.bf16, qb.bf16 = a.to(torch.bfloat16).movedim(a_axis, -1), b.to(torch.bfloat16).movedim(b_axis, -1)
         return GemmOperands(qa, qb, call, True)
     a, b, rot = pad_and_rotation(g, a, b, recipe, state, call)
-    kw = {"impl": impl, "rotation": rot, "codes": codes, "bf16": bf16}
+    kw = {"impl": impl, "rotation": rot, "codes": codes, "bf16": bf16, "shared_dy": shared_dy}
     qa = quantize_operand(a, a_axis, recipe.a, g, names[0], state, call, **kw)
     qb = quantize_operand(b, b_axis, recipe.b, g, names[1], state, call, **kw)
     return GemmOperands(qa, qb, call)
@@ -215,14 +215,15 @@ def _resolve_impl(impl: str, t: torch.Tensor, fmt: str, codes: bool) -> str:
 def quantize_operand(
     t: torch.Tensor, axis: int, fmt: OperandFormat, gemm: Gemm, operand: str, state: LayerQuantState,
     call: int, *, impl: str = "auto", rotation: tuple[int, torch.Tensor | None] | None = None,
-    codes: bool = False, bf16: bool = False,
+    codes: bool = False, bf16: bool = False, shared_dy=None,
 ) -> QuantizedOperand:
     """Steps 1-5 of the module docstring for one operand ``t`` (2-D, natural layout) along ``axis``.
 
     ``rotation=(n, signs)``: rotate first (``t`` already padded by :func:`pad_and_rotation`); the
     fused quantizer rotates inside its kernel unless the rotated tensor is needed here (its amax
     under TP, the eager reference, the hardware form or telemetry). ``bf16=True``: quantized as
-    for the hardware form, handed back in the BF16 form instead (step 6).
+    for the hardware form, handed back in the BF16 form instead (step 6). ``shared_dy``: a
+    ``kernels.cast_transpose.SharedDy`` plan that may already hold (or produce) this quantization.
     """
     name = fmt.fmt
     want_bf16, codes = bf16, codes or bf16  # the BF16 form is decoded from the hardware form
@@ -275,10 +276,8 @@ def quantize_operand(
     # === 4. quantize (run by run when a strided TP shard has several SR keys); a backward's dy may
     #        come with Wgrad's copy from Dgrad's one read (kernels.cast_transpose)
     res = None
-    if _SHARED_DY is not None and impl == "triton" and codes:
-        from kernels.cast_transpose import paired_result
-
-        res = paired_result(t, gemm, operand, fmt, state, keys, scale_amax)
+    if shared_dy is not None and impl == "triton" and codes:
+        res = shared_dy.result(t, gemm, operand, fmt, state, keys, scale_amax)
     if res is None:
         parts = []
         for start, length, key in keys:

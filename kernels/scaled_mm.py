@@ -179,7 +179,7 @@ def emulated_scaled_mm(a: HwOperand, b: HwOperand) -> torch.Tensor:
 
 # ============================================================================ the backends
 def hw_gemm(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe, state: LayerQuantState, *,
-            backend: str, capability="device", mm=None, quantizer: str = "auto") -> torch.Tensor:
+            backend: str, capability="device", mm=None, quantizer: str = "auto", shared_dy=None) -> torch.Tensor:
     """GEMM ``g`` on a hardware backend; ``capability``/``mm``/``quantizer`` let tests simulate one."""
     cap = device_capability(a.device) if capability == "device" else capability
     hw, why = recipe_backend(recipe, cap)
@@ -190,7 +190,7 @@ def hw_gemm(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe, state
         raise BackendError(f"{g.value}: backend {backend} cannot run {recipe.spec()} ({why})")
     a_axis, b_axis = CONTRACTION_AXES[g]
     m, n = a.shape[1 - a_axis], b.shape[1 - b_axis]
-    ops = gemm_operands(g, a, b, recipe, state, impl=quantizer, codes=True)
+    ops = gemm_operands(g, a, b, recipe, state, impl=quantizer, codes=True, shared_dy=shared_dy)
     if ops.high_precision:  # QAT warm-up: the BF16 GEMM the emulated backend runs
         return fp32_gemm(g, ops.a.values, ops.b.values)
     layout = "row_major" if cap == "gfx950" else "blocked"
@@ -198,18 +198,18 @@ def hw_gemm(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe, state
     return out[:m, :n].float()
 
 
-def _fp8_scaled_mm(g, a, b, recipe, state):
-    return hw_gemm(g, a, b, recipe, state, backend="fp8_scaled_mm")
+def _fp8_scaled_mm(g, a, b, recipe, state, *, shared_dy=None):
+    return hw_gemm(g, a, b, recipe, state, backend="fp8_scaled_mm", shared_dy=shared_dy)
 
 
-def _mx_scaled_mm(g, a, b, recipe, state):
-    return hw_gemm(g, a, b, recipe, state, backend="mx_scaled_mm")
+def _mx_scaled_mm(g, a, b, recipe, state, *, shared_dy=None):
+    return hw_gemm(g, a, b, recipe, state, backend="mx_scaled_mm", shared_dy=shared_dy)
 
 
-def _auto(g, a, b, recipe, state):
+def _auto(g, a, b, recipe, state, *, shared_dy=None):
     from kernels.backends import select_backend
 
-    return BACKENDS[select_backend(recipe, a.device, gemm=g)](g, a, b, recipe, state)
+    return BACKENDS[select_backend(recipe, a.device, gemm=g)](g, a, b, recipe, state, shared_dy=shared_dy)
 
 
 BACKENDS.setdefault("fp8_scaled_mm", _fp8_scaled_mm)

@@ -109,14 +109,14 @@ class _PolicyLinearFn(torch.autograd.Function):
         p, state, backend = ctx.precision, ctx.state, ctx.backend
         dy2d = dy.reshape(-1, w_hp.shape[0])
         dx = dw = db = None
-        with share_dy(dy2d, p, state, backend):  # on CUDA: dy's two layouts from one read, same bits
-            if ctx.needs_input_grad[0]:
-                # === DGRAD: dx = dy @ w ===  [T, out] x [out, in] -> [T, in]
-                dx = gemm(Gemm.DGRAD, dy2d, w_hp, p.dgrad, backend, state=state)
-                dx = dx.to(ctx.dtypes[0]).reshape(*ctx.lead, w_hp.shape[1])
-            if ctx.needs_input_grad[1]:
-                # === WGRAD: dw = dy.T @ x ===  [T, out] x [T, in] -> [out, in]  (contraction over tokens)
-                dw = gemm(Gemm.WGRAD, dy2d, x2d, p.wgrad, backend, state=state).to(ctx.dtypes[1])
+        shared = share_dy(dy2d, p, state, backend)  # on CUDA: dy's two layouts from one read, same bits
+        if ctx.needs_input_grad[0]:
+            # === DGRAD: dx = dy @ w ===  [T, out] x [out, in] -> [T, in]
+            dx = gemm(Gemm.DGRAD, dy2d, w_hp, p.dgrad, backend, state=state, shared_dy=shared)
+            dx = dx.to(ctx.dtypes[0]).reshape(*ctx.lead, w_hp.shape[1])
+        if ctx.needs_input_grad[1]:
+            # === WGRAD: dw = dy.T @ x ===  [T, out] x [T, in] -> [out, in]  (contraction over tokens)
+            dw = gemm(Gemm.WGRAD, dy2d, x2d, p.wgrad, backend, state=state, shared_dy=shared).to(ctx.dtypes[1])
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.float().sum(0).to(ctx.dtypes[2])
         return dx, dw, db, None, None, None, None, None

@@ -77,9 +77,9 @@ def test_backward_shares_dy_between_dgrad_and_wgrad(monkeypatch, preset, shared)
     """policy_linear on a simulated sm_90 with CUDA's quantizer choice (Triton): Dgrad's read of dy
     gives Wgrad's copy too (not under a Wgrad rotation), and dx, dw are bit-identical to unshared."""
     import kernels.backends as kb
-    import kernels.cast_transpose as ct
     import kernels.operand as op
     import kernels.triton_quant as tq
+    from model import linear
     from model.linear import policy_linear
     from precision import LayerQuantState, presets
 
@@ -100,7 +100,50 @@ def test_backward_shares_dy_between_dgrad_and_wgrad(monkeypatch, preset, shared)
 
     with_sharing = grads()
     assert len(calls) == (1 if shared else 0)
-    monkeypatch.setattr(ct, "_plan", lambda *a: None)
+    monkeypatch.setattr(linear, "share_dy", lambda *a: None)
     without = grads()
     for a, b in zip(with_sharing, without):
         assert torch.equal(a, b)
+
+
+def test_the_shared_dy_plan_is_an_argument_not_ambient_state(monkeypatch):
+    """share_dy returns a plan that each GEMM gets explicitly: Dgrad handed it quantizes both layouts
+    in one read, Wgrad handed it takes its copy (the same bits as its own quantization); a GEMM not
+    handed it quantizes dy itself, and no module-level switch exists to leave set."""
+    import kernels.backends as kb
+    import kernels.operand as op
+    import kernels.triton_quant as tq
+    from kernels.cast_transpose import SharedDy, share_dy
+    from kernels.gemm import gemm
+    from precision import LayerQuantState, presets
+    from precision.recipe import Gemm
+
+    monkeypatch.setattr(kb, "device_capability", lambda device: (9, 0))
+    resolve = op._resolve_impl
+    monkeypatch.setattr(op, "_resolve_impl", lambda impl, t, fmt, codes: "triton" if codes and impl == "auto"
+                        and triton_missing_reason(t, fmt) is None else resolve(impl, t, fmt, codes))
+    calls = []
+    real = tq.cast_transpose_triton
+    monkeypatch.setattr(tq, "cast_transpose_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert not hasattr(op, "_SHARED_DY")
+    g = torch.Generator().manual_seed(1)
+    x, w, dy = torch.randn(64, 64, generator=g), torch.randn(32, 64, generator=g), torch.randn(64, 32, generator=g)
+    p = presets.get("mxfp4_sr")
+
+    def run(plan_for):  # plan_for: which GEMMs get the plan
+        state = LayerQuantState(5, "l")
+        plan = share_dy(dy, p, state, "auto")
+        assert isinstance(plan, SharedDy)
+        dx = gemm(Gemm.DGRAD, dy, w, p.dgrad, "auto", state=state, shared_dy=plan if "d" in plan_for else None)
+        dw = gemm(Gemm.WGRAD, dy, x, p.wgrad, "auto", state=state, shared_dy=plan if "w" in plan_for else None)
+        return dx, dw
+
+    both = run("dw")
+    assert len(calls) == 1
+    calls.clear()
+    alone = run("")
+    assert not calls  # nobody handed the plan: each GEMM read dy itself
+    only_dgrad = run("d")  # Wgrad not handed the plan quantizes dy itself, with the same bits
+    assert len(calls) == 1
+    for r in (alone, only_dgrad):
+        assert all(torch.equal(a, b) for a, b in zip(both, r))
