@@ -17,6 +17,13 @@ Shapes: ``[B, T]`` response tokens (B = prompts x G responses, grouped consecuti
     dr_grpo   A_i =  r_i - mean_g r                          (Dr. GRPO, arXiv 2503.20783: no std)
 A group whose rewards are all equal gets A = 0 (no signal). ``A`` is broadcast over the tokens.
 
+=== Overlong responses (DAPO, arXiv 2503.14476; verl's DAPO reward manager) ===
+    overlong_reward(n) = min(-(n - (L_max - L_buf)) / L_buf * factor, 0)    added to the reward
+with n the response's length, L_max = --max-new-tokens, L_buf = --overlong-buffer-len and factor
+= --overlong-penalty-factor (verl's reward_model.overlong_buffer.{len, penalty_factor}): 0 up to
+L_max - L_buf tokens, then falling linearly to -factor at L_max. ``--overlong-filter`` (DAPO's
+overlong filtering) instead drops the loss of every truncated response (no stop token).
+
 === Rollout correction: weights w [B, T] and a rejection mask, from rho = pi_old / pi_rollout ===
     log rho_t = old_logprobs_t - rollout_logprobs_t            (exp of log ratios clamped to +-20)
     rho_seq   = exp(sum_t log rho_t)                  rho_geo = exp(mean_t log rho_t)
@@ -29,31 +36,55 @@ A group whose rewards are all equal gets A = 0 (no signal). ``A`` is broadcast o
     geo_mis   w = 1, sequence rejected unless L <= rho_geo <= U           (U 1.001, L 1/U: verl's
                                                            geometric RS; typical 1.0001 - 1.001)
 Lower bounds default to 1/U (verl's rule). Weights are detached and 1 outside the returned mask.
-Metrics: ``ess`` = 1 / mean((w / mean w)^2) over the input's valid tokens, of the weights the loss
-uses with rejected tokens counted as 0 (verl's normalized effective sample size; verl clamps the
-raw ratio into the thresholds first); ``ess_raw`` the same of the raw token ratio rho_t;
-``masked_fraction`` (valid tokens rejected), ``seq_masked_fraction`` (sequences with a rejected
-token), ``is_weight_mean/max/min`` (over kept tokens), ``ratio_fraction_high/low`` (valid tokens,
-or sequences for sequence-level kinds, whose rho is beyond the kind's bounds).
+
+Bounds and verl's. Ours bound rho = pi_old / pi_rollout: --rollout-rs-threshold U and
+--rollout-rs-threshold-lower L keep L <= rho <= U, the meaning verl's ``rollout_rs_threshold_lower``
+had until verl removed it (PR #4544, January 2026). Current verl (``rollout_corr_helper.py``,
+``compute_rollout_rejection_mask``) bounds the k1 statistic ``-log rho``, i.e. pi_rollout / pi_old,
+by a ``"LOWER_UPPER"`` string: verl's ``"0.8_2.0"`` keeps rho in [1/2.0, 1/0.8] = [0.5, 1.25].
+``--rollout-rs-threshold`` accepts that string with verl's meaning (:meth:`Correction.from_args`
+turns it into our U = 1/LOWER, L = 1/UPPER); a single number U means [1/U, U] in both.
+
+Metrics, as verl's ``compute_is_metrics`` (``rollout_corr_helper.py``) defines them, with the
+kind's ratio r (rho_t for tis / mis, rho_seq for seq_tis / seq_mis, rho_geo for geo_mis) and its
+bounds [lo, hi] ([1/C, C] for tis / seq_tis, [L, U] for the rejecting kinds):
+    ess                 1 / mean((w / mean w)^2) over the valid tokens, w = clamp(r, lo, hi): verl's
+                        rollout_is_eff_sample_size, of the weights *before* rejection (1 for none and
+                        geo_mis, which weigh nothing)
+    ess_raw             the same of the unclamped token ratio rho_t, every kind: the informative one
+                        (``none`` and the QAT modes have w = 1, so their ess is 1 by construction)
+    is_weight_mean      verl's rollout_is_mean: the token mean of r *before* truncation
+    is_weight_max/min   max / min of r over the valid tokens (sequences), before truncation
+    ratio_fraction_high valid tokens (sequence-level kinds: sequences) with r > hi
+    ratio_fraction_low  ... with r < lo (verl's rollout_is_ratio_fraction_low: also for tis / seq_tis)
+    masked_fraction     valid tokens rejected (verl's rollout_rs_masked_fraction)
+    seq_masked_fraction sequences with a rejected token (rollout_rs_seq_masked_fraction)
+(Until this release ess weighed the truncated weights with rejected tokens as 0, is_weight_* were
+taken after truncation over the kept tokens and ratio_fraction_low was 0 for tis / seq_tis.)
 
 === Policy loss (verl vanilla PPO, dual-clip, IS weights applied after clipping) ===
     r_t  = exp(clamp(logprobs - old_logprobs, -20, 20))
     l_t  = max(-A r_t, -A clip(r_t, 1 - eps_low, 1 + eps_high))
-    l_t  = min(l_t, -A c)      where A < 0                  (dual clip, c = clip_ratio_c = 3.0; None: off)
+    l_t  = min(l_t, -A c)      where A < 0                  (dual clip, c = --clip-ratio-c 3.0; None: off)
     l_t *= w_t                                               (rollout-correction weights)
-    loss = agg_loss(l, mask, loss_agg_mode)
+    loss = agg_loss(l, mask, loss_agg_mode) [- entropy_coeff agg_loss(H, mask, loss_agg_mode)]
     clipfrac = token mean of [-A clip(r) > -A r]; ppo_kl = token mean of (old_logprobs - logprobs)
 
 === Loss aggregation (verl's agg_loss; S = sequences with a token in mask, T_i their tokens) ===
     token-mean                sum_it l m / sum_it m               (global_tokens replaces sum_it m)
     seq-mean-token-mean       sum_i (sum_t l m / T_i) / S         (global_seqs replaces S)
     seq-mean-token-sum        sum_i (sum_t l m) / S               (global_seqs replaces S)
-    seq-mean-token-sum-norm   sum_i (sum_t l m) / (S norm_length) (Dr. GRPO's constant length; default:
-                                                                   the width T; global_seqs replaces S)
-(the current verl; older verl releases divided seq-mean-token-sum-norm by T only, not by S).
+    seq-mean-token-sum-norm   sum_i (sum_t l m) / norm_length     (Dr. GRPO's constant length; default:
+                                                                   the width T; no sequence count)
+seq-mean-token-sum-norm is verl's ``agg_loss`` (``core_algos.py``): the token sums divided by its
+``loss_scale_factor`` only. verl divided it by the sequence count too for two weeks (PR #4510,
+December 2025), then reverted that (PR #4769, January 2026); before and after, no division by S.
 With ``global_tokens`` / ``global_seqs`` the counts of the whole global batch (every micro-batch of
-every data-parallel rank), the micro-batch losses *sum* to the global-batch loss; a DDP that
-averages gradients over ranks then needs the loss multiplied by the DP size (verl's dp_size).
+every data-parallel rank), the micro-batch losses *sum* to the global-batch loss (sum-norm needs no
+count: its micro-batch losses sum to the batch's as they are); a DDP that averages gradients over
+ranks then needs the loss multiplied by the DP size (verl's dp_size; verl does not multiply
+sum-norm by it, so at DP > 1 its averaged update is 1/DP of this sum's -- our trainer sums
+gradients over ranks, so the split of the batch over ranks never changes the update).
 verl passes the mini-batch's sequence count as its global_batch_size; without global_seqs the
 local S counts only sequences with a token in mask (a sequence rejected whole does not count).
 
@@ -82,6 +113,7 @@ __all__ = [
     "entropy_from_logits",
     "group_advantages",
     "kl_penalty",
+    "overlong_reward",
     "policy_loss",
     "rollout_correction",
 ]
@@ -121,6 +153,15 @@ def group_advantages(rewards: torch.Tensor, group_size: int, estimator: str = "g
     return centered.reshape(-1)
 
 
+def overlong_reward(lengths: torch.Tensor, max_len: int, buffer_len: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (module docstring) of response ``lengths [N]``: ``[N]`` float32,
+    <= 0; verl's ``DAPORewardManager`` arithmetic."""
+    if not 0 < buffer_len <= max_len:
+        raise ValueError(f"--overlong-buffer-len {buffer_len}: must be in [1, --max-new-tokens {max_len}]")
+    exceed = lengths.float() - (max_len - buffer_len)
+    return (-exceed / buffer_len * factor).clamp(max=0.0)
+
+
 # ================================================================================================
 # Loss aggregation
 # ================================================================================================
@@ -139,17 +180,16 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, *, norm_leng
         denom = m.sum() if global_tokens is None else global_tokens
         return masked.sum() / _positive(denom, "global_tokens")
     seq_sum = masked.sum(-1)
+    if mode == "seq-mean-token-sum-norm":  # verl: sum of the token sums / loss_scale_factor, no count
+        length = loss_mat.shape[-1] if norm_length is None else norm_length
+        if isinstance(length, bool) or not isinstance(length, int) or length <= 0:
+            raise ValueError(f"agg_loss: norm_length must be a positive integer, got {norm_length!r}")
+        return seq_sum.sum() / length
     tokens = m.sum(-1)
     has = tokens > 0
     per_seq = seq_sum / tokens.clamp(min=1) if mode == "seq-mean-token-mean" else seq_sum
     denom = has.sum().to(loss_mat.dtype) if global_seqs is None else global_seqs
-    loss = (per_seq * has).sum() / _positive(denom, "global_seqs")
-    if mode == "seq-mean-token-sum-norm":
-        length = loss_mat.shape[-1] if norm_length is None else norm_length
-        if isinstance(length, bool) or not isinstance(length, int) or length <= 0:
-            raise ValueError(f"agg_loss: norm_length must be a positive integer, got {norm_length!r}")
-        loss = loss / length
-    return loss
+    return (per_seq * has).sum() / _positive(denom, "global_seqs")
 
 
 def _positive(denom, name: str):
@@ -218,8 +258,41 @@ class Correction:
 
     @classmethod
     def from_args(cls, kind, is_threshold=None, rs_threshold=None, rs_threshold_lower=None) -> Correction:
-        """From the flag values (None: not given); ValueError naming the flag on a bad one."""
+        """From the flag values (None: not given); ValueError naming the flag on a bad one.
+        ``rs_threshold`` may be verl's ``"LOWER_UPPER"`` string (bounds on pi_rollout / pi_old,
+        module docstring): it becomes U = 1/LOWER, L = 1/UPPER on rho."""
+        if isinstance(rs_threshold, str):
+            text = rs_threshold.strip()
+            if "_" in text:
+                if rs_threshold_lower is not None:
+                    raise ValueError(f"--rollout-rs-threshold {text}: verl's LOWER_UPPER form already sets the lower "
+                                     f"bound; drop --rollout-rs-threshold-lower")
+                low_s, _, up_s = text.partition("_")
+                try:
+                    low, up = float(low_s), float(up_s)
+                except ValueError:
+                    raise ValueError(f"--rollout-rs-threshold {text!r}: expected a number U or verl's LOWER_UPPER "
+                                     f"(e.g. 0.8_2.0)") from None
+                if not (math.isfinite(low) and math.isfinite(up) and 0 < low < 1 < up):
+                    raise ValueError(f"--rollout-rs-threshold {text}: verl's LOWER_UPPER bounds pi_rollout / pi_trainer "
+                                     f"and needs 0 < LOWER < 1 < UPPER (e.g. 0.8_2.0: rho in [0.5, 1.25])")
+                rs_threshold, rs_threshold_lower = 1.0 / low, 1.0 / up
+            else:
+                try:
+                    rs_threshold = float(text)
+                except ValueError:
+                    raise ValueError(f"--rollout-rs-threshold {text!r}: expected a number U or verl's LOWER_UPPER "
+                                     f"(e.g. 0.8_2.0)") from None
         return cls(kind, is_threshold, rs_threshold, rs_threshold_lower)
+
+    @property
+    def bounds(self) -> tuple[float, float] | None:
+        """``(lo, hi)`` of the kind's ratio: [1/C, C] truncating, [L, U] rejecting, None for none."""
+        if self.kind in _TRUNCATING:
+            return 1.0 / self.is_threshold, self.is_threshold
+        if self.kind in _REJECTING:
+            return self.rs_threshold_lower, self.rs_threshold
+        return None
 
     @property
     def sequence_level(self) -> bool:
@@ -247,7 +320,9 @@ def _ess(w: torch.Tensor, valid: torch.Tensor) -> float:
 def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
                        corr: Correction) -> CorrectionResult:
     """Weights and rejection mask for ``corr`` from rho = exp(old_logprobs - rollout_logprobs) (see the
-    module docstring). ``old_logprobs``: the trainer's recompute (no grad), ``[B, T]`` like the rest."""
+    module docstring). ``old_logprobs``: the trainer's recompute (no grad), ``[B, T]`` like the rest.
+    The metrics are verl's (``rollout_corr_helper.py``: ``compute_is_metrics``,
+    ``compute_rollout_rejection_mask``), of the kind's ratio before truncation and rejection."""
     if not (old_logprobs.shape == rollout_logprobs.shape == mask.shape) or mask.dim() != 2:
         raise ValueError(f"rollout_correction: old {tuple(old_logprobs.shape)}, rollout "
                          f"{tuple(rollout_logprobs.shape)} and mask {tuple(mask.shape)} log-probs must be equal [B, T]")
@@ -264,38 +339,49 @@ def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     weights = torch.ones_like(rho)
     accept = torch.ones_like(valid)
     ratio = seq_rho if corr.sequence_level else rho
+    bounds = corr.bounds
     if corr.kind in _TRUNCATING:
         weights = ratio.clamp(max=corr.is_threshold)
-        high, low = ratio > corr.is_threshold, torch.zeros_like(valid)
     elif corr.kind in _REJECTING:
-        high, low = ratio > corr.rs_threshold, ratio < corr.rs_threshold_lower
-        accept = ~(high | low)
+        accept = ~((ratio > corr.rs_threshold) | (ratio < corr.rs_threshold_lower))
         if corr.kind != "geo_mis":
             weights = ratio.clone()
-    else:
-        high = low = torch.zeros_like(valid)
     kept = valid & accept
     weights = torch.where(kept, weights, torch.ones_like(weights))
     new_mask = (mask & accept) if mask.dtype == torch.bool else mask * accept.to(mask.dtype)
 
     n_valid = int(valid.sum())
     n_seq = int(has.sum())
-    w_kept = weights[kept]
-    if corr.sequence_level:
-        frac_high = float(high[:, 0][has].float().mean()) if n_seq else 0.0
-        frac_low = float(low[:, 0][has].float().mean()) if n_seq else 0.0
+    weighs = corr.kind not in ("none", "geo_mis")  # kinds with IS weights (verl's rollout_is set)
+    if bounds is None:
+        frac_high = frac_low = 0.0
+    elif corr.sequence_level:  # per sequence, in log space (verl)
+        lo, hi = math.log(bounds[0]) if bounds[0] > 0 else -math.inf, math.log(bounds[1])
+        frac_high = float((seq_log[has] > hi).float().mean()) if n_seq else 0.0
+        frac_low = float((seq_log[has] < lo).float().mean()) if n_seq else 0.0
     else:
-        frac_high = float(high[valid].float().mean()) if n_valid else 0.0
-        frac_low = float(low[valid].float().mean()) if n_valid else 0.0
+        frac_high = float((ratio[valid] > bounds[1]).float().mean()) if n_valid else 0.0
+        frac_low = float((ratio[valid] < bounds[0]).float().mean()) if n_valid else 0.0
+    if weighs and n_valid:
+        r = ratio[valid]
+        if corr.sequence_level:
+            logs = seq_log[has]
+            w_max, w_min = math.exp(min(float(logs.max()), SAFETY_BOUND)), math.exp(float(logs.min()))
+        else:
+            w_max, w_min = float(r.max()), float(r.min())
+        w_mean = float(r.double().mean())
+        ess = _ess(ratio.clamp(bounds[0], bounds[1]), valid)
+    else:
+        w_mean = w_max = w_min = ess = 1.0
     rejected_seq = ((valid & ~accept).sum(-1) > 0)[has]
     metrics = {
-        "ess": _ess(torch.where(kept, weights, torch.zeros_like(weights)), valid),
+        "ess": ess,
         "ess_raw": _ess(rho, valid),
         "masked_fraction": float((valid & ~accept).sum()) / n_valid if n_valid else 0.0,
         "seq_masked_fraction": float(rejected_seq.float().mean()) if n_seq else 0.0,
-        "is_weight_mean": float(w_kept.mean()) if w_kept.numel() else 0.0,
-        "is_weight_max": float(w_kept.max()) if w_kept.numel() else 0.0,
-        "is_weight_min": float(w_kept.min()) if w_kept.numel() else 0.0,
+        "is_weight_mean": w_mean,
+        "is_weight_max": w_max,
+        "is_weight_min": w_min,
         "ratio_fraction_high": frac_high,
         "ratio_fraction_low": frac_low,
     }

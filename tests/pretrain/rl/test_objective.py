@@ -66,8 +66,10 @@ def test_agg_modes_by_hand():
     assert close(agg_loss(LOSS, MASK, "token-mean"), (1 + 2 + 4) / 3)
     assert close(agg_loss(LOSS, MASK, "seq-mean-token-mean"), ((1 + 2) / 2 + 4 / 1) / 2)
     assert close(agg_loss(LOSS, MASK, "seq-mean-token-sum"), (3 + 4) / 2)
-    assert close(agg_loss(LOSS, MASK, "seq-mean-token-sum-norm"), (3 + 4) / (2 * 3))  # width 3
-    assert close(agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", norm_length=8), (3 + 4) / (2 * 8))
+    # verl's agg_loss (core_algos.py): the token sums over loss_scale_factor only, no sequence count
+    assert close(agg_loss(LOSS, MASK, "seq-mean-token-sum-norm"), (3 + 4) / 3)  # width 3
+    assert close(agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", norm_length=8), (3 + 4) / 8)
+    assert close(agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", norm_length=8, global_seqs=5), (3 + 4) / 8)
     # a float mask weighs the same way; a sequence with no token does not count as a sequence
     assert close(agg_loss(LOSS, MASK.float(), "token-mean"), 7 / 3)
     empty = torch.tensor([[True, True, False], [False, False, False]])
@@ -79,15 +81,15 @@ def test_agg_modes_by_hand():
 
 
 def test_global_normalizers_make_micro_batches_sum_to_the_batch_loss():
+    parts = sum(agg_loss(LOSS[i : i + 1], MASK[i : i + 1], "seq-mean-token-sum-norm", norm_length=3) for i in range(2))
+    assert close(parts, agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", norm_length=3))  # needs no count
     for mode, kw in (("token-mean", {"global_tokens": 3}), ("seq-mean-token-mean", {"global_seqs": 2}),
-                     ("seq-mean-token-sum", {"global_seqs": 2}),
-                     ("seq-mean-token-sum-norm", {"global_seqs": 2, "norm_length": 3})):
+                     ("seq-mean-token-sum", {"global_seqs": 2})):
         whole = agg_loss(LOSS, MASK, mode)
         parts = sum(agg_loss(LOSS[i : i + 1], MASK[i : i + 1], mode, **kw) for i in range(2))
         assert close(parts, whole), mode
         # without them each micro-batch normalizes by itself: not the batch loss here
-        local = sum(agg_loss(LOSS[i : i + 1], MASK[i : i + 1], mode, **({"norm_length": 3} if "norm" in mode
-                                                                          else {})) for i in range(2))
+        local = sum(agg_loss(LOSS[i : i + 1], MASK[i : i + 1], mode) for i in range(2))
         assert not close(local, whole), mode
 
 
@@ -133,10 +135,12 @@ def test_none_and_tis():
     assert torch.allclose(res.weights, torch.tensor([[2.0, 0.25, 1.5], [1.2, 0.9, 1.0]]), atol=1e-6)
     assert torch.equal(res.mask, VALID) and not res.weights.requires_grad
     m = res.metrics
-    assert close(m["ess"], _ess([2.0, 0.25, 1.5, 1.2, 0.9])) and m["masked_fraction"] == 0.0
-    assert close(m["is_weight_max"], 2.0) and close(m["is_weight_min"], 0.25)
-    assert close(m["is_weight_mean"], (2.0 + 0.25 + 1.5 + 1.2 + 0.9) / 5)
-    assert close(m["ratio_fraction_high"], 1 / 5)
+    # verl's compute_is_metrics: ESS of the weights clamped to [1/C, C]; mean, max, min and the
+    # fractions of the ratio before truncation; fraction_low: rho < 1/C
+    assert close(m["ess"], _ess([2.0, 0.5, 1.5, 1.2, 0.9])) and m["masked_fraction"] == 0.0
+    assert close(m["is_weight_max"], 3.0) and close(m["is_weight_min"], 0.25)
+    assert close(m["is_weight_mean"], (3.0 + 0.25 + 1.5 + 1.2 + 0.9) / 5)
+    assert close(m["ratio_fraction_high"], 1 / 5) and close(m["ratio_fraction_low"], 1 / 5)
     res = run("tis", is_threshold=1.25)
     assert torch.allclose(res.weights, torch.tensor([[1.25, 0.25, 1.25], [1.2, 0.9, 1.0]]), atol=1e-6)
 
@@ -147,8 +151,8 @@ def test_mis_icepop_bounds():
     assert torch.allclose(res.weights, torch.tensor([[1.0, 1.0, 1.5], [1.2, 0.9, 1.0]]), atol=1e-6)
     m = res.metrics
     assert close(m["masked_fraction"], 2 / 5) and close(m["seq_masked_fraction"], 1 / 2)
-    assert close(m["ess"], _ess([0.0, 0.0, 1.5, 1.2, 0.9]))  # rejected tokens weigh 0
-    assert close(m["is_weight_mean"], (1.5 + 1.2 + 0.9) / 3) and close(m["is_weight_min"], 0.9)
+    assert close(m["ess"], _ess([2.0, 0.5, 1.5, 1.2, 0.9]))  # clamped to [L, U], before rejection (verl)
+    assert close(m["is_weight_mean"], (3.0 + 0.25 + 1.5 + 1.2 + 0.9) / 5) and close(m["is_weight_min"], 0.25)
     assert close(m["ratio_fraction_high"], 1 / 5) and close(m["ratio_fraction_low"], 1 / 5)
     wide = run("mis", rs_threshold=4.0, rs_threshold_lower=0.2)
     assert torch.equal(wide.mask, VALID) and close(wide.weights[0, 0], 3.0)
@@ -165,18 +169,23 @@ def test_sequence_level_kinds():
     res = run("seq_tis", is_threshold=1.1)
     assert torch.allclose(res.weights, torch.tensor([[1.1] * 3, [1.08, 1.08, 1.0]]), atol=1e-5)
     assert close(res.metrics["ratio_fraction_high"], 1 / 2)  # one sequence of two
+    assert close(res.metrics["ess"], _ess([1.1] * 3 + [1.08] * 2))  # token-weighted, clamped to [1/C, C]
+    assert close(res.metrics["is_weight_mean"], (3 * 1.125 + 2 * 1.08) / 5)  # before truncation
+    assert close(res.metrics["is_weight_max"], 1.125) and close(res.metrics["is_weight_min"], 1.08)
+    low = run("seq_tis", is_threshold=1.0 / 0.95)  # 1/C = 0.95 > neither ratio
+    assert low.metrics["ratio_fraction_low"] == 0.0
 
     res = run("seq_mis")  # both within [0.5, 2]
     assert torch.equal(res.mask, VALID) and close(res.weights[0, 1], 1.125)
     res = run("seq_mis", rs_threshold=1.1)  # lower 1/1.1: the first sequence goes
     assert torch.equal(res.mask, torch.tensor([[False] * 3, [True, True, False]]))
     assert close(res.metrics["masked_fraction"], 3 / 5) and close(res.metrics["seq_masked_fraction"], 1 / 2)
-    assert close(res.metrics["ess"], _ess([0.0, 0.0, 0.0, 1.08, 1.08]))
+    assert close(res.metrics["ess"], _ess([1.1] * 3 + [1.08] * 2))
 
     # rho_geo: 1.125 ** (1/3) = 1.04004 and 1.08 ** (1/2) = 1.03923
     assert close(1.125 ** (1 / 3), 1.040042, 1e-6) and close(1.08**0.5, 1.039230, 1e-6)
     res = run("geo_mis")  # verl's 1.001: both rejected
-    assert not res.mask.any() and res.metrics["ess"] == 0.0 and res.metrics["masked_fraction"] == 1.0
+    assert not res.mask.any() and res.metrics["ess"] == 1.0 and res.metrics["masked_fraction"] == 1.0
     res = run("geo_mis", rs_threshold=1.0396)
     assert torch.equal(res.mask, torch.tensor([[False] * 3, [True, True, False]]))
     assert torch.equal(res.weights, torch.ones(2, 3))  # rejection only, no weights
@@ -192,6 +201,22 @@ def test_defaults_follow_verl():
     assert geo.rs_threshold == 1.001 and close(geo.rs_threshold_lower, 1 / 1.001)
     assert Correction.from_args("none") == Correction()
     assert set(CORRECTIONS) == {"none", "tis", "mis", "seq_tis", "seq_mis", "geo_mis"}
+
+
+def test_verl_lower_upper_rejection_bounds():
+    """Current verl (rollout_corr_helper.compute_rollout_rejection_mask, token_k1) keeps tokens whose
+    -log rho lies in [log LOWER, log UPPER]: "0.8_2.0" keeps rho in [1/2.0, 1/0.8] = [0.5, 1.25]."""
+    c = Correction.from_args("mis", rs_threshold="0.8_2.0")
+    assert close(c.rs_threshold, 1.25) and close(c.rs_threshold_lower, 0.5)
+    res = rollout_correction(OLD, ROLLOUT, VALID, c)  # rho 3, 0.25, 1.5 out; 1.2, 0.9 in
+    assert res.mask.tolist() == [[False, False, False], [True, True, False]]
+    same = Correction.from_args("mis", rs_threshold="2.0")  # one number: [1/U, U] in both conventions
+    assert (same.rs_threshold, same.rs_threshold_lower) == (2.0, 0.5)
+    for bad in ("2.0_0.8", "0_2", "x_2", "abc"):
+        with pytest.raises(ValueError, match=r"^--rollout-rs-threshold "):
+            Correction.from_args("seq_mis", rs_threshold=bad)
+    with pytest.raises(ValueError, match=r"^--rollout-rs-threshold 0.8_2.0: .*drop --rollout-rs-threshold-lower"):
+        Correction.from_args("mis", rs_threshold="0.8_2.0", rs_threshold_lower=0.5)
 
 
 @pytest.mark.parametrize("kind,kw,flag", [
@@ -288,3 +313,15 @@ def test_kl_kinds_by_hand():
 def test_entropy_by_hand():
     h = entropy_from_logits(torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.0, math.log(3), -math.inf, -math.inf]]))
     assert close(h[0], math.log(4)) and close(h[1], -(0.25 * math.log(0.25) + 0.75 * math.log(0.75)))
+
+
+def test_dapo_overlong_reward_by_hand():
+    """DAPO (arXiv 2503.14476, eq. 13) with L_max 8, L_cache 4: 0 up to 4 tokens, then -(n - 4) / 4."""
+    from pretrain.rl.objective import overlong_reward
+
+    got = overlong_reward(torch.tensor([1, 4, 5, 6, 8]), max_len=8, buffer_len=4)
+    assert got.tolist() == [0.0, 0.0, -0.25, -0.5, -1.0]
+    assert overlong_reward(torch.tensor([8]), 8, 4, factor=0.5).tolist() == [-0.5]
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match=r"^--overlong-buffer-len "):
+            overlong_reward(torch.tensor([1]), 8, bad)
