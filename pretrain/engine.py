@@ -9,9 +9,10 @@ Two engines behind one interface (``--ddp-impl``):
     ``--bf16``: BF16 model, FP32 main parameters and gradients (``pretrain.optim.MainParams``); the
     FP32 gradients are summed over data-parallel ranks here (no torch DDP: it would reduce BF16).
     No host synchronisation: loss and gradient norm stay on the device (``train_step`` returns
-    0-d tensors), and the step is taken whatever they are unless ``check_finite`` is set (then
-    one read per step decides; ``pretrain.train`` sets it for ``--skip-nonfinite-steps`` and
-    ``--no-check-for-nan-in-loss-and-grad``, which need a non-finite step to leave the model alone).
+    0-d tensors), and the step is taken whatever they are unless the engine's
+    :class:`NonFinitePolicy` reads each step (then one read per step decides: with
+    ``--skip-nonfinite-steps`` and ``--no-check-for-nan-in-loss-and-grad``, which need a non-finite
+    step to leave the model alone).
 
 ``MegatronEngine`` (``megatron``; the default on CUDA)
     megatron-core's ``DistributedDataParallel`` (contiguous FP32 gradient buckets; with ``--bf16``
@@ -32,13 +33,34 @@ rate of the step is set (``LRSchedule.step``) before the optimizer steps.
 
 Each engine returns the global loss on every rank: with pipelining only the last stage computes it,
 and it is broadcast over the pipeline group so that rank 0 can log it. ``stepped`` says whether the
-last ``train_step`` updated the parameters: with ``check_finite`` the torch engine steps only when
+last step updated the parameters: when the policy reads each step the torch engine steps only when
 loss and gradient norm are finite, the megatron engine always only when the loss is (a non-finite
 norm behind a finite loss is found after megatron's optimizer has stepped), so a skipped non-finite
-step changes nothing. Without ``check_finite`` (the default loop: a non-finite step ends the run,
-found when the loop next reads its steps) the torch engine steps without reading anything.
+step changes nothing. Otherwise (the default loop: a non-finite step ends the run, found when the
+loop next reads its steps) the torch engine steps without reading anything.
 megatron-core's optimizer reads its gradient norm and found-inf flag to the host every step
 (its design; not changed here).
+
+One optimizer step, whatever computed the gradients: ``optimizer_step``
+    Pretraining's ``train_step`` is ``begin_step()``, forward/backward over the micro-batches, then
+    ``optimizer_step(schedule, loss=loss)``. RL calls the same two around its own losses (the
+    gradients of a policy loss that the caller backpropagated)::
+
+        engine = TorchEngine(model, optim, device, nonfinite=NonFinitePolicy(...))
+        engine.begin_step()                      # zero the gradients; snapshot what a skip restores
+        loss.backward()                          # any loss whose gradients are this rank's share
+        result = engine.optimizer_step(schedule) # reduce, clip, set the lr, step, end the quant step
+        result.loss, result.grad_norm, result.lr, result.outcome
+
+    ``optimizer_step`` sums the gradients over data-parallel ranks unless torch DDP already did
+    (``wrap``), sums the TP-partial gradients, clips by the global norm, advances the lr schedule
+    and steps the optimizer (copying the FP32 mains back with ``--bf16``); then every policy
+    linear's delayed-scaling history takes this step's amax (``LayerQuantState.end_step``). The
+    non-finite policy (:class:`NonFinitePolicy`: ``--check-for-nan-in-loss-and-grad``,
+    ``--skip-nonfinite-steps``) decides the outcome: ``"pending"`` (nothing read to the host; the
+    caller settles the device tensors later), ``"ok"``, ``"skipped"`` (the step rolled back: no
+    parameter or optimizer update, the lr schedule rewound, the layers' quantization state as
+    ``begin_step`` found it) or ``"diverged"``.
 
 megatron-core 0.16.1 facts this relies on (found by running it):
   - ``config.calculate_per_token_loss`` must be set before megatron's DDP is built (DDP fixes its
@@ -55,9 +77,11 @@ megatron-core 0.16.1 facts this relies on (found by running it):
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
 import os
+from dataclasses import dataclass, field
 
 import torch
 from megatron.core import parallel_state
@@ -82,24 +106,126 @@ def _dp_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 # ================================================================================================
+# One optimizer step: the outcome and the non-finite rollback (both engines)
+# ================================================================================================
+
+
+@dataclass
+class NonFinitePolicy:
+    """What a non-finite loss or gradient norm does (``--check-for-nan-in-loss-and-grad``,
+    ``--skip-nonfinite-steps``); ``count`` is the number met so far (saved in checkpoints)."""
+
+    check: bool = True
+    """Whether a non-finite step is an error (skipped up to ``max_skips`` times, then divergence)."""
+    max_skips: int = 0
+    """How many non-finite steps are skipped (rolled back) before the next one is divergence."""
+    count: int = 0
+    """Non-finite steps met so far: skipped ones and the one that diverged."""
+
+    @property
+    def reads_each_step(self) -> bool:
+        """Whether each step reads its loss and norm to the host: a skip must be undone at once, and
+        without the check a non-finite step must not be taken. Otherwise nothing is read until the
+        caller settles the steps (outcome ``"pending"``)."""
+        return bool(self.max_skips) or not self.check
+
+
+@dataclass
+class StepResult:
+    """One optimizer step: loss and norm are 0-d device tensors while ``outcome`` is ``"pending"``,
+    floats otherwise; ``lr`` is the learning rate the step used (or would have)."""
+
+    loss: torch.Tensor | float
+    grad_norm: torch.Tensor | float
+    lr: float
+    outcome: str  # "pending", "ok", "skipped" or "diverged"
+
+    def __iter__(self):  # (loss, grad norm, lr, outcome)
+        return iter((self.loss, self.grad_norm, self.lr, self.outcome))
+
+
+@dataclass
+class _Rollback:
+    """What a skipped step restores: every policy linear's quantization state and the groups' lr."""
+
+    quant: list[dict] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+
+
+class _StepMixin:
+    """``begin_step`` / ``optimizer_step`` around each engine's own gradient reduction and step."""
+
+    nonfinite: NonFinitePolicy
+    _rollback: _Rollback | None = None
+
+    def policy_linears(self) -> list[tuple[str, torch.nn.Module]]:
+        """(plan name, module) of this stage's policy linears (their quantization state)."""
+        if getattr(self, "_linears", None) is None:
+            from model.gpt import policy_linears
+
+            self._linears = policy_linears(self.model)
+        return self._linears
+
+    def begin_step(self) -> None:
+        """Before the forward passes of a step: zero the gradients and, with skips allowed, note
+        what a skipped step restores (the layers' quantization state changes in the forward)."""
+        self._zero_grad()
+        self._rollback = None
+        if self.nonfinite.max_skips:
+            self._rollback = _Rollback([copy.deepcopy(m.quant_state.state_dict()) for _, m in self.policy_linears()],
+                                       [group["lr"] for group in self.optimizer.param_groups])
+
+    def end_quant_step(self) -> None:
+        """An optimizer step ended: every layer's delayed-scaling histories take this step's amax
+        (the maximum over its micro-batches; ``precision.state``)."""
+        for _, m in self.policy_linears():
+            m.quant_state.end_step()
+
+    def optimizer_step(self, schedule, loss: torch.Tensor | float | None = None) -> StepResult:
+        """Reduce the gradients the caller's backward produced, clip, set the lr, step (module
+        docstring); ``loss`` (global, the same on every rank) joins the norm in the finite check.
+        Call :meth:`begin_step` before the step's forward passes."""
+        policy = self.nonfinite
+        if loss is None:
+            loss = torch.zeros((), device=self.device)
+        loss, norm, lr = self._reduce_and_step(schedule, loss, check_finite=policy.reads_each_step)
+        self.end_quant_step()
+        if not policy.reads_each_step:
+            return StepResult(loss, norm, lr, "pending")
+        loss, norm = float(loss), float(norm)
+        if not policy.check or (math.isfinite(loss) and math.isfinite(norm)):
+            return StepResult(loss, norm, lr, "ok")
+        policy.count += 1
+        # the megatron engine steps on a finite loss even if the norm is not: that cannot be undone
+        if policy.count > policy.max_skips or self.stepped or self._rollback is None:
+            return StepResult(loss, norm, lr, "diverged")
+        schedule.num_steps -= 1  # no optimizer step was taken: the next step gets this lr
+        for group, group_lr in zip(self.optimizer.param_groups, self._rollback.lrs, strict=True):
+            group["lr"] = group_lr
+        for (_, m), state in zip(self.policy_linears(), self._rollback.quant, strict=True):
+            m.quant_state.load_state_dict(state)
+        return StepResult(loss, norm, lr, "skipped")
+
+
+# ================================================================================================
 # torch DDP (CPU and GPU)
 # ================================================================================================
 
 
-class TorchEngine:
+class TorchEngine(_StepMixin):
     """torch DDP + ``pretrain.optim`` AdamW; no pipeline parallelism (see module docstring)."""
 
     name = "torch"
 
-    def __init__(self, model: torch.nn.Module, args, device: torch.device):
+    def __init__(self, model: torch.nn.Module, args, device: torch.device, nonfinite: NonFinitePolicy | None = None):
         from pretrain.optim import MainParams, build_optimizer
 
         self.model, self.args, self.device = model, args, device
         self.main = MainParams(model) if getattr(args, "bf16", False) else None  # --bf16: FP32 mains
         self.optimizer = build_optimizer(model, args, self.main)
         self.ddp: torch.nn.Module = model  # wrap() replaces it when DP > 1 (FP32 only)
-        self.stepped = False  # whether the last train_step updated the parameters
-        self.check_finite = True  # read loss and norm each step; step only when finite (see above)
+        self.stepped = False  # whether the last step updated the parameters
+        self.nonfinite = nonfinite or NonFinitePolicy()
 
     def wrap(self) -> None:
         """torch DDP over the data-parallel group (after a checkpoint is loaded into the model)."""
@@ -117,17 +243,14 @@ class TorchEngine:
         per_token = module(tokens, position_ids, None, labels=labels)  # [b, s]
         return (per_token.float() * mask).sum(), mask.sum()
 
-    def train_step(self, micro: list[dict], schedule) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """(loss, gradient norm before clipping, lr): loss and norm are 0-d device tensors."""
-        from model.gpt import allreduce_tp_partial_grads
-        from pretrain.optim import clip_grad_norm
-
+    def train_step(self, micro: list[dict], schedule) -> StepResult:
+        """One global batch: forward/backward of each micro-batch, then :meth:`optimizer_step`."""
         # counted on the device: a blocking host-to-device copy would wait for the GPU's queue
         masks = [mb["loss_mask"].to(self.device, non_blocking=True) for mb in micro]
         tokens = _dp_sum(torch.stack([m.sum() for m in masks]).sum().float())
         # torch DDP averages over data-parallel ranks: scale by dp so the result is sum / global tokens
         dp_size = parallel_state.get_data_parallel_world_size() if self.ddp is not self.model else 1
-        self.optimizer.zero_grad(set_to_none=True)
+        self.begin_step()
         loss_sum = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro):
             last = i == len(micro) - 1
@@ -136,16 +259,27 @@ class TorchEngine:
                 s, _ = self._loss_sum(self.ddp, mb)
                 (s * (dp_size / tokens)).backward()
             loss_sum += s.detach()
-        loss = _dp_sum(loss_sum) / tokens
+        return self.optimizer_step(schedule, loss=_dp_sum(loss_sum) / tokens)
+
+    def _zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _reduce_and_step(self, schedule, loss, check_finite: bool):
+        """(loss, norm before clipping, lr): gradients summed over DP (unless DDP did) and TP
+        partials, clipped; the optimizer steps unless ``check_finite`` finds loss or norm non-finite."""
+        from model.gpt import allreduce_tp_partial_grads
+        from pretrain.optim import clip_grad_norm
+
         params = self.main if self.main is not None else self.model
-        if self.main is not None:  # --bf16: sum the FP32 gradients over data-parallel ranks
-            for p in self.main.parameters():
+        if self.ddp is self.model:  # no torch DDP: sum this rank's gradients over data-parallel ranks
+            for p in params.parameters():
                 if p.grad is not None:
                     _dp_sum(p.grad)
         allreduce_tp_partial_grads(params)
         norm = clip_grad_norm(params.parameters(), self.args.clip_grad, parallel_state.get_tensor_model_parallel_group())
         lr = schedule.step()
-        self.stepped = not self.check_finite or bool(torch.isfinite(torch.stack([loss, norm])).all())
+        self.stepped = not check_finite or bool(torch.isfinite(torch.stack([torch.as_tensor(loss, device=norm.device)
+                                                                            .float(), norm])).all())
         if self.stepped:
             self.optimizer.step()
             if self.main is not None:
@@ -207,12 +341,12 @@ class TorchEngine:
 # ================================================================================================
 
 
-class MegatronEngine:
+class MegatronEngine(_StepMixin):
     """megatron-core DDP + ``get_megatron_optimizer`` + ``get_forward_backward_func`` (CUDA)."""
 
     name = "megatron"
 
-    def __init__(self, model: torch.nn.Module, args, device: torch.device):
+    def __init__(self, model: torch.nn.Module, args, device: torch.device, nonfinite: NonFinitePolicy | None = None):
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -252,7 +386,8 @@ class MegatronEngine:
         )
         self.optimizer = get_megatron_optimizer(opt_config, [self.ddp])
         self.forward_backward = get_forward_backward_func()
-        self.stepped = False  # whether the last train_step updated the parameters
+        self.stepped = False  # whether the last step updated the parameters
+        self.nonfinite = nonfinite or NonFinitePolicy()
 
     def wrap(self) -> None:
         pass  # wrapped at construction (megatron's optimizer needs the DDP buffers)
@@ -295,15 +430,24 @@ class MegatronEngine:
             )
         return (sums[0] / sums[1]).item() if sums[1] > 0 else None
 
-    def train_step(self, micro: list[dict], schedule) -> tuple[float, float, float]:
-        """(loss, gradient norm, lr) as floats: megatron's optimizer reads its norm to the host."""
+    def train_step(self, micro: list[dict], schedule) -> StepResult:
+        """One global batch through megatron's schedule, then :meth:`optimizer_step` (loss and norm
+        are floats: megatron's optimizer reads its norm to the host)."""
+        self.begin_step()
+        loss = self._run(micro, forward_only=False)
+        return self.optimizer_step(schedule, loss=float("nan") if loss is None else loss)
+
+    def _zero_grad(self) -> None:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        loss = self._run(micro, forward_only=False)
+
+    def _reduce_and_step(self, schedule, loss, check_finite: bool):
+        """megatron's optimizer reduces, clips and steps; a non-finite loss takes no step."""
         lr = schedule.step()
-        if loss is None or not math.isfinite(loss):  # a non-finite loss: no step (it could be skipped)
+        loss = float(loss)
+        if not math.isfinite(loss):  # a non-finite loss: no step (it could be skipped)
             self.stepped = False
-            return float("nan") if loss is None else loss, float("nan"), lr
+            return loss, float("nan"), lr
         ok, norm, _ = self.optimizer.step()
         self.stepped = bool(ok)
         return loss, float(norm if ok and norm is not None else "nan"), lr
@@ -353,9 +497,9 @@ class MegatronEngine:
         self.optimizer.reload_model_params()
 
 
-def build_engine(model: torch.nn.Module, args, device: torch.device):
+def build_engine(model: torch.nn.Module, args, device: torch.device, nonfinite: NonFinitePolicy | None = None):
     """The engine ``--ddp-impl`` names (``auto``: megatron on CUDA, torch on CPU)."""
     impl = args.ddp_impl
     if impl == "auto":
         impl = "megatron" if device.type == "cuda" else "torch"
-    return (MegatronEngine if impl == "megatron" else TorchEngine)(model, args, device)
+    return (MegatronEngine if impl == "megatron" else TorchEngine)(model, args, device, nonfinite)

@@ -67,7 +67,6 @@ iteration number).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import datetime
 import json
@@ -422,7 +421,6 @@ class Trainer:
     consumed_samples: int = 0
     last_saved: int | None = None  # iteration of the last checkpoint written or loaded
     last_checkpoint: str | None = None  # its directory (the last good one, should the run diverge)
-    nonfinite_steps: int = 0  # non-finite steps met so far (skipped, or the one that diverged)
     tb: object = None  # rank 0's SummaryWriter with --tensorboard-dir
     delayed_scaling: bool = False  # some operand of the whole model's plan in force uses delayed scaling
     plans: SchedulePlans | None = None  # every schedule phase's plans (None: ``plan`` for the whole run)
@@ -434,6 +432,15 @@ class Trainer:
 
             self.plans = SchedulePlans(PrecisionSchedule.single(getattr(self.args, "precision", None) or "bf16"),
                                        (self.plan,), (self.plan,))
+
+    @property
+    def nonfinite_steps(self) -> int:
+        """Non-finite steps met so far (skipped, or the one that diverged): the engine's count."""
+        return self.engine.nonfinite.count
+
+    @nonfinite_steps.setter
+    def nonfinite_steps(self, n: int) -> None:
+        self.engine.nonfinite.count = n
 
     # ---------------------------------------------------------------- precision schedule
     @property
@@ -530,12 +537,6 @@ class Trainer:
             m.quant_state.collect_stats = collect
             m.quant_state.observe_only = observe_only
 
-    def end_quant_step(self) -> None:
-        """An optimizer step ended: every layer's delayed-scaling histories take this step's amax
-        (the maximum over its micro-batches; ``precision.state``)."""
-        for _, m in self.policy_linears():
-            m.quant_state.end_step()
-
     def _write_layer_scalars(self, scalars: list[tuple[str, float]]) -> None:
         """Write per-layer scalars to rank 0's TensorBoard. With pipeline parallelism every stage
         contributes its own layers (gathered over the pipeline group; all ranks call this)."""
@@ -584,44 +585,14 @@ class Trainer:
         self._write_layer_scalars(scalars)
 
     # ---------------------------------------------------------------- one iteration
-    @property
-    def reads_each_step(self) -> bool:
-        """Whether each step reads its loss and norm to the host: ``--skip-nonfinite-steps`` must
-        undo a non-finite step at once, ``--no-check-for-nan-in-loss-and-grad`` must not take it.
-        Otherwise (the default) nothing is read until the loop settles the steps (``_Progress.settle``)."""
-        return bool(self.args.skip_nonfinite_steps) or not self.args.check_for_nan_in_loss_and_grad
-
     def train_step(self, data) -> tuple[float | torch.Tensor, float | torch.Tensor, float, str]:
-        """One global batch: returns (loss, grad norm before clipping, lr, outcome).
-
-        ``outcome`` is ``"pending"`` when the step is not read to the host (loss and norm are 0-d
-        device tensors; ``_Progress.settle`` decides later, a non-finite one being divergence), else
-        ``"ok"``, ``"skipped"`` (non-finite, within ``--skip-nonfinite-steps``: the engine did not
-        step, the lr schedule is rewound and the layers' quantization state restored, so only the
-        data position moved) or ``"diverged"``. Loss and norm are global (the same on every rank),
-        so all ranks reach the same outcome."""
+        """One global batch: returns (loss, grad norm before clipping, lr, outcome), the engine's
+        ``optimizer_step`` result (``pretrain.engine``: ``"pending"`` -- 0-d device tensors that
+        ``_Progress.settle`` reads later, a non-finite one being divergence -- ``"ok"``,
+        ``"skipped"`` -- rolled back within ``--skip-nonfinite-steps``, only the data position moved
+        -- or ``"diverged"``). Loss and norm are global, so all ranks reach the same outcome."""
         micro = [next(data) for _ in range(self.num_micro_batches)]
-        if self.args.skip_nonfinite_steps:  # what a skipped step restores
-            quant_before = [copy.deepcopy(m.quant_state.state_dict()) for _, m in self.policy_linears()]
-            lr_before = [group["lr"] for group in self.engine.optimizer.param_groups]
-        self.engine.check_finite = self.reads_each_step
-        loss, norm, lr = self.engine.train_step(micro, self.schedule)
-        self.end_quant_step()
-        if not self.reads_each_step:
-            return loss, norm, lr, "pending"
-        loss, norm = float(loss), float(norm)
-        if not self.args.check_for_nan_in_loss_and_grad or (math.isfinite(loss) and math.isfinite(norm)):
-            return loss, norm, lr, "ok"
-        self.nonfinite_steps += 1
-        # the megatron engine steps on a finite loss even if the norm is not: that cannot be undone
-        if self.nonfinite_steps > self.args.skip_nonfinite_steps or self.engine.stepped:
-            return loss, norm, lr, "diverged"
-        self.schedule.num_steps -= 1  # no optimizer step was taken: the next step gets this lr
-        for group, group_lr in zip(self.engine.optimizer.param_groups, lr_before, strict=True):
-            group["lr"] = group_lr
-        for (_, m), state in zip(self.policy_linears(), quant_before, strict=True):
-            m.quant_state.load_state_dict(state)
-        return loss, norm, lr, "skipped"
+        return tuple(self.engine.train_step(micro, self.schedule))
 
     def diverged(self, loss: float, norm: float, iteration: int | None = None) -> int:
         """Divergence at ``iteration`` (default: the last; see the module docstring, 6): rank 0 writes
@@ -1033,7 +1004,10 @@ def setup(args) -> Trainer:
     )
 
     model, plans = build_scheduled_model(args, vocab_size, device)
-    engine = build_engine(model, args, device)
+    from pretrain.engine import NonFinitePolicy
+
+    engine = build_engine(model, args, device, NonFinitePolicy(check=bool(args.check_for_nan_in_loss_and_grad),
+                                                               max_skips=int(args.skip_nonfinite_steps or 0)))
     trainer = Trainer(
         args, model, engine, LRSchedule.from_args(engine.optimizer, args), plans.stage[0], cfg, tokenizer.path,
         train_ds, valid_ds, device, plans=plans,
