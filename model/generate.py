@@ -296,7 +296,7 @@ class Engine:
         groups = cfg.num_query_groups // cfg.tensor_model_parallel_size
         # the format the core attentions quantize K/V in: the rollout plan's (set by RolloutModel.active),
         # or the model's own --kv-quant, or none
-        fmt = self.attentions[0].kv_format
+        fmt = [attn.kv_format for attn in self.attentions]  # per layer (a rollout plan's KV rules)
         amax = [attn.kv_amax for attn in self.attentions]
         act_bytes = next(self.model.parameters()).element_size()
         cache = KVCache(len(self.attentions), groups, cfg.kv_channels, fmt, amax, act_bytes)
@@ -441,7 +441,8 @@ class Engine:
     def kv_bytes_per_token(self) -> float:
         """Stored KV-cache bytes of one token on this rank (every layer, K and V, block scales included)."""
         cfg = self.attentions[0].config
-        fmt = self.rollout.plan.kv if self.rollout is not None else self.attentions[0].kv_format
+        fmt = (self.rollout.kv_formats if self.rollout is not None
+               else [attn.kv_format for attn in self.attentions])  # per layer
         cache = KVCache(len(self.attentions), cfg.num_query_groups // cfg.tensor_model_parallel_size,
                         cfg.kv_channels, fmt, act_bytes=next(self.model.parameters()).element_size())
         return cache.bytes_per_token

@@ -23,14 +23,21 @@ the same quantize -> dequantize, with a straight-through gradient.
 
     fmt = KVFormat.parse("mxfp4")
     fmt.check_head_dim(64, "--kv-quant")                   # block 32 must divide the head dim
-    cache = KVCache(num_layers=2, batch=4, max_len=128, groups=2, head_dim=64, fmt=fmt)
+    cache = KVCache(num_layers=2, groups=2, head_dim=64, fmt=fmt)
     k_all, v_all = cache.layers[0].update(k_new, v_new)    # [sq, b, ng, hn] in, [sk, b, ng, hn] out
     cache.advance(k_new.shape[0])                          # once per forward, after every layer
     cache.bytes_per_token                                  # K and V of every layer, scales included
+
+Per-layer formats: ``fmt`` may also be a sequence with one entry per layer (a ``KVFormat`` or None),
+as a rollout plan with KV rules gives it (``model.rollout_plan``: e.g. the last layer's cache in FP8,
+the others in MXFP4); each layer then stores, dequantizes and counts bytes in its own format::
+
+    cache = KVCache(3, 2, 64, [KVFormat("mxfp4"), KVFormat("mxfp4"), KVFormat("fp8")], amax)
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -151,8 +158,9 @@ class LayerKV:
     key and value so far, dequantized, ``[sk, b, ng, hn]`` in ``k``'s dtype.
     """
 
-    def __init__(self, cache: KVCache, amax: torch.Tensor | None):
+    def __init__(self, cache: KVCache, amax: torch.Tensor | None, fmt: KVFormat | None = None):
         self.cache = cache
+        self.fmt = fmt  # this layer's stored format (None: the activations' own dtype)
         self.amax = amax  # [2, ng] calibrated per-head amax of K and V (tensor-scaled formats)
         self.k: dict[str, torch.Tensor | None] | None = None
         self.v: dict[str, torch.Tensor | None] | None = None
@@ -171,13 +179,14 @@ class LayerKV:
         return out
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        fmt = self.cache.fmt
+        fmt = self.fmt
         k_b, v_b = k.transpose(0, 1), v.transpose(0, 1)  # [b, sq, ng, hn]
         if fmt is None:  # no quantization: the activations' own dtype
             new_k, new_v = {"codes": k_b}, {"codes": v_b}
         else:
             if fmt.per_head_scale and self.amax is None:
-                raise RuntimeError(f"KV-cache format {fmt.fmt} needs calibrated per-head scales: "
+                raise RuntimeError(f"KV-cache format {fmt.fmt} needs calibrated per-head scales (layer "
+                                   f"{self.cache.layers.index(self)}): "
                                    "call model.generate.calibrate_kv(model, tokens) first")
             amax_k = self.amax[0] if self.amax is not None else None
             amax_v = self.amax[1] if self.amax is not None else None
@@ -206,19 +215,36 @@ class KVCache:
     """The whole model's KV-cache on this rank: one :class:`LayerKV` per transformer layer.
 
     ``fmt`` None stores keys and values unquantized (the model's activation dtype); otherwise the
-    format's stored form. ``amax``: per layer ``[2, ng]`` calibrated per-head amaxes (needed by
+    format's stored form; a sequence of ``num_layers`` entries (``KVFormat`` or None) gives each layer
+    its own. ``formats``: the per-layer list. ``amax``: per layer ``[2, ng]`` calibrated per-head amaxes (needed by
     formats with a tensor-level scale). ``length``: slots filled in every layer (the engine calls
     :meth:`advance` after each forward).
     """
 
-    def __init__(self, num_layers: int, groups: int, head_dim: int, fmt: KVFormat | None,
+    def __init__(self, num_layers: int, groups: int, head_dim: int,
+                 fmt: KVFormat | None | Sequence[KVFormat | None],
                  amax: list[torch.Tensor | None] | None = None, act_bytes: int = 4):
-        self.fmt = fmt
+        if fmt is None or isinstance(fmt, KVFormat):
+            formats = [fmt] * num_layers
+        else:
+            formats = list(fmt)
+            if len(formats) != num_layers:
+                raise ValueError(f"KVCache: {len(formats)} per-layer KV formats for {num_layers} layers")
+        self.formats: list[KVFormat | None] = formats
         self.groups, self.head_dim, self.num_layers = groups, head_dim, num_layers
         self.act_bytes = act_bytes
         self.length = 0
         amax = amax or [None] * num_layers
-        self.layers = [LayerKV(self, a) for a in amax]
+        if len(amax) != num_layers:
+            raise ValueError(f"KVCache: {len(amax)} per-layer amaxes for {num_layers} layers")
+        self.layers = [LayerKV(self, a, f) for a, f in zip(amax, formats)]
+
+    @property
+    def fmt(self) -> KVFormat | None:
+        """The format every layer shares; a cache with per-layer formats that differ has none."""
+        if any(f != self.formats[0] for f in self.formats):
+            raise AttributeError("KVCache.fmt: the layers store different formats; read KVCache.formats")
+        return self.formats[0]
 
     def advance(self, n: int) -> None:
         self.length += n
@@ -232,10 +258,10 @@ class KVCache:
 
     @property
     def bytes_per_token(self) -> float:
-        """Stored bytes of one token's keys and values over every layer on this rank, block scales
-        included (per-head scales amortized to zero)."""
-        bits = self.fmt.bits_per_element if self.fmt is not None else 8 * self.act_bytes
-        return 2 * self.num_layers * self.groups * self.head_dim * bits / 8
+        """Stored bytes of one token's keys and values over every layer on this rank (each in its own
+        format), block scales included (per-head scales amortized to zero)."""
+        bits = sum(f.bits_per_element if f is not None else 8 * self.act_bytes for f in self.formats)
+        return 2 * self.groups * self.head_dim * bits / 8
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)

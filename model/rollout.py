@@ -131,6 +131,9 @@ class RolloutModel:
         self.attentions = core_attentions(model)
         head_dim = self.attentions[0].config.kv_channels if self.attentions else 0
         plan.kv.check_head_dim(head_dim, "--rollout-precision kv")
+        self.kv_formats = plan.kv_formats(len(self.attentions))  # one per layer (KV rules: model.rollout_plan)
+        for layer, fmt in enumerate(self.kv_formats):
+            fmt.check_head_dim(head_dim, f"--rollout-precision kv (layer {layer})")
         self.packed: dict[str, PackedWeight] = {}
         self.kv_amax: list[torch.Tensor | None] = [None] * len(self.attentions)
         self.version = 0
@@ -171,12 +174,12 @@ class RolloutModel:
 
     @property
     def needs_kv_calibration(self) -> bool:
-        return self.plan.kv.per_head_scale and any(a is None for a in self.kv_amax)
+        return any(f.per_head_scale and a is None for f, a in zip(self.kv_formats, self.kv_amax))
 
     @contextlib.contextmanager
     def active(self, *, kv_calibrated: bool = True):
         """Inside: every linear reads its packed weight and every core attention quantizes keys and
-        values in the plan's KV format (with the calibrated per-head scales). Restored after."""
+        values in its layer's KV format of the plan (with the calibrated per-head scales). Restored after."""
         if not self.packed:
             self.update()
         saved = [(m, m.rollout_weight) for _, m in self.linears]
@@ -184,8 +187,8 @@ class RolloutModel:
         try:
             for name, m in self.linears:
                 m.rollout_weight = self.packed[name]
-            for attn, amax in zip(self.attentions, self.kv_amax):
-                attn.kv_format = self.plan.kv
+            for attn, fmt, amax in zip(self.attentions, self.kv_formats, self.kv_amax):
+                attn.kv_format = fmt
                 attn.kv_amax = amax if kv_calibrated else None
             yield self
         finally:

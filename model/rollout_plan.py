@@ -28,6 +28,18 @@ Per-layer rules (``--rollout-precision-rule SELECTOR=VALUE``) use ``--precision-
 rollout preset (its linear part) or a Fprop spec ``x@w[+rot]``: ``--rollout-precision-rule
 first:1=bf16``, ``--rollout-precision-rule 'kind:mlp=bf16@nvfp4'``.
 
+Per-layer KV-cache formats: VALUE may instead (or also) name the KV-cache format of the selected
+transformer layers, ``kv=FORMAT`` (``linear=SPEC`` names the linear part when both are given)::
+
+    --rollout-precision-rule 'last:1=kv=fp8'               the last layer's cache in FP8, the rest the plan's
+    --rollout-precision-rule 'layers:0-1=kv=bf16'          layers 0 and 1 cached in BF16
+    --rollout-precision-rule 'first:1=linear=bf16,kv=bf16' layer 0 entirely in BF16
+
+A KV rule selects transformer layers -- ``first:N``, ``last:N``, ``layers:A-B`` or a glob over the
+cache's name ``decoder.layers.I.self_attention.core_attention`` -- never a ``kind:`` (a kind names
+linears). Like linear rules, KV rules are first-match and one that selects nothing is refused.
+The plan's ``kv`` stays the plan-wide default; ``kv_for(layer)`` is what layer ``layer`` caches in.
+
 A rollout GEMM rounds to nearest, with current scaling and at most a deterministic Hadamard: it
 holds no state that changes between calls (no stochastic rounding, no amax history, no resampled
 signs), so a token's numbers never depend on when it was generated.
@@ -57,6 +69,7 @@ __all__ = [
     "ROLLOUT_ROTATIONS",
     "RolloutPlan",
     "RolloutPrecision",
+    "kv_cache_name",
     "parse_rollout",
     "resolve_rollout_plan",
 ]
@@ -142,53 +155,138 @@ def parse_rollout(value: str, flag: str = "--rollout-precision") -> RolloutPreci
     return RolloutPrecision(linear, kv, text)
 
 
+def kv_cache_name(layer: int) -> str:
+    """The name a KV rule's glob matches for transformer layer ``layer``'s cache."""
+    return f"decoder.layers.{layer}.self_attention.core_attention"
+
+
 @dataclass(frozen=True)
 class RolloutPlan:
     """The resolved rollout plan: a Fprop recipe per linear (as ``LinearPrecision.fprop`` entries of
-    ``linears``) and the KV-cache format."""
+    ``linears``), the plan-wide KV-cache format ``kv`` and, per transformer layer, the format its
+    cache stores (``kv_layers``; empty: every layer ``kv``) with the rule that chose it."""
 
     linears: PrecisionPlan
     kv: KVFormat
     label: str
+    kv_layers: tuple[KVFormat, ...] = ()
+    kv_rules: tuple[str, ...] = ()
 
     def fprop(self, name: str) -> GemmRecipe:
         return self.linears[name].fprop
+
+    def kv_for(self, layer: int) -> KVFormat:
+        """The KV-cache format of transformer layer ``layer`` (0-based)."""
+        return self.kv_layers[layer] if self.kv_layers else self.kv
+
+    def kv_formats(self, num_layers: int) -> list[KVFormat]:
+        """One KV-cache format per transformer layer."""
+        if self.kv_layers and len(self.kv_layers) != num_layers:
+            raise ValueError(f"rollout plan has KV formats for {len(self.kv_layers)} layers, the model {num_layers}")
+        return list(self.kv_layers) if self.kv_layers else [self.kv] * num_layers
+
+    @property
+    def per_head_scale(self) -> bool:
+        """Whether any layer's KV format needs calibrated per-head scales."""
+        return any(f.per_head_scale for f in (self.kv_layers or (self.kv,)))
 
     def table(self) -> str:
         width = max((len(n) for n in self.linears), default=5)
         lines = [f"{'layer':<{width}}  {'fprop x@w':<28} rule"]
         for name in self.linears:
             lines.append(f"{name:<{width}}  {self.fprop(name).spec():<28} {self.linears.rule_for(name)}")
-        lines.append(f"{'kv-cache':<{width}}  {self.kv.fmt}")
+        if self.kv_layers:
+            for i, (fmt, rule) in enumerate(zip(self.kv_layers, self.kv_rules)):
+                lines.append(f"{'kv-cache layer ' + str(i):<{width}}  {fmt.fmt:<28} {rule}")
+        else:
+            lines.append(f"{'kv-cache':<{width}}  {self.kv.fmt}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
-        return {"rollout_precision": self.label, "kv_cache": self.kv.fmt,  # label: --rollout-precision as given
-                "linears": {n: self.fprop(n).spec() for n in self.linears}}
+        out = {"rollout_precision": self.label, "kv_cache": self.kv.fmt,  # label: --rollout-precision as given
+               "linears": {n: self.fprop(n).spec() for n in self.linears}}
+        if self.kv_layers:
+            out["kv_cache_layers"] = [f.fmt for f in self.kv_layers]
+        return out
+
+
+def _rule_value(text: str) -> tuple[str, GemmRecipe | None, KVFormat | None]:
+    """A ``--rollout-precision-rule``'s selector, linear recipe (None: not set) and KV format (None: not set)."""
+    where = f"--rollout-precision-rule {text!r}:"
+    if "=" not in text:
+        raise SpecError(f"--rollout-precision-rule {text!r}: expected SELECTOR=PRESET_OR_SPEC, e.g. first:1=bf16, "
+                        "or SELECTOR=kv=FORMAT, e.g. last:1=kv=fp8")
+    selector, value = (s.strip() for s in text.split("=", 1))
+    linear = kv = None
+    for part in (p.strip() for p in value.split(",")):
+        key, eq, val = (s.strip() for s in part.partition("="))
+        if not eq:  # a bare preset or spec: the linear part
+            key, val = "linear", part
+        if key not in ("linear", "kv"):
+            raise SpecError(f"{where} unknown key {key!r}; valid: a preset or X@W spec, linear=SPEC, kv=FORMAT")
+        if (key == "linear" and linear is not None) or (key == "kv" and kv is not None):
+            raise SpecError(f"{where} {key} given twice")
+        if key == "linear":
+            linear = _linear(val, where)
+        else:
+            try:
+                kv = KVFormat.parse(val, f"{where} kv=")
+            except ValueError as e:
+                raise SpecError(str(e)) from None
+    if kv is not None and selector.startswith("kind:"):
+        raise SpecError(f"{where} kv= needs a selector of transformer layers (first:N, last:N, layers:A-B or a glob "
+                        f"over {kv_cache_name(0).replace('0', 'I', 1)}); {selector} names linears")
+    return selector, linear, kv
+
+
+def _resolve_kv(base: KVFormat, kv_rules: list[tuple[str, Rule, KVFormat]], num_layers: int, head_dim: int,
+                value: str) -> tuple[tuple[KVFormat, ...], tuple[str, ...]]:
+    """Per-layer KV formats (first matching KV rule, else ``base``); refuses a KV rule that selects nothing."""
+    names = [kv_cache_name(i) for i in range(num_layers)]
+    for i, (text, rule, fmt) in enumerate(kv_rules):
+        where = f"--rollout-precision-rule {text!r}"
+        if problem := rule.range_problem(num_layers):
+            raise SpecError(f"{where}: {problem}")
+        matched = [n for n in names if rule.matches(n, num_layers)]
+        if not matched:
+            raise SpecError(f"{where}: matches no layer's KV-cache; caches: {kv_cache_name(0)} .. "
+                            f"{kv_cache_name(num_layers - 1)}")
+        if all(any(r.matches(n, num_layers) for _, r, _ in kv_rules[:i]) for n in matched):
+            raise SpecError(f"{where}: selects no layer's KV-cache: every layer it matches is taken by an earlier rule")
+        fmt.check_head_dim(head_dim, where)
+    formats, labels = [], []
+    for n in names:
+        hit = next(((t, f) for t, r, f in kv_rules if r.matches(n, num_layers)), None)
+        formats.append(hit[1] if hit else base)
+        labels.append(f"--rollout-precision-rule {hit[0]}" if hit else f"--rollout-precision {value}")
+    return tuple(formats), tuple(labels)
 
 
 def resolve_rollout_plan(value: str, rules: Iterable[str], names: Iterable[str], num_layers: int,
                          head_dim: int) -> RolloutPlan:
     """Resolve ``--rollout-precision value`` and ``--rollout-precision-rule`` ``rules`` over the
-    model's linear ``names``; refuses a rule that selects nothing and a KV format whose block does
-    not divide ``head_dim`` (one line each, naming the flag)."""
+    model's linear ``names`` and its ``num_layers`` KV-caches; refuses a rule that selects nothing and
+    a KV format whose block does not divide ``head_dim`` (one line each, naming the flag)."""
     rules = list(rules)
     base = parse_rollout(value)
     base.kv.check_head_dim(head_dim, "--rollout-precision kv")
-    user = []
+    user, checked, kv_rules = [], [], []
     for text in rules:
-        if "=" not in text:
-            raise SpecError(f"--rollout-precision-rule {text!r}: expected SELECTOR=PRESET_OR_SPEC, e.g. first:1=bf16")
-        selector, val = (s.strip() for s in text.split("=", 1))
-        recipe = _linear(val, f"--rollout-precision-rule {text!r}:")
-        user.append(Rule(selector, LinearPrecision(fprop=recipe), f"--rollout-precision-rule {text}"))
+        selector, recipe, kv = _rule_value(text)
+        if recipe is not None:
+            rule = Rule(selector, LinearPrecision(fprop=recipe), f"--rollout-precision-rule {text}")
+            user.append(rule)
+            checked.append((text, rule))
+        if kv is not None:
+            kv_rules.append((text, Rule(selector, LinearPrecision(), f"--rollout-precision-rule {text}"), kv))
     builtin = [Rule("kind:output", LinearPrecision(fprop=parse_gemm("bf16", Gemm.FPROP)), "rollout preset: kind:output=bf16")]
     policy = PrecisionPolicy(LinearPrecision(fprop=base.linear), user + builtin,
                              default_label=f"--rollout-precision {value}")
-    policy.checked = list(zip(rules, user))
+    policy.checked = checked
     names = list(names)
     try:
         policy.check_rules(num_layers, names)
     except SpecError as e:
         raise SpecError(str(e).replace("--precision-rule", "--rollout-precision-rule")) from None
-    return RolloutPlan(policy.resolve(names, num_layers), base.kv, value)
+    kv_layers, kv_labels = _resolve_kv(base.kv, kv_rules, num_layers, head_dim, value) if kv_rules else ((), ())
+    return RolloutPlan(policy.resolve(names, num_layers), base.kv, value, kv_layers, kv_labels)

@@ -152,7 +152,7 @@ def _variant(plan: RolloutPlan, back: Sequence[str], layers: set[int] | None) ->
     kv_overrides = {}
     if "kv_cache" in back:
         if layers is None:
-            plan = dataclasses.replace(plan, kv=KVFormat("bf16"))
+            plan = dataclasses.replace(plan, kv=KVFormat("bf16"), kv_layers=(), kv_rules=())  # every layer's cache
         else:
             kv_overrides = {i: KVFormat("bf16") for i in layers}
     entries = {}

@@ -260,8 +260,8 @@ class RolloutQAT:
                 m.precision = dataclasses.replace(m.precision, fprop=fprop)
             if self.kv:
                 amax = list(kv_amax) if kv_amax is not None else [None] * len(self.attentions)
-                for attn, a in zip(self.attentions, amax):
-                    attn.kv_format, attn.kv_amax = self.plan.kv, a
+                for attn, fmt, a in zip(self.attentions, self.plan.kv_formats(len(self.attentions)), amax):
+                    attn.kv_format, attn.kv_amax = fmt, a  # each layer's own KV format (the plan's KV rules)
             self._replays = replays
             yield self
         finally:
