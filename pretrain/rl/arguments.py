@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from pretrain.arguments import ConfigError, build_parser, validate_args
 
-__all__ = ["PROG", "RLConfig", "add_rl_arguments", "build_rl_parser", "parse_rl_args", "rl_config"]
+__all__ = ["PROG", "RLConfig", "RLRun", "add_rl_arguments", "build_rl_parser", "parse_rl_args", "rl_config", "rl_run"]
 
 PROG = "rl.py"
 
@@ -68,6 +68,16 @@ class RLConfig:
     """How token losses become the batch loss (``pretrain.rl.objective.LOSS_AGG_MODES``)."""
     clip_ratio_low: float
     clip_ratio_high: float
+    clip_ratio_c: float
+    """Dual-clip bound c (> 1, verl's clip_ratio_c): a negative-advantage token's loss is at most -A c."""
+    entropy_coeff: float
+    """Entropy bonus (verl's entropy_coeff): the loss minus this x the aggregated entropy of the policy."""
+    overlong_buffer_len: int
+    """DAPO's soft overlong punishment over the last N tokens of --max-new-tokens (0: off)."""
+    overlong_penalty_factor: float
+    """The punishment at --max-new-tokens (verl's overlong_buffer.penalty_factor)."""
+    overlong_filter: bool
+    """Truncated responses (no stop token) take no part in the loss (DAPO's overlong filtering)."""
     ppo_epochs: int
     ppo_mini_batches: int
     kl_coef: float
@@ -93,6 +103,42 @@ class RLConfig:
     @property
     def sequences_per_step(self) -> int:
         return self.prompts_per_step * self.group_size
+
+
+@dataclass(frozen=True)
+class RLRun:
+    """Pretraining's flags that the RL loop reads (the rest build the model and optimizer at setup)."""
+
+    seed: int
+    """--seed: initialisation, and (with the iteration and DP rank) each iteration's sampling seed."""
+    clip_grad: float
+    """--clip-grad: the global gradient-norm bound of every optimizer step."""
+    log_interval: int
+    """--log-interval: a progress line every N iterations."""
+    save: str | None
+    """--save: the run's checkpoint directory (also where it resumes from)."""
+    save_interval: int | None
+    """--save-interval: a checkpoint every N iterations."""
+    save_retain: int | None
+    """--save-retain: how many checkpoints to keep."""
+    exit_interval: int | None
+    """--exit-interval: stop (and save) after every N iterations."""
+    load: str | None
+    """--load: the starting policy (or an RL checkpoint to resume)."""
+    ckpt_step: int | None
+    """--ckpt-step: the iteration of --load to read (default: its latest)."""
+    tensor_model_parallel_size: int
+    seq_length: int
+    tensorboard_dir: str | None
+    precision: str
+    lr: float
+
+
+def rl_run(args) -> RLRun:
+    """The :class:`RLRun` of a validated Namespace."""
+    return RLRun(args.seed, args.clip_grad, args.log_interval, args.save, args.save_interval, args.save_retain,
+                 args.exit_interval, args.load, args.ckpt_step, args.tensor_model_parallel_size, args.seq_length,
+                 args.tensorboard_dir, args.precision, args.lr)
 
 
 def add_rl_arguments(p: argparse.ArgumentParser) -> None:
@@ -123,6 +169,19 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
         help="default: token-mean (grpo), seq-mean-token-sum-norm (dr_grpo)")
     add("--clip-ratio-low", type=float, default=0.2, help="PPO clip: ratio >= 1 - this")
     add("--clip-ratio-high", type=float, default=0.2, help="PPO clip: ratio <= 1 + this")
+    add("--clip-ratio-c", type=float, default=3.0,
+        help="dual-clip PPO bound (> 1; verl's clip_ratio_c): a token with a negative advantage loses at most "
+        "-A x this")
+    add("--entropy-coeff", type=float, default=0.0,
+        help="entropy bonus (verl's entropy_coeff): loss -= this x the entropy of the sampling distribution, "
+        "aggregated as --loss-agg-mode")
+    add("--overlong-buffer-len", type=int, default=0, metavar="N",
+        help="DAPO's overlong penalty (verl's reward_model.overlong_buffer.len): a response longer than "
+        "--max-new-tokens - N loses up to --overlong-penalty-factor of reward, linearly (0: off)")
+    add("--overlong-penalty-factor", type=float, default=1.0,
+        help="the overlong penalty at --max-new-tokens (verl's overlong_buffer.penalty_factor)")
+    add("--overlong-filter", action=argparse.BooleanOptionalAction, default=False,
+        help="DAPO's overlong filtering: responses cut at --max-new-tokens (no stop token) get no loss")
     add("--ppo-epochs", type=int, default=1, help="passes over each iteration's rollouts")
     add("--ppo-mini-batches", type=int, default=1, help="optimizer steps per pass (the batch split by prompts)")
     add("--kl-coef", type=float, default=0.0, help="KL penalty to the starting policy (0: no reference model)")
@@ -132,8 +191,12 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
         help="trainer/rollout mismatch correction: tis (truncated IS), mis (masked IS / IcePop), seq_tis, "
         "seq_mis, geo_mis (geometric-mean sequence rejection)")
     add("--rollout-is-threshold", type=float, default=None, help="IS weight cap (tis, seq_tis; default as verl)")
-    add("--rollout-rs-threshold", type=float, default=None, help="rejection upper bound (mis, seq_mis, geo_mis)")
-    add("--rollout-rs-threshold-lower", type=float, default=None, help="rejection lower bound")
+    add("--rollout-rs-threshold", default=None, metavar="U|LOWER_UPPER",
+        help="rejection bound (mis, seq_mis, geo_mis): U keeps rho = pi_trainer / pi_rollout in [1/U, U] "
+        "(or [--rollout-rs-threshold-lower, U]); verl's LOWER_UPPER bounds pi_rollout / pi_trainer, so "
+        "0.8_2.0 keeps rho in [0.5, 1.25]")
+    add("--rollout-rs-threshold-lower", type=float, default=None,
+        help="rejection lower bound on rho = pi_trainer / pi_rollout (default 1 / U)")
     add("--rollout-qat", choices=QAT_MODES, default="none",
         help="rollout-guided QAT (pretrain/rl/qat.py): none; rtn: the trainer's forward fake-quantizes as the "
         "rollout plan; replay: as rtn, replaying the rollout's recorded rounding")
@@ -234,6 +297,13 @@ def _positive_rl(args) -> None:
         raise ConfigError(f"--top-p {args.top_p}: must be in (0, 1]")
     if args.clip_ratio_low >= 1:
         raise ConfigError(f"--clip-ratio-low {args.clip_ratio_low}: must be < 1 (the ratio's lower clip is 1 - it)")
+    if not args.clip_ratio_c > 1:
+        raise ConfigError(f"--clip-ratio-c {args.clip_ratio_c}: the dual-clip bound must be > 1 (verl's default 3.0)")
+    if not 0 <= args.overlong_buffer_len <= args.max_new_tokens:
+        raise ConfigError(f"--overlong-buffer-len {args.overlong_buffer_len}: must be in [0, --max-new-tokens "
+                          f"{args.max_new_tokens}] (0: no overlong penalty)")
+    if args.overlong_penalty_factor < 0:
+        raise ConfigError(f"--overlong-penalty-factor {args.overlong_penalty_factor}: must be >= 0")
 
 
 def rl_config(args, dp_size: int) -> RLConfig:
@@ -292,7 +362,9 @@ def rl_config(args, dp_size: int) -> RLConfig:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         rollout_precision=args.rollout_precision, rollout_precision_rules=tuple(args.rollout_precision_rule),
         advantage_estimator=args.advantage_estimator, loss_agg_mode=agg, clip_ratio_low=args.clip_ratio_low,
-        clip_ratio_high=args.clip_ratio_high, ppo_epochs=args.ppo_epochs, ppo_mini_batches=args.ppo_mini_batches,
+        clip_ratio_high=args.clip_ratio_high, clip_ratio_c=args.clip_ratio_c, entropy_coeff=args.entropy_coeff,
+        overlong_buffer_len=args.overlong_buffer_len, overlong_penalty_factor=args.overlong_penalty_factor,
+        overlong_filter=args.overlong_filter, ppo_epochs=args.ppo_epochs, ppo_mini_batches=args.ppo_mini_batches,
         kl_coef=args.kl_coef, kl_type=args.kl_type, correction=corr, rollout_qat=args.rollout_qat,
         rollout_qat_layers=tuple(args.rollout_qat_layers or ("all",)), rollout_qat_kv=args.rollout_qat_kv,
         rollout_fallback=args.rollout_fallback, reward_function=args.reward_function,

@@ -4,34 +4,31 @@
         --precision wgrad_hadamard --rollout-precision mxfp4 --rollout-correction tis \\
         --rl-iters 100 --save runs/rl --tensorboard-dir runs/rl/tb
 
-One iteration (every rank; ``RLTrainer.step``)::
+One iteration (every rank; ``RLTrainer.step``): rollout (``pretrain.rl.rollout``) -> score
+(``pretrain.rl.score``) -> update (``pretrain.rl.update``) -> refresh and fallback::
 
     problems   pretrain.rl.task.train_problems(spec, iteration, prompts/DP, rank_offset=DP rank * that):
                a pure function of (task seed, iteration, index) -- resuming needs no data state
     rollout    model.generate.Engine under the rollout plan (model.rollout: packed weights, KV format),
                G responses per prompt (rows p0 x G, p1 x G, ...), sampled with a generator seeded from
                (--seed, iteration, DP rank); stop at the tokenizer's end-of-document id
-    reward     pretrain.rl.task.reward of each response's text
+    reward     pretrain.rl.task.reward of each response's text (+ DAPO's --overlong-buffer-len penalty)
     advantage  pretrain.rl.objective.group_advantages (grpo | dr_grpo) within each prompt's group
-    recompute  the trainer's log-probs of the sampled tokens under --precision (no grad; inside the
-               rollout-guided QAT forward of pretrain.rl.qat), and the reference policy's (--kl-coef)
-    mismatch   pretrain.rl.mismatch.mismatch_metrics(trainer, rollout) over the global batch
+    recompute  the trainer's log-probs of the sampled tokens under --precision, of the distribution the
+               engine sampled from (temperature, top-k, top-p; no grad; inside the rollout-guided QAT
+               forward of pretrain.rl.qat, and then once more without it), the reference's (--kl-coef)
+    mismatch   pretrain.rl.mismatch.mismatch_metrics(trainer's own numerics, rollout), global batch
     correct    pretrain.rl.objective.rollout_correction: IS weights and rejection mask (--rollout-correction)
-    update     --ppo-epochs x --ppo-mini-batches optimizer steps: clipped surrogate (policy_loss) + KL,
-               backward through the trainer's per-GEMM plan, gradients summed over data-parallel ranks,
-               clipped (--clip-grad), lr from the schedule, AdamW (FP32 mains with --bf16)
+    update     --ppo-epochs x --ppo-mini-batches optimizer steps: clipped surrogate (policy_loss,
+               --clip-ratio-c) - --entropy-coeff x entropy + KL, backward through the trainer's per-GEMM
+               plan, gradients summed over data-parallel ranks, clipped (--clip-grad), lr from the
+               schedule, AdamW (FP32 mains with --bf16)
     refresh    RolloutModel.update(): the engine's packed weights requantized from the new policy
     fallback   --rollout-fallback: if the metric crossed its threshold, the layers with the largest
                attributed mismatch go back to BF16/FP8 rollouts (pretrain.rl.fallback)
 
-Normalisation: every loss is normalised by the global mini-batch -- its token count (token-mean)
-or sequence count (seq-mean-*) summed over data-parallel ranks -- and each rank's gradient is
-summed over data parallelism, so how the batch is split over ranks does not change the update.
+The loop reads the typed ``RLConfig`` and ``RLRun`` (``pretrain.rl.arguments``), never the Namespace.
 
-Log-probs: one forward of each right-padded row ``prompt + response`` (``pretrain.rl.attribution.sequences``'s
-layout; the positions and visible tokens the engine had), the logits of this rank's vocabulary shard
-divided by ``--temperature``, megatron's vocabulary padding masked out (the engine never samples it),
-and megatron's ``vocab_parallel_cross_entropy`` -- differentiable and exact under TP.
 Held-out accuracy: greedy generation on the task's held-out problems with the trainer's own numerics
 (``Engine`` without a rollout plan, the policy under --precision), the same for every rollout plan;
 and under the rollout plan (how the rollout engine serves the policy).
@@ -45,8 +42,10 @@ and starts at iteration 0. If ``--save`` already holds an RL checkpoint, the run
 
 TensorBoard (rank 0; step = iteration): ``rl/reward_mean``, ``rl/heldout_accuracy``,
 ``rl/heldout_accuracy_rollout`` (the same under the rollout plan), ``rl/response_length``, ``rl/entropy``, ``rl/kl_ref`` (with --kl-coef), ``rl/pg_loss``,
-``rl/clipfrac``, ``rl/ppo_kl``, ``rl/grad_norm``, ``rl/lr``, ``mismatch/<key>`` for every key of
-``mismatch_metrics`` (the part after ``rollout_corr/`` or ``training/``, e.g. ``mismatch/k3_kl``),
+``rl/clipfrac``, ``rl/ppo_kl``, ``rl/grad_norm``, ``rl/lr``, ``rl/truncated_fraction``, ``rl/entropy_loss``
+(with --entropy-coeff), ``mismatch/<key>`` for every key of ``mismatch_metrics`` (the part after
+``rollout_corr/`` or ``training/``, e.g. ``mismatch/k3_kl``; the rollout against the trainer's own
+numerics), ``mismatch/ess_raw``, ``mismatch/outside_support_fraction``, ``qat/k3_kl`` (--rollout-qat),
 ``correction/<metric>`` (``ess``, ``masked_fraction``, ``is_weight_mean``, ...),
 ``rollout/tokens_per_sec``, ``rollout/kv_bytes_per_token``, ``rollout/packed_weight_bytes``,
 ``rollout/peak_memory_bytes`` (CUDA's peak, else the engine's KV-cache + packed weights),
@@ -62,15 +61,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from pretrain.arguments import ConfigError
+from pretrain.rl import rollout as rollout_side
+from pretrain.rl.score import policy_logprobs, score
+from pretrain.rl.update import update
 from pretrain.train import build_model, init_distributed, is_rank0, rank0_print
 
 __all__ = ["SUMMARY_FILE", "RLTrainer", "policy_logprobs", "setup", "train"]
@@ -78,92 +82,11 @@ __all__ = ["SUMMARY_FILE", "RLTrainer", "policy_logprobs", "setup", "train"]
 SUMMARY_FILE = "rl_summary.json"
 
 
-# ================================================================================================
-# Log-probs of sampled tokens (differentiable, TP-exact)
-# ================================================================================================
-
-
-def policy_logprobs(model, tokens: torch.Tensor, valid: torch.Tensor, slot: torch.Tensor, response_ids: torch.Tensor,
-                    *, vocab_size: int, temperature: float = 1.0,
-                    entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(logprobs [b, R], entropy [b, R] or None)`` of ``response_ids`` at ``slot`` (the layout of
-    ``pretrain.rl.attribution.sequences``): one forward of the model (its own plan), logits of this
-    rank's vocabulary shard over ``temperature``, ids ``>= vocab_size`` (megatron's padding) masked.
-    Differentiable (megatron's ``vocab_parallel_cross_entropy``); ``entropy`` (no grad) all-gathers
-    the logits over TP."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    from model.generate import attention_mask
-
-    positions = (valid.long().cumsum(1) - 1).clamp(min=0)
-    logits = model(tokens, positions, attention_mask(valid, tokens.shape[1]))  # [b, s, V / tp]
-    rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
-    logits = logits[rows, (slot - 1).clamp(min=0)].float() / temperature  # [b, R, V / tp]: predicts response j
-    shard = logits.shape[-1]
-    start = parallel_state.get_tensor_model_parallel_rank() * shard
-    padded = torch.arange(start, start + shard, device=logits.device) >= vocab_size
-    if bool(padded.any()):
-        logits = logits.masked_fill(padded, float("-inf"))
-    ent = None
-    if entropy:  # first: megatron's vocab_parallel_cross_entropy overwrites its input logits in place
-        from pretrain.rl.objective import entropy_from_logits
-
-        with torch.no_grad():
-            full = logits.detach()
-            group = parallel_state.get_tensor_model_parallel_group()
-            if group.size() > 1:
-                parts = [torch.empty_like(full) for _ in range(group.size())]
-                torch.distributed.all_gather(parts, full.contiguous(), group=group)
-                full = torch.cat(parts, -1)
-            ent = entropy_from_logits(full[..., :vocab_size])
-    lp = -vocab_parallel_cross_entropy(logits, response_ids)
-    return lp, ent
-
-
-# ================================================================================================
-# Distributed helpers
-# ================================================================================================
-
-
-def _dp_group():
-    from megatron.core import parallel_state
-
-    return parallel_state.get_data_parallel_group()
-
-
-def _dp_gather(obj) -> list:
-    group = _dp_group()
-    if group.size() == 1:
-        return [obj]
-    out = [None] * group.size()
-    torch.distributed.all_gather_object(out, obj, group=group)
-    return out
-
-
-def _dp_sum_(t: torch.Tensor) -> torch.Tensor:
-    group = _dp_group()
-    if group.size() > 1:
-        torch.distributed.all_reduce(t, group=group)
-    return t
-
-
-def _pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Rows of ``[b_i, T_i]`` tensors, right-padded with 0 to one width."""
-    width = max(t.shape[1] for t in tensors)
-    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors])
-
-
-# ================================================================================================
-# The trainer
-# ================================================================================================
-
-
 @dataclass
 class RLTrainer:
     """Everything one rank trains with; ``iteration`` is the number of RL iterations done."""
 
-    args: object  # argparse.Namespace: pretraining's flags (model, precision, optimizer, checkpoints)
+    run: object  # pretrain.rl.arguments.RLRun: pretraining's flags the loop reads
     cfg: object  # pretrain.rl.arguments.RLConfig
     spec: object  # pretrain.rl.task.TaskSpec
     model: torch.nn.Module
@@ -175,6 +98,7 @@ class RLTrainer:
     tokenizer: object
     device: torch.device
     vocab_size: int  # the tokenizer's
+    flags: dict = field(default_factory=dict)  # every flag's value, as checkpoints and rl_summary.json record them
     fallback: object = None  # pretrain.rl.fallback.RolloutFallback
     ref_state: dict | None = None  # the reference policy's parameters (--kl-coef)
     iteration: int = 0
@@ -188,49 +112,13 @@ class RLTrainer:
     qat: object = None
     reward_fn: object = None  # (problem, response text, spec) -> float; None: pretrain.rl.task.reward
 
-    # ---------------------------------------------------------------- rollout side
-    @property
-    def names(self) -> list[str]:
-        from model.gpt import policy_linear_names
-
-        return policy_linear_names(self.model)
-
-    def rollout_rules(self) -> list[str]:
-        """The user's --rollout-precision-rule values, then the fallback's (``layers:I-I=bf16``; first match wins,
-        so a layer a user rule sets stays the user's -- the fallback's attribution skips it alike)."""
-        extra = self.fallback.rollout_rules() if self.fallback is not None else []
-        return list(self.cfg.rollout_precision_rules) + [r for r in extra if r not in self.cfg.rollout_precision_rules]
-
+    # ---------------------------------------------------------------- the pieces the sides use
     def build_rollout(self) -> None:
-        """The rollout plan over the model's linears, its packed weights, the QAT view and the engine;
-        a plan the model cannot take is one line naming the flag."""
-        from model.generate import Engine
-        from model.rollout import RolloutModel
-        from model.rollout_plan import resolve_rollout_plan
+        rollout_side.build_rollout(self)
 
-        c = self.model_config
-        try:
-            plan = resolve_rollout_plan(self.cfg.rollout_precision, self.rollout_rules(), self.names,
-                                        c.num_layers, c.hidden_size // c.num_attention_heads)
-            rollout = RolloutModel(self.model, plan)
-        except ValueError as e:
-            msg = str(e)
-            raise ConfigError(msg if msg.startswith("--rollout") else f"--rollout-precision "
-                              f"{self.cfg.rollout_precision}: {msg}") from None
-        rollout.update()
-        if self.qat is None:
-            from pretrain.rl.qat import RolloutQAT
-
-            try:
-                self.qat = RolloutQAT(self.model, plan, self.cfg.rollout_qat, replay_layers=self.cfg.rollout_qat_layers,
-                                      kv=self.cfg.rollout_qat_kv)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-        else:
-            self.qat.update_plan(plan)
-        self.rollout_plan, self.rollout = plan, rollout
-        self.engine = Engine(self.model, vocab_size=self.vocab_size, rollout=rollout,
-                             record_layers=self.qat.record_layers or ())
+    def generate(self, iteration: int):
+        """This rank's prompts, G responses each; returns (problems, generation, seconds)."""
+        return rollout_side.generate(self, iteration)
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """A prompt's token ids: its text tokenized (as ``launch/rl_task.py --evaluate`` prompts the
@@ -240,28 +128,6 @@ class RLTrainer:
     def response_text(self, ids: list[int]) -> str:
         return self.tokenizer.detokenize([t for t in ids if t != self.tokenizer.eod])
 
-    def sampling(self, seed: int, greedy: bool = False):
-        from model.generate import SamplingParams
-
-        c = self.cfg
-        if greedy:
-            return SamplingParams(temperature=0.0, max_new_tokens=c.max_new_tokens, stop_tokens=(self.tokenizer.eod,))
-        return SamplingParams(temperature=c.temperature, top_k=c.top_k, top_p=c.top_p, max_new_tokens=c.max_new_tokens,
-                              stop_tokens=(self.tokenizer.eod,), seed=seed)
-
-    def sampling_seed(self, iteration: int) -> int:
-        from megatron.core import parallel_state
-
-        return (self.args.seed * 1_000_003 + iteration * 7_919 + parallel_state.get_data_parallel_rank()) % 2**62
-
-    def _check_prompts(self, prompts: list[list[int]]) -> None:
-        longest = max(len(p) for p in prompts)
-        if longest > self.cfg.max_prompt_tokens:
-            raise ConfigError(f"--seq-length {self.args.seq_length}: a prompt of {longest} tokens + --max-new-tokens "
-                              f"{self.cfg.max_new_tokens} exceeds it; raise --seq-length (at most the model's "
-                              f"positions) or lower --max-new-tokens")
-
-    # ---------------------------------------------------------------- parameters
     def parameters(self) -> list[torch.nn.Parameter]:
         """What the optimizer steps: the FP32 mains with --bf16, else the model's parameters."""
         return self.main.parameters() if self.main is not None else [p for p in self.model.parameters()
@@ -288,203 +154,38 @@ class RLTrainer:
         return self.qat.trainer_forward(records, kv_amax=self.rollout.kv_amax)
 
     # ---------------------------------------------------------------- one iteration
-    def generate(self, iteration: int):
-        """This rank's prompts, G responses each; returns (problems, generation, seconds)."""
-        from pretrain.rl.task import train_problems
-
-        dp_rank, dp = self.dp
-        n = self.cfg.prompts_per_step // dp
-        problems = train_problems(self.spec, iteration, n, rank_offset=dp_rank * n)
-        prompts = [self.prompt_ids(p.prompt) for p in problems for _ in range(self.cfg.group_size)]
-        self._check_prompts(prompts)
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        gen = self.engine.generate(prompts, self.sampling(self.sampling_seed(iteration)))
-        return problems, gen, time.perf_counter() - t0
-
-    @property
-    def dp(self) -> tuple[int, int]:
-        from megatron.core import parallel_state
-
-        return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-
     def step(self) -> dict:
-        """One RL iteration (module docstring); returns its scalars (the same on every rank)."""
-        from megatron.core import parallel_state
-
-        from model.gpt import allreduce_tp_partial_grads, policy_linears
-        from pretrain.optim import clip_grad_norm
-        from pretrain.rl.attribution import sequences
-        from pretrain.rl.mismatch import mismatch_metrics
-        from pretrain.rl.objective import (
-            agg_loss,
-            group_advantages,
-            kl_penalty,
-            policy_loss,
-            rollout_correction,
-        )
-        from pretrain.rl.task import reward
-
-        c, a = self.cfg, self.args
+        """One RL iteration: rollout -> score -> update -> refresh (module docstring); returns its
+        scalars (the same on every rank)."""
         t_start = time.perf_counter()
         problems, gen, gen_seconds = self.generate(self.iteration)
-        batch = gen.rollout_batch()
-        G = c.group_size
-        reward = self.reward_fn or reward
-        rewards = torch.tensor([reward(problems[i // G], self.response_text(toks), self.spec)
-                                for i, toks in enumerate(gen.tokens)], dtype=torch.float32)
-        advantages = group_advantages(rewards, G, c.advantage_estimator)
-        tokens, valid, slot = sequences(batch)
-        tokens, valid, slot = tokens.to(self.device), valid.to(self.device), slot.to(self.device)
-        response_ids = batch.response_ids.to(self.device)
-        mask = batch.response_mask.to(self.device)
-        rollout_lp = batch.rollout_logprobs.to(self.device)
-
-        # === recompute: the trainer's log-probs (and the reference's) of the sampled tokens ===
-        self.model.train()
-        with torch.no_grad():
-            with self.qat_forward(batch.records):
-                old_lp, entropy = policy_logprobs(self.model, tokens, valid, slot, response_ids,
-                                                  vocab_size=self.vocab_size, temperature=c.temperature, entropy=True)
-            ref_lp = None
-            if c.kl_coef > 0:
-                with self.reference_weights():
-                    ref_lp, _ = policy_logprobs(self.model, tokens, valid, slot, response_ids,
-                                                vocab_size=self.vocab_size, temperature=c.temperature)
-        old_lp, entropy = old_lp.masked_fill(~mask, 0.0), entropy.masked_fill(~mask, 0.0)
-        corr = rollout_correction(old_lp, rollout_lp.masked_fill(~mask, 0.0), mask, c.correction)
-
-        # === global (all data-parallel ranks) views for metrics ===
-        parts = _dp_gather({k: v.detach().cpu() for k, v in (
-            ("old", old_lp), ("rollout", rollout_lp), ("mask", mask), ("entropy", entropy), ("rewards", rewards),
-            ("weights", corr.weights), ("cmask", corr.mask))})
-        g_old, g_roll, g_mask = (_pad_cat([p[k] for p in parts]) for k in ("old", "rollout", "mask"))
-        g_mask = g_mask.bool()
-        g_rewards = torch.cat([p["rewards"] for p in parts])
-        metrics = mismatch_metrics(g_old, g_roll, g_mask)
-        g_corr = rollout_correction(g_old, g_roll.masked_fill(~g_mask, 0.0), g_mask, c.correction)
-
-        # === update: ppo_epochs x ppo_mini_batches optimizer steps ===
-        n_local = len(problems)
-        per_mb = n_local // c.ppo_mini_batches
-        pg_losses, clipfracs, ppo_kls, norms, kl_refs, lrs = [], [], [], [], [], []
-        params = self.parameters()
-        tp_group = parallel_state.get_tensor_model_parallel_group()
-        for _epoch in range(c.ppo_epochs):
-            for m in range(c.ppo_mini_batches):
-                rows = list(range(m * per_mb * G, (m + 1) * per_mb * G))
-                idx = torch.tensor(rows, device=self.device)
-                mb_mask = corr.mask[idx].to(self.device)
-                counts = _dp_sum_(torch.tensor([float(mb_mask.sum()), float(len(rows))], dtype=torch.float64))
-                norm_kw = {"global_tokens": counts[0].item(), "global_seqs": counts[1].item(),
-                           "norm_length": c.max_new_tokens}
-                self.optimizer.zero_grad(set_to_none=True)
-                with self.qat_forward(batch.records, rows):
-                    lp, _ = policy_logprobs(self.model, tokens[idx], valid[idx], slot[idx], response_ids[idx],
-                                            vocab_size=self.vocab_size, temperature=c.temperature)
-                    loss, pg_m = policy_loss(lp, old_lp[idx], advantages[idx].to(self.device), mb_mask,
-                                             clip_ratio_low=c.clip_ratio_low, clip_ratio_high=c.clip_ratio_high,
-                                             is_weights=corr.weights[idx].to(self.device),
-                                             loss_agg_mode=c.loss_agg_mode, **norm_kw)
-                    pg_losses.append(float(loss.detach()))
-                    if ref_lp is not None:
-                        kl = agg_loss(kl_penalty(lp, ref_lp[idx], c.kl_type), mb_mask, c.loss_agg_mode, **norm_kw)
-                        kl_refs.append(float(kl.detach()))
-                        loss = loss + c.kl_coef * kl
-                    loss.backward()
-                clipfracs.append(pg_m.get("clipfrac", 0.0))
-                ppo_kls.append(pg_m.get("ppo_kl", 0.0))
-                for p in params:  # sum over data-parallel ranks: each rank's loss is its share of the global one
-                    if p.grad is not None:
-                        _dp_sum_(p.grad)
-                allreduce_tp_partial_grads(self.main if self.main is not None else self.model)
-                norms.append(float(clip_grad_norm(params, a.clip_grad, tp_group)))
-                lrs.append(self.schedule.step())
-                self.optimizer.step()
-                if self.main is not None:
-                    self.main.copy_to_model()
-                for _, lin in policy_linears(self.model):  # delayed-scaling histories take this step's amax
-                    lin.quant_state.end_step()
-        self.optimizer.zero_grad(set_to_none=True)
+        scored = score(self, problems, gen)
+        scalars = update(self, scored)
         self.iteration += 1
 
         # === refresh the rollout's packed weights; the fallback check ===
-        memory = self.rollout_memory(batch)
+        memory = rollout_side.rollout_memory(self, scored.batch)
         self.rollout.update()
-        moved = []
-        if self.fallback is not None:
-            moved = self.fallback_check(metrics, batch)
-
-        # losses: each rank's is its share of the global mini-batch loss
-        sums = _dp_sum_(torch.tensor([sum(pg_losses), sum(kl_refs), sum(clipfracs), sum(ppo_kls)], dtype=torch.float64))
-        dp = self.dp[1]
-        n_steps = len(pg_losses)
-        gen_tokens = _dp_sum_(torch.tensor([float(batch.response_mask.sum()), gen_seconds], dtype=torch.float64))
-        slowest = torch.tensor([gen_seconds], dtype=torch.float64)
-        if _dp_group().size() > 1:
-            torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX, group=_dp_group())
-        lengths = g_mask.sum(1).double()
+        moved = rollout_side.fallback_check(self, scored.mismatch, scored.batch) if self.fallback is not None else []
+        timing = torch.tensor([float(scored.batch.response_mask.sum()), gen_seconds, gen_seconds], dtype=torch.float64)
+        group = _dp_group()
+        if group.size() > 1:
+            torch.distributed.all_reduce(timing[:2], group=group)
+            slowest = timing[2:].clone()
+            torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX, group=group)
+            timing[2] = slowest[0]
         out = {
-            "rl/reward_mean": float(g_rewards.mean()),
-            "rl/response_length": float(lengths.mean()),
-            "rl/entropy": float((_pad_cat([p["entropy"] for p in parts]) * g_mask).sum() / g_mask.sum()),
-            "rl/pg_loss": float(sums[0]) / n_steps,
-            "rl/clipfrac": float(sums[2]) / (n_steps * dp),
-            "rl/ppo_kl": float(sums[3]) / (n_steps * dp),
-            "rl/grad_norm": norms[-1],
-            "rl/lr": lrs[-1],
-            "rollout/tokens_per_sec": float(gen_tokens[0]) / max(float(slowest[0]), 1e-9),
+            **scored.scalars, **scalars,
+            "rollout/tokens_per_sec": float(timing[0]) / max(float(timing[2]), 1e-9),
             **{f"rollout/{k}": float(v) for k, v in memory.items()},
             "fallback/num_layers": float(len(self.fallback.moved)) if self.fallback is not None else 0.0,
             "time/seconds_per_iteration": time.perf_counter() - t_start,
-            "time/rollout_seconds": float(slowest[0]),
+            "time/rollout_seconds": float(timing[2]),
         }
-        if kl_refs:
-            out["rl/kl_ref"] = float(sums[1]) / n_steps
-        out.update({f"mismatch/{k.split('/', 1)[1]}": v for k, v in metrics.items()})
-        out.update({f"correction/{k}": float(v) for k, v in g_corr.metrics.items()})
         if moved:
             rank0_print(f"iteration {self.iteration}: --rollout-fallback moved {', '.join(moved)} to "
                         f"{self.fallback.to} rollouts")
         return out
-
-    def rollout_memory(self, batch) -> dict[str, float]:
-        """The rollout's memory, the whole model's (summed over TP ranks): KV-cache bytes per token,
-        packed linear weights, and the peak -- CUDA's peak while generating (each rank's, summed),
-        else the engine's KV-cache of the batch (every slot of every row) plus every parameter's bytes
-        (packed linears, embeddings and norms at their dtype)."""
-        from megatron.core import parallel_state
-
-        w = self.rollout.weight_bytes()
-        slots = int(batch.prompt_mask.shape[0] * (batch.prompt_mask.shape[1] + batch.response_mask.shape[1]))
-        kv = self.engine.kv_bytes_per_token()
-        peak = float(torch.cuda.max_memory_allocated()) if self.device.type == "cuda" else kv * slots + sum(w.values())
-        numbers = torch.tensor([kv, float(w["packed_linears"]), peak], dtype=torch.float64)
-        group = parallel_state.get_tensor_model_parallel_group()
-        if group.size() > 1:
-            torch.distributed.all_reduce(numbers, group=group)
-        return {"kv_bytes_per_token": float(numbers[0]), "packed_weight_bytes": float(numbers[1]),
-                "peak_memory_bytes": float(numbers[2])}
-
-    def fallback_check(self, metrics: dict, batch) -> list[str]:
-        """--rollout-fallback on the step's global metrics: rank 0's choice (every rank attributes its
-        own batch, so TP collectives stay matched), then the new rollout plan on every rank. The
-        attribution re-scores the batch with the updated policy on both sides (trainer and rollout
-        plans), the weights the next rollout will use."""
-        if not self.fallback.triggered(metrics):
-            return []
-        moved = self.fallback.choose(self.model, batch, vocab_size=self.vocab_size, rollout=self.cfg.rollout_precision,
-                                     rules=list(self.cfg.rollout_precision_rules), iteration=self.iteration,
-                                     temperature=self.cfg.temperature)
-        if torch.distributed.get_world_size() > 1:
-            state = [self.fallback.state_dict()]
-            torch.distributed.broadcast_object_list(state, src=0)
-            self.fallback.load_state_dict(state[0])
-            moved = self.fallback.events[-1]["moved"] if self.fallback.events else []
-        if moved:
-            self.build_rollout()
-        return list(moved)
 
     # ---------------------------------------------------------------- evaluation
     def evaluate(self) -> float:
@@ -496,13 +197,13 @@ class RLTrainer:
         from pretrain.rl.task import eval_problems, reward
 
         problems = eval_problems(self.spec)[: self.cfg.eval_prompts]
-        dp_rank, dp = self.dp
+        dp_rank, dp = rollout_side.dp_rank_size()
         mine = problems[dp_rank::dp]
         correct = [0.0, 0.0]
         if mine:
             prompts = [self.prompt_ids(p.prompt) for p in mine]
             for k, engine in enumerate((Engine(self.model, vocab_size=self.vocab_size), self.engine)):
-                gen = engine.generate(prompts, self.sampling(0, greedy=True))
+                gen = engine.generate(prompts, rollout_side.sampling(self, 0, greedy=True))
                 correct[k] = sum(reward(p, self.response_text(t), self.spec) == 1.0 for p, t in zip(mine, gen.tokens))
         total = _dp_sum_(torch.tensor(correct, dtype=torch.float64)) / len(problems)
         acc, acc_rollout = float(total[0]), float(total[1])
@@ -530,7 +231,7 @@ class RLTrainer:
             "precision_plan": self.plan.to_dict(),
             "model_config": dataclasses.asdict(self.model_config),
             "tokenizer_model": getattr(self.tokenizer, "path", None),
-            "args": dict(vars(self.args)),
+            "args": dict(self.flags),
             "rl": {
                 "iteration": self.iteration,
                 "history": self.history,
@@ -540,7 +241,7 @@ class RLTrainer:
                 "reference_model": self.ref_state,
             },
         }
-        path = save_checkpoint(self.args.save, self.iteration, state, retain=self.args.save_retain)
+        path = save_checkpoint(self.run.save, self.iteration, state, retain=self.run.save_retain)
         rank0_print(f"saved checkpoint {path} ({time.perf_counter() - t0:.1f}s)")
         self.last_saved = self.iteration
         return path
@@ -550,7 +251,7 @@ class RLTrainer:
         from ``--load`` (weights only, iteration 0), else keep the random initialisation."""
         from pretrain.checkpointing import TRACKER, CheckpointError, load_checkpoint, restore_rng_state
 
-        a = self.args
+        a = self.run
         source = None
         for d in (a.save, a.load):
             if d and os.path.isfile(os.path.join(d, TRACKER)):
@@ -599,7 +300,7 @@ class RLTrainer:
         if self.tb is not None:
             for tag, value in scalars.items():
                 self.tb.add_scalar(tag, value, self.iteration)
-        if self.iteration % self.args.log_interval == 0 or self.iteration == self.cfg.rl_iters:
+        if self.iteration % self.run.log_interval == 0 or self.iteration == self.cfg.rl_iters:
             acc = (f"{self.evals[-1][1]:.3f} (rollout plan {self.evals[-1][2]:.3f}, it {self.evals[-1][0]})"
                    if self.evals else "-")
             width = len(str(self.cfg.rl_iters))
@@ -642,19 +343,32 @@ class RLTrainer:
             "fallback": {"moved": list(self.fallback.moved), "events": self.fallback.events}
             if self.fallback is not None else None,
             "rollout_plan": self.rollout_plan.to_dict(),
-            "args": {k: v for k, v in vars(self.args).items()},
+            "args": dict(self.flags),
         }
 
     def write_summary(self) -> str | None:
-        if not (self.args.save and is_rank0()):
+        if not (self.run.save and is_rank0()):
             return None
-        os.makedirs(self.args.save, exist_ok=True)
-        path = os.path.join(self.args.save, SUMMARY_FILE)
+        os.makedirs(self.run.save, exist_ok=True)
+        path = os.path.join(self.run.save, SUMMARY_FILE)
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(self.summary(), f, indent=1, default=str)
         os.replace(tmp, path)
         return path
+
+
+def _dp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_group()
+
+
+def _dp_sum_(t: torch.Tensor) -> torch.Tensor:
+    group = _dp_group()
+    if group.size() > 1:
+        torch.distributed.all_reduce(t, group=group)
+    return t
 
 
 # ================================================================================================
@@ -726,8 +440,11 @@ def setup(args, cfg) -> RLTrainer:
             module.gemm_backend = "emulated"
     main = MainParams(model) if args.bf16 else None
     optimizer = build_optimizer(model, args, main)
-    trainer = RLTrainer(args, cfg, load_task(cfg.task), model, main, optimizer, LRSchedule.from_args(optimizer, args),
-                        plan, model_config(args, vocab), tokenizer, device, tokenizer.vocab_size)
+    from pretrain.rl.arguments import rl_run
+
+    trainer = RLTrainer(rl_run(args), cfg, load_task(cfg.task), model, main, optimizer,
+                        LRSchedule.from_args(optimizer, args), plan, model_config(args, vocab), tokenizer, device,
+                        tokenizer.vocab_size, flags=dict(vars(args)))
     if cfg.reward_function:
         trainer.reward_fn = load_reward_function(cfg.reward_function)
     if cfg.rollout_fallback:
@@ -756,7 +473,7 @@ def setup(args, cfg) -> RLTrainer:
 
 def train(trainer: RLTrainer, sigterm) -> int:
     """The loop; returns the exit status (0)."""
-    c, a = trainer.cfg, trainer.args
+    c, a = trainer.cfg, trainer.run
     if trainer.iteration == 0:
         trainer.evaluate()
         _, acc, acc_rollout = trainer.evals[-1]
@@ -789,6 +506,26 @@ def train(trainer: RLTrainer, sigterm) -> int:
     return 0
 
 
+def _refuse(message: str, status: int):
+    """``rl.py: error: message`` once (rank 0), then exit with ``status`` on every rank; the ranks
+    meet first (pretraining's error group), so no exit lets torchrun kill rank 0 before its line."""
+    import pretrain.train as pt
+    from pretrain.rl.arguments import PROG
+
+    initialized = torch.distributed.is_initialized()
+    rank = torch.distributed.get_rank() if initialized else int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    group = getattr(pt, "_error_group", None)
+    if initialized and torch.distributed.get_world_size() > 1 and group is not None:
+        try:
+            torch.distributed.monitored_barrier(group, timeout=datetime.timedelta(seconds=pt.ERROR_WAIT_S))
+        except RuntimeError:  # some rank never came: rank 0 may not have printed
+            if rank != 0:
+                print(f"{PROG}: error: {message} (rank {rank})", file=sys.stderr, flush=True)
+    sys.exit(status)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``launch/rl.py``: parse, validate, set up, train; exit status 0 done, 2 bad input, 4 a
     checkpoint could not be written (``pretrain.status``)."""
@@ -798,7 +535,6 @@ def main(argv: list[str] | None = None) -> int:
     from pretrain.rl.arguments import PROG, parse_rl_args
     from pretrain.status import EXIT_BAD_INPUT, EXIT_SAVE_FAILED
 
-    pt.PROG = PROG  # pretrain.train's one-line refusals name this program
     runtime.start(PROG)  # (launch/rl.py already did, before megatron was imported)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     problem = None
@@ -809,18 +545,18 @@ def main(argv: list[str] | None = None) -> int:
     if world > 1 and "RANK" in os.environ:
         problem = pt._agree_on_input(problem)
     if problem:
-        pt._refuse(problem, EXIT_BAD_INPUT)
+        _refuse(problem, EXIT_BAD_INPUT)
     sigterm = pt._SigtermFlag()
     trainer = None
     try:
         trainer = setup(args, cfg)
         status = train(trainer, sigterm)
     except (ConfigError, CheckpointError) as e:
-        pt._refuse(str(e), EXIT_BAD_INPUT)
+        _refuse(str(e), EXIT_BAD_INPUT)
     except CheckpointSaveError as e:
         if trainer is not None and trainer.tb is not None:
             trainer.tb.close()
-        pt._refuse(str(e), EXIT_SAVE_FAILED)
+        _refuse(str(e), EXIT_SAVE_FAILED)
     if trainer.tb is not None:
         trainer.tb.close()
     torch.distributed.barrier()

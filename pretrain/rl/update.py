@@ -1,0 +1,120 @@
+"""The update side of an RL iteration: ``--ppo-epochs`` x ``--ppo-mini-batches`` optimizer steps on
+the scored rollouts.
+
+    scalars = update(t, scored)   # t: pretrain.rl.trainer.RLTrainer, scored: pretrain.rl.score.Scored
+
+Each mini-batch (the batch split by prompts): the policy's log-probs over the recompute's support
+(``pretrain.rl.score``; inside the rollout-guided QAT forward with --rollout-qat), verl's clipped
+surrogate with dual clip (``--clip-ratio-low/high/c``) weighted by the rollout correction, minus
+``--entropy-coeff`` x the aggregated entropy, plus ``--kl-coef`` x the KL to the reference; backward
+through the trainer's per-GEMM plan; then :func:`optimizer_step`.
+
+Normalisation: every loss is normalised by the global mini-batch -- its token count (token-mean)
+or sequence count (seq-mean-*) summed over data-parallel ranks; seq-mean-token-sum-norm by
+``--max-new-tokens`` only (verl) -- and each rank's gradient is summed over data parallelism, so
+how the batch is split over ranks does not change the update.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["optimizer_step", "update"]
+
+
+def _dp_sum_(t: torch.Tensor) -> torch.Tensor:
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group()
+    if group.size() > 1:
+        torch.distributed.all_reduce(t, group=group)
+    return t
+
+
+def optimizer_step(t) -> tuple[float, float]:
+    """One optimizer step on the gradients of this rank's share of the loss: summed over
+    data-parallel ranks, TP-partial gradients summed, clipped by the global norm (``--clip-grad``),
+    the lr from the schedule, AdamW (FP32 mains copied back with --bf16), and every policy
+    linear's delayed-scaling history takes this step's amax. Returns (grad norm, lr)."""
+    from megatron.core import parallel_state
+
+    from model.gpt import allreduce_tp_partial_grads, policy_linears
+    from pretrain.optim import clip_grad_norm
+
+    params = t.parameters()
+    for p in params:  # each rank's loss is its share of the global one
+        if p.grad is not None:
+            _dp_sum_(p.grad)
+    allreduce_tp_partial_grads(t.main if t.main is not None else t.model)
+    norm = float(clip_grad_norm(params, t.run.clip_grad, parallel_state.get_tensor_model_parallel_group()))
+    lr = t.schedule.step()
+    t.optimizer.step()
+    if t.main is not None:
+        t.main.copy_to_model()
+    for _, lin in policy_linears(t.model):
+        lin.quant_state.end_step()
+    return norm, lr
+
+
+def update(t, s) -> dict[str, float]:
+    """The PPO passes over ``s`` (module docstring); returns their scalars (the same on every rank)."""
+    from pretrain.rl.objective import agg_loss, kl_penalty, policy_loss
+    from pretrain.rl.score import policy_logprobs
+
+    c, dev, G = t.cfg, t.device, t.cfg.group_size
+    n_local = s.advantages.numel() // G
+    per_mb = n_local // c.ppo_mini_batches
+    kw = {"vocab_size": t.vocab_size, "temperature": c.temperature}
+    pg, kl_refs, ents, clipfracs, ppo_kls, norms, lrs = [], [], [], [], [], [], []
+    for _epoch in range(c.ppo_epochs):
+        for m in range(c.ppo_mini_batches):
+            rows = list(range(m * per_mb * G, (m + 1) * per_mb * G))
+            idx = torch.tensor(rows, device=dev)
+            mb_mask = s.loss_mask[idx]
+            counts = _dp_sum_(torch.tensor([float(mb_mask.sum()), float(len(rows))], dtype=torch.float64))
+            norm_kw = {"global_tokens": counts[0].item(), "global_seqs": counts[1].item(),
+                       "norm_length": c.max_new_tokens}
+            t.optimizer.zero_grad(set_to_none=True)
+            with t.qat_forward(s.batch.records, rows):
+                lp, ent, _ = policy_logprobs(t.model, s.tokens[idx], s.valid[idx], s.slot[idx], s.response_ids[idx],
+                                             keep=None if s.keep is None else s.keep[idx],
+                                             entropy=c.entropy_coeff != 0, entropy_grad=c.entropy_coeff != 0, **kw)
+                lp = torch.where(mb_mask, lp, torch.zeros((), device=dev))
+                loss, pg_m = policy_loss(lp, s.old_lp[idx], s.advantages[idx].to(dev), mb_mask,
+                                         clip_ratio_low=c.clip_ratio_low, clip_ratio_high=c.clip_ratio_high,
+                                         clip_ratio_c=c.clip_ratio_c, is_weights=s.weights[idx].to(dev),
+                                         loss_agg_mode=c.loss_agg_mode, **norm_kw)
+                pg.append(float(loss.detach()))
+                if ent is not None:
+                    ent_loss = agg_loss(torch.where(mb_mask, ent, torch.zeros((), device=dev)), mb_mask,
+                                        c.loss_agg_mode, **norm_kw)
+                    ents.append(float(ent_loss.detach()))
+                    loss = loss - c.entropy_coeff * ent_loss
+                if s.ref_lp is not None:
+                    kl = agg_loss(kl_penalty(lp, s.ref_lp[idx], c.kl_type), mb_mask, c.loss_agg_mode, **norm_kw)
+                    kl_refs.append(float(kl.detach()))
+                    loss = loss + c.kl_coef * kl
+                loss.backward()
+            clipfracs.append(pg_m.get("clipfrac", 0.0))
+            ppo_kls.append(pg_m.get("ppo_kl", 0.0))
+            norm, lr = optimizer_step(t)
+            norms.append(norm)
+            lrs.append(lr)
+    t.optimizer.zero_grad(set_to_none=True)
+
+    # losses: each rank's is its share of the global mini-batch loss
+    sums = _dp_sum_(torch.tensor([sum(pg), sum(kl_refs), sum(clipfracs), sum(ppo_kls), sum(ents)], dtype=torch.float64))
+    dp, n = torch.distributed.get_world_size(_dp_group()), len(pg)
+    out = {"rl/pg_loss": float(sums[0]) / n, "rl/clipfrac": float(sums[2]) / (n * dp),
+           "rl/ppo_kl": float(sums[3]) / (n * dp), "rl/grad_norm": norms[-1], "rl/lr": lrs[-1]}
+    if kl_refs:
+        out["rl/kl_ref"] = float(sums[1]) / n
+    if ents:
+        out["rl/entropy_loss"] = float(sums[4]) / n
+    return out
+
+
+def _dp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_group()
