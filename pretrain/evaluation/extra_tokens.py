@@ -20,6 +20,14 @@ token ratio at the baseline's final loss, ``D_t(L_b) / D_b(L_b)`` (``fitted_extr
 ``extrapolated`` when the treatment's fit must go beyond its run to reach ``L_b``, and censored
 (unreachable) when ``L_b`` lies below the treatment's fitted floor ``E``.
 
+During a descent (``descent_gap``): without sampling noise (full-batch training on a fixed set,
+``--fixed-train-set``) two runs of one seed differ only by their numerics, and they are best compared
+*while the loss falls*, before the set is memorized and every run ends near zero. At every logged
+step ``s`` of a window ``[first, last]`` the baseline's loss ``L_b(s)`` is a target; the run reaches
+it at step ``t(s)`` (interpolated), and ``100 * (t(s) / s - 1)`` is the extra steps (= tokens) the run
+needs at ``s``. The window's mean of these is the run's cost, beside its mean excess loss
+``L_t(s) - L_b(s)``; a target the run never reaches makes the value a lower bound (censored).
+
 Both need curves whose intermediate points are comparable: under a cosine decay the loss at step
 ``s`` of a longer run is not the loss of a shorter run at ``s``; with a constant (or WSD stable
 phase) learning rate it is.
@@ -30,8 +38,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["ExtraSummary", "ExtraTokens", "PowerLaw", "crossing_extra_pct", "crossing_step", "fit_power_law",
-           "fitted_extra_pct", "summarize_extra"]
+__all__ = ["DescentGap", "ExtraSummary", "ExtraTokens", "PowerLaw", "crossing_extra_pct", "crossing_step",
+           "descent_gap", "fit_power_law", "fitted_extra_pct", "interpolate", "summarize_extra"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,48 @@ def crossing_extra_pct(run_curve, base_curve) -> ExtraTokens:
         return ExtraTokens(100.0 * (rs[-1] / s_b - 1.0) if s_b > 0 else math.nan)
     s_t = crossing_step(rs, rl, base_final)  # better: found, the run's last point is below it
     return ExtraTokens(100.0 * (s_t / bs[-1] - 1.0) if bs[-1] > 0 else math.nan)
+
+
+def interpolate(steps: list[float], values: list[float], at: float) -> float:
+    """The curve's value at step ``at``, linear between logged points; NaN outside the logged steps."""
+    for (s0, v0), (s1, v1) in zip(zip(steps, values), zip(steps[1:], values[1:])):
+        if s0 <= at <= s1:
+            return v0 if s1 == s0 else v0 + (v1 - v0) * (at - s0) / (s1 - s0)
+    if steps and at == steps[-1]:
+        return float(values[-1])
+    return math.nan
+
+
+@dataclass(frozen=True)
+class DescentGap:
+    """One run against the baseline during the descent (module docstring): ``extra`` (% extra steps,
+    mean over the window; ``censored``: a lower bound) and ``excess_loss`` (mean ``L_t(s) - L_b(s)``)."""
+
+    extra: ExtraTokens
+    excess_loss: float
+    steps: int  # the baseline's logged steps inside the window
+
+
+def descent_gap(run_curve, base_curve, first: float, last: float) -> DescentGap:
+    """``run_curve`` against ``base_curve`` (each ``(steps, losses)``, unsmoothed) at the baseline's
+    logged steps in ``[first, last]``; NaN when a curve is empty or the window holds no step both
+    runs logged."""
+    rs, rl = list(run_curve[0]), list(run_curve[1])
+    window = [(s, v) for s, v in zip(*base_curve) if first <= s <= last and s > 0 and math.isfinite(v)]
+    window = [(s, v) for s, v in window if math.isfinite(interpolate(rs, rl, s))]
+    if not rs or not window:
+        return DescentGap(ExtraTokens(math.nan), math.nan, 0)
+    if not all(math.isfinite(v) for v in rl):
+        return DescentGap(ExtraTokens(math.nan), math.nan, len(window))  # diverged: no finite comparison
+    extras, excess, censored = [], [], False
+    for s, target in window:
+        t = crossing_step(rs, rl, target)
+        if t is None:  # never reached within the run: at least its length
+            t, censored = float(rs[-1]), True
+        extras.append(100.0 * (t / s - 1.0))
+        excess.append(interpolate(rs, rl, s) - target)
+    return DescentGap(ExtraTokens(sum(extras) / len(extras), censored=censored), sum(excess) / len(excess),
+                      len(window))
 
 
 @dataclass(frozen=True)

@@ -14,23 +14,28 @@ from pretrain.sweep.plots import write_plots
 from pretrain.sweep.results import (
     analyse,
     best_points,
+    descent_numbers,
     pair_numbers,
     paired_base,
     read_scalars,
     read_val_batches,
     summarize,
+    summarize_descent,
 )
 from pretrain.sweep.runner import read_status, run_dir
 from pretrain.sweep.spec import Run
 
-__all__ = ["COLUMNS", "SUMMARY_COLUMNS", "SUMMARY_EXTRA_COLUMNS", "collect", "collect_rl", "summary_table",
-           "write_tables"]
+__all__ = ["COLUMNS", "DESCENT_COLUMNS", "SUMMARY_COLUMNS", "SUMMARY_EXTRA_COLUMNS", "collect", "collect_rl",
+           "descent_table", "summary_table", "write_tables"]
 
 
 def collect(out: Path, runs: list[Run], baseline: str | None, window: int = 10,
-            margin: float | None = None) -> list[dict]:
+            margin: float | None = None, descent: list[int] | None = None,
+            published: dict | None = None) -> list[dict]:
     """Analyse every run, write results.csv / summary.csv / results.md and the plots; return the run
-    rows. ``margin``: the sweep's ``equivalence_margin`` (none: no equivalence verdicts)."""
+    rows. ``margin``: the sweep's ``equivalence_margin`` (none: no equivalence verdicts);
+    ``descent``: its ``descent_steps`` (the runs compared during the descent, ``descent.csv`` and a
+    table first in results.md); ``published``: its ``published`` figures, printed beside that table."""
     if runs and runs[0].script == "rl":
         return collect_rl(out, runs, baseline, margin)
     rows = []
@@ -53,7 +58,14 @@ def collect(out: Path, runs: list[Run], baseline: str | None, window: int = 10,
                        extra_tokens_censored=False, extra_tokens_fit_pct=float("nan"),
                        extra_tokens_fit_extrapolated=False, extra_tokens_fit_censored=False,
                        gap_val_batch_se=float("nan"))
+    for row in rows:
+        base = pairs.get(row["run"])
+        d = descent_numbers(row, base, descent) if descent and base is not None else None
+        row["descent_extra_pct"] = d.extra.pct if d else float("nan")
+        row["descent_extra_censored"] = d.extra.censored if d else False
+        row["descent_excess_loss"] = d.excess_loss if d else float("nan")
     summary = summarize(rows, baseline, margin=margin)
+    descent_rows = summarize_descent(rows, baseline, descent) if descent else []
     tuned = []
     hyper = sorted({k for r in runs for k in r.point})
     if hyper:
@@ -62,7 +74,7 @@ def collect(out: Path, runs: list[Run], baseline: str | None, window: int = 10,
             base_runs = {m["_run"].seed: m for m in rows if m["_run"].group == best[baseline]["point"]}
             groups = [best[p]["point"] for p in dict.fromkeys(r.label for r in runs) if p in best]
             tuned = summarize(rows, baseline, groups, base_runs, margin=margin)
-    write_tables(out, rows, summary, tuned, baseline, hyper)
+    write_tables(out, rows, summary, tuned, baseline, hyper, descent_rows, published)
     write_plots(out, rows, summary, tuned or summary, baseline, base_runs if tuned else None)
     return rows
 
@@ -88,6 +100,12 @@ COLUMNS = ["run", "status", "precision", "seed", "iterations", "final_train_loss
            "val_loss_sem", "gap_train_loss", "gap_val_loss", "gap_val_batch_se", "extra_tokens_pct",
            "diverged", "spike", "tokens_per_sec", "extra_tokens_censored", "extra_tokens_fit_pct",
            "extra_tokens_fit_extrapolated", "extra_tokens_fit_censored"]
+# with descent_steps: per run (results.csv) and per grid point (descent.csv)
+RUN_DESCENT_COLUMNS = ["descent_extra_pct", "descent_extra_censored", "descent_excess_loss"]
+DESCENT_COLUMNS = ["point", "precision", "seeds", "first_step", "last_step", "baseline_loss_first",
+                   "baseline_loss_last", "excess_loss_mean", "excess_loss_lo", "excess_loss_hi", "excess_loss_p",
+                   "verdict_excess", "extra_steps_mean", "extra_steps_lo", "extra_steps_hi", "extra_steps_censored",
+                   "extra_steps_p", "verdict_extra", "diverged", "published"]
 SUMMARY_COLUMNS = ["point", "precision", "seeds", "val_loss_mean", "val_loss_sd", "val_loss_sem",
                    "gap_val_mean", "gap_val_lo", "gap_val_hi", "gap_val_batch_se", "extra_tokens_mean",
                    "extra_tokens_lo", "extra_tokens_hi", "extra_not_reached", "diverged", "verdict"]
@@ -143,13 +161,48 @@ def summary_table(summary: list[dict], hyper: list[str]) -> list[str]:
     return lines
 
 
+def descent_table(descent: list[dict], published: dict | None = None) -> list[str]:
+    """Markdown rows: the descent's excess loss and extra steps per grid point, each with its 95%
+    interval over seeds and a Holm-adjusted verdict; ``published`` figures in a last column."""
+    k = sum(1 for s in descent if not s["is_baseline"] and s["excess_loss"].n >= 2 and not s["excess_loss"].excluded)
+    ke = sum(1 for s in descent if not s["is_baseline"] and s["_extra"].interval.n >= 2 and not s["_extra"].censored)
+    head = ["precision", "seeds", "excess train loss (95% CI)", f"verdict (Holm over {k})",
+            "extra steps % (95% CI)", f"verdict (Holm over {ke})"]
+    if published:
+        head.append(f"published: {published['source']}")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in descent:
+        cells = [s["precision"], str(s["seeds"]), s["excess_loss"].text(4, seeds=True), s["verdict_excess"],
+                 s["_extra"].text(2), s["verdict_extra"]]
+        if published:
+            cells.append(str(published["extra_tokens"].get(s["precision"], "baseline" if s["is_baseline"] else "")))
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    return lines
+
+
+def _descent_csv_row(s: dict, published: dict | None) -> list:
+    e, x = s["excess_loss"], s["_extra"].interval
+    return [s["point"], s["precision"], s["seeds"], s["window"][0], s["window"][1], *s["baseline_loss_at"],
+            e.mean, e.lo, e.hi, e.p_value(), s["verdict_excess"], x.mean, x.lo, x.hi, s["_extra"].censored,
+            x.p_value(), s["verdict_extra"], s["diverged"],
+            (published or {}).get("extra_tokens", {}).get(s["precision"], "")]
+
+
 def write_tables(out: Path, rows: list[dict], summary: list[dict], tuned: list[dict],
-                 baseline: str | None, hyper: list[str]) -> None:
+                 baseline: str | None, hyper: list[str], descent: list[dict] | None = None,
+                 published: dict | None = None) -> None:
+    columns = COLUMNS + (RUN_DESCENT_COLUMNS if descent else [])
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(COLUMNS)
+        w.writerow(columns)
         for row in rows:
-            w.writerow([row[c] for c in COLUMNS])
+            w.writerow([row[c] for c in columns])
+    if descent:
+        with open(out / "descent.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(DESCENT_COLUMNS)
+            for s in descent:
+                w.writerow(_descent_csv_row(s, published))
     with open(out / "summary.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(SUMMARY_COLUMNS + hyper + SUMMARY_EXTRA_COLUMNS)
@@ -159,6 +212,21 @@ def write_tables(out: Path, rows: list[dict], summary: list[dict], tuned: list[d
     lines = [(f"# Sweep results ({len(rows)} runs, {len(summary)} grid points x {seeds} seed(s), "
               f"baseline: {baseline or 'none'})"), "",
              "## Per grid point (gaps paired by seed against the baseline at the same hyper-parameters)", ""]
+    if descent:
+        first, last = descent[0]["window"]
+        at = next((s["baseline_loss_at"] for s in descent if s["is_baseline"]), [float("nan")] * 2)
+        lines[-2] = (f"## During the descent: steps {first}-{last} (the baseline's training loss "
+                     f"{_fmt(at[0])} -> {_fmt(at[1])}), paired by seed")
+        lines += descent_table(descent, published)
+        lines += ["", ("excess train loss: the run's unsmoothed training loss minus the baseline's, mean over the "
+                       "baseline's logged steps in the window; extra steps: at each of those steps s, the step at "
+                       "which the run first reaches the baseline's loss at s, in % more than s (= % more tokens), "
+                       "mean over the window ('>': a lower bound, a seed never reached a target). Intervals: 95% "
+                       "Student-t over the seeds' paired values, unadjusted; verdicts Holm-adjusted over the "
+                       "column's comparisons. Published figures are the end-of-training extra tokens of the "
+                       "source, not a descent measurement."),
+                  "", ("## Per grid point at the end (gaps paired by seed against the baseline at the same "
+                       "hyper-parameters)"), ""]
     lines += summary_table(summary, hyper)
     if tuned:
         lines += ["", (f"## Each precision at its own best {', '.join(hyper)} (lowest mean val loss), "
@@ -167,9 +235,9 @@ def write_tables(out: Path, rows: list[dict], summary: list[dict], tuned: list[d
                    "intervals and verdicts are optimistic (selection and estimation share seeds); confirm a "
                    "choice on seeds not in this sweep."), ""]
         lines += summary_table(tuned, hyper)
-    lines += ["", "## Runs", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["", "## Runs", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
-        lines.append("| " + " | ".join(_fmt(row[c]).replace("|", "/") for c in COLUMNS) + " |")
+        lines.append("| " + " | ".join(_fmt(row[c]).replace("|", "/") for c in columns) + " |")
     lines += ["", ("gap: final validation loss minus the baseline's, per seed (same initialization and data "
               "order), mean over the seeds it used ± the half-width of its unadjusted 95% Student-t interval. "
               "verdict: Holm-adjusted over the table's comparisons, so the chance of any false worse/better "

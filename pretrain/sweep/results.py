@@ -16,8 +16,10 @@ import math
 from pathlib import Path
 
 from pretrain.evaluation.extra_tokens import (
+    DescentGap,
     ExtraTokens,
     crossing_extra_pct,
+    descent_gap,
     fit_power_law,
     fitted_extra_pct,
     summarize_extra,
@@ -31,8 +33,8 @@ from pretrain.evaluation.stats import (
     table_verdicts,
 )
 
-__all__ = ["analyse", "best_points", "extra_tokens_pct", "fitted_extra_tokens_pct", "pair_numbers", "paired_base",
-           "read_scalars", "read_val_batches", "smooth", "summarize", "verdict"]
+__all__ = ["analyse", "best_points", "descent_numbers", "extra_tokens_pct", "fitted_extra_tokens_pct", "pair_numbers", "paired_base",
+           "read_scalars", "read_val_batches", "smooth", "summarize", "summarize_descent", "verdict"]
 
 
 def read_scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -100,6 +102,7 @@ def analyse(name: str, scalars: dict, window: int) -> dict:
         "diverged": diverged,
         "spike": spike,
         "_curve": (steps[: len(sm)], sm),
+        "_raw": (steps, vals),  # unsmoothed: the descent comparison of a noise-free (full-batch) run
         "_val_step": val[-1][0] if val else None,
     }
 
@@ -215,6 +218,66 @@ def summarize(rows: list[dict], baseline: str | None, groups: list[str] | None =
                                         margin=margin)):
         s["verdict"] = v
     return out
+
+
+def descent_numbers(row: dict, base: dict, window: list[int]) -> DescentGap:
+    """The run against its paired baseline during the descent (``descent_steps``), on unsmoothed losses."""
+    if row is base:
+        return DescentGap(ExtraTokens(0.0), 0.0, 0)
+    if _diverged(row) or _diverged(base):
+        return DescentGap(ExtraTokens(math.nan), math.nan, 0)
+    return descent_gap(row["_raw"], base["_raw"], window[0], window[1])
+
+
+def summarize_descent(rows: list[dict], baseline: str | None, window: list[int]) -> list[dict]:
+    """One row per grid point: the descent's extra steps and excess loss, paired by seed with the
+    baseline at the same hyper-parameters, 95% intervals over seeds, each Holm-adjusted over the table.
+    A censored seed (a target never reached) makes the extra steps a lower bound without an interval;
+    a diverged seed is reported, never averaged away."""
+    by_group: dict[str, list[dict]] = {}
+    for row in rows:
+        by_group.setdefault(row["_run"].group, []).append(row)
+    out = []
+    for group, members in by_group.items():
+        run = members[0]["_run"]
+        extras, excess, n_diverged = [], [], 0
+        for m in members:
+            b = next((r for r in rows if r["_run"].label == baseline and r["_run"].seed == m["_run"].seed
+                      and r["_run"].point == m["_run"].point), None)
+            if b is None or (_diverged(b) and b is not m) or not m["_raw"][0]:
+                continue  # no pair (yet): a pending or failed run, or a diverged baseline
+            if _diverged(m):
+                n_diverged += 1
+                excess.append(math.nan)
+                continue
+            d = descent_numbers(m, b, window)
+            if not math.isfinite(d.excess_loss):
+                continue
+            extras.append(d.extra)
+            excess.append(d.excess_loss)
+        base_row = next((r for r in rows if r["_run"].label == baseline and r["_run"].point == run.point), None)
+        at = ([interpolate_loss(base_row, s) for s in window] if base_row is not None else [math.nan, math.nan])
+        out.append({"point": group, "precision": run.label, "seeds": len(members),
+                    "is_baseline": run.label == baseline, "window": list(window), "baseline_loss_at": at,
+                    "excess_loss": paired_interval(excess), "_extra": summarize_extra(extras, n_diverged),
+                    "diverged": n_diverged})
+    live = [not s["_extra"].censored for s in out]
+    for s, v in zip(out, table_verdicts([s["excess_loss"] for s in out], [s["is_baseline"] for s in out])):
+        s["verdict_excess"] = v
+    extra_ivs = [s["_extra"].interval if ok else Interval(math.nan, math.nan, math.nan, 0, math.nan)
+                 for s, ok in zip(out, live)]
+    for s, v, ok in zip(out, table_verdicts(extra_ivs, [s["is_baseline"] for s in out]), live):
+        s["verdict_extra"] = v if ok else f"lower bound ({s['_extra'].censored} censored)"
+        if s["diverged"] and not s["is_baseline"]:
+            s["verdict_extra"] = f"diverged in {s['diverged']} of {s['seeds']} seeds"
+    return out
+
+
+def interpolate_loss(row: dict, step: float) -> float:
+    """A run's unsmoothed training loss at ``step`` (linear between logged steps)."""
+    from pretrain.evaluation.extra_tokens import interpolate
+
+    return interpolate(*row["_raw"], step)
 
 
 def verdict(gap: Interval, is_baseline: bool, margin: float | None = None) -> str:

@@ -18,7 +18,7 @@ __all__ = ["GEMMS", "POINT_KEYS", "RESERVED_FLAGS", "SCRIPTS", "SWEEP_KEYS", "Ru
 
 GEMMS = ("fprop", "dgrad", "wgrad")
 SWEEP_KEYS = {"base", "grid", "baseline", "nproc-per-node", "name", "description", "seeds", "script",
-              "equivalence_margin"}
+              "equivalence_margin", "descent_steps", "published"}
 # What a sweep runs: pretraining (the default) or RL post-training (``script: rl``).
 SCRIPTS = {"pretrain": "pretrain.py", "rl": "rl.py"}
 # The grid keys that name the runs' precision (or, for treatments, whole flag sets).
@@ -88,7 +88,32 @@ def load_sweep(path: str) -> dict:
     if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin > 0):
         raise SweepError(f"sweep file {path}: equivalence_margin must be a positive number (a validation-loss "
                          f"gap for pretraining, an accuracy gap for script: rl), e.g. 0.01; got {margin!r}")
+    _check_descent(data.get("descent_steps"), path)
+    _check_published(data.get("published"), path)
     return data
+
+
+def _check_descent(window, path: str) -> None:
+    """``descent_steps: [first, last]``: the training steps at which runs are compared during the descent."""
+    if window is None:
+        return
+    ok = (isinstance(window, list) and len(window) == 2
+          and all(isinstance(v, int) and not isinstance(v, bool) for v in window) and 1 <= window[0] < window[1])
+    if not ok:
+        raise SweepError(f"sweep file {path}: descent_steps must be [first, last] training steps with "
+                         f"1 <= first < last, e.g. [8, 40]; got {window!r}")
+
+
+def _check_published(published, path: str) -> None:
+    """``published: {source: TEXT, extra_tokens: {label: TEXT}}``: figures printed beside the table."""
+    if published is None:
+        return
+    if (not isinstance(published, dict) or set(published) != {"source", "extra_tokens"}
+            or not isinstance(published["source"], str) or not isinstance(published["extra_tokens"], dict)
+            or not published["extra_tokens"]):
+        raise SweepError(f"sweep file {path}: published must map source (text) and extra_tokens "
+                         f"({{label: figure}}), e.g. {{source: arXiv 2605.09825, extra_tokens: {{mxfp4: '+26%'}}}}; "
+                         f"got {published!r}")
 
 
 def _flags_from_mapping(base) -> list[str]:
@@ -275,4 +300,8 @@ def expand_runs(sweep: dict, path: str = "sweep") -> list[Run]:
     labels = list(dict.fromkeys(r.label for r in runs))
     if baseline is not None and baseline not in labels:
         raise SweepError(f"{path}: baseline {baseline!r} is not one of the runs: {', '.join(labels)}")
+    unknown = [k for k in (sweep.get("published") or {}).get("extra_tokens", {}) if k not in labels]
+    if unknown:
+        raise SweepError(f"{path}: published.extra_tokens: {', '.join(map(str, unknown))} not among the runs' "
+                         f"labels: {', '.join(labels)}")
     return runs

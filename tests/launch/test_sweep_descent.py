@@ -1,0 +1,111 @@
+"""The descent comparison of noise-free sweeps (descent_steps): extra steps to reach the baseline's loss
+during the descent, excess loss, Holm-adjusted verdicts and the published figures beside them."""
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch.utils.tensorboard import SummaryWriter
+
+from pretrain.evaluation.extra_tokens import descent_gap, interpolate
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "launch"))
+
+import sweep
+
+
+def curve(rate: float, steps: int = 60, floor: float = 0.0):
+    """An exponential descent L(s) = floor + 8 exp(-s / rate): slowing the rate by a factor f makes the
+    run reach L(s) at exactly f*s, i.e. 100 (f - 1) % extra steps at every s (the analytic oracle)."""
+    return list(range(1, steps + 1)), [floor + 8.0 * math.exp(-s / rate) for s in range(1, steps + 1)]
+
+
+def test_a_time_dilated_descent_costs_its_dilation_in_extra_steps():
+    base, slow = curve(20.0), curve(22.0)
+    d = descent_gap(slow, base, 8, 40)
+    assert d.steps == 33 and not d.extra.censored
+    assert d.extra.pct == pytest.approx(10.0, abs=0.05)  # linear interpolation between integer steps
+    excess = sum(slow[1][s - 1] - base[1][s - 1] for s in range(8, 41)) / 33
+    assert d.excess_loss == pytest.approx(excess, rel=1e-12)
+    faster = descent_gap(curve(18.0), base, 8, 40)
+    assert faster.extra.pct == pytest.approx(-10.0, abs=0.05) and faster.excess_loss < 0
+    assert descent_gap(base, base, 8, 40).extra.pct == 0.0
+
+
+def test_a_target_never_reached_makes_a_lower_bound():
+    d = descent_gap(curve(20.0, floor=1.0), curve(20.0), 8, 40)  # stuck 1.0 above: late targets unreachable
+    assert d.extra.censored and d.extra.pct > 0
+
+
+def test_interpolation_and_an_empty_window():
+    assert interpolate([1, 3], [4.0, 2.0], 2) == 3.0 and math.isnan(interpolate([1, 3], [4.0, 2.0], 5))
+    assert math.isnan(descent_gap(curve(20.0, 5), curve(20.0), 8, 40).extra.pct)
+
+
+def write_run(out: Path, run, losses):
+    d = out / "runs" / run.name
+    w = SummaryWriter(str(d / "tensorboard"))
+    for i, v in enumerate(losses, 1):
+        w.add_scalar("train/loss", v, i)
+    w.add_scalar("val/loss", losses[-1], len(losses))
+    w.close()
+    sweep.write_status(d, state="done")
+
+
+def test_sweep_prints_the_descent_table_with_holm_verdicts_and_published_figures(tmp_path):
+    f = tmp_path / "s.yaml"
+    f.write_text("seeds: [0, 1, 2]\nbaseline: fp8\ndescent_steps: [8, 40]\n"
+                 "published: {source: 'the study', extra_tokens: {mxfp4: '+26%', wgrad_hadamard: '+8%'}}\n"
+                 "grid:\n  presets: [fp8, mxfp4, wgrad_hadamard]\n")
+    spec = sweep.load_sweep(str(f))
+    runs = sweep.expand_runs(spec, str(f))
+    out = tmp_path / "out"
+    rates = {"fp8": (20.0, 20.0, 20.0), "mxfp4": (22.0, 22.2, 21.8), "wgrad_hadamard": (20.1, 19.9, 20.0)}
+    for r in runs:
+        write_run(out, r, curve(rates[r.label][r.seed])[1])
+    rows = sweep.collect(out, runs, "fp8", window=1, descent=spec["descent_steps"], published=spec["published"])
+    by = {r["run"]: r for r in rows}
+    assert by["mxfp4__seed-1"]["descent_extra_pct"] == pytest.approx(11.0, abs=0.05)
+    md = (out / "results.md").read_text()
+    assert "## During the descent: steps 8-40" in md
+    row = next(line for line in md.splitlines() if line.startswith("| mxfp4 | 3 |"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    # per seed +10/+11/+9 %: mean +10, half-width t(0.975, 2) * 1 / sqrt(3) = 2.48
+    assert cells[3] == "worse" and cells[4].startswith(("+10.0", "+9.9")) and "± 2.4" in cells[4]
+    assert cells[5] == "worse" and cells[6] == "+26%"
+    had = next(line for line in md.splitlines() if line.startswith("| wgrad_hadamard | 3 |"))
+    assert "not shown to differ" in had and had.rstrip().endswith("+8% |")
+    assert "verdict (Holm over 2)" in md and "published: the study" in md
+    csv = (out / "descent.csv").read_text().splitlines()
+    assert csv[0].startswith("point,precision,seeds,first_step,last_step") and len(csv) == 4
+    assert "descent_extra_pct" in (out / "results.csv").read_text().splitlines()[0]
+
+
+@pytest.mark.parametrize("text,message", [
+    ("descent_steps: [40, 8]\ngrid:\n  presets: [fp8]\n", "descent_steps must be [first, last] training steps"),
+    ("descent_steps: 8\ngrid:\n  presets: [fp8]\n", "descent_steps must be [first, last] training steps"),
+    ("published: {source: s, extra_tokens: {mxfp5: '+1%'}}\ngrid:\n  presets: [fp8]\n",
+     "published.extra_tokens: mxfp5 not among the runs' labels: fp8"),
+    ("published: {extra_tokens: {fp8: '+1%'}}\ngrid:\n  presets: [fp8]\n", "published must map source (text)"),
+])
+def test_bad_descent_and_published_keys_fail_with_one_line(tmp_path, text, message):
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    r = subprocess.run([sys.executable, str(ROOT / "launch/sweep.py"), str(f), "--out", str(tmp_path / "o")],
+                       check=False, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+def test_the_noise_free_sweep_files_expand():
+    for name, baseline, n in (("mxfp4_fullbatch_cpu", "wgrad_exact", 18), ("mxfp4_ladder_fullbatch_cpu", "fp8", 21)):
+        path = str(ROOT / "configs" / "sweeps" / f"{name}.yaml")
+        s = sweep.load_sweep(path)
+        runs = sweep.expand_runs(s, path)
+        assert len(runs) == n and s["baseline"] == baseline and s["descent_steps"]
+        flags = runs[0].flags
+        assert flags[flags.index("--fixed-train-set") + 1] == flags[flags.index("--global-batch-size") + 1]
