@@ -220,8 +220,9 @@ def quantize_operand(
     """Steps 1-5 of the module docstring for one operand ``t`` (2-D, natural layout) along ``axis``.
 
     ``rotation=(n, signs)``: rotate first (``t`` already padded by :func:`pad_and_rotation`); the
-    fused quantizer rotates inside its kernel unless the rotated tensor is needed here (its amax
-    under TP, the eager reference, the hardware form or telemetry). ``bf16=True``: quantized as
+    fused and Triton quantizers rotate inside their kernels (the same bits as ``rotate``) unless
+    the rotated tensor is needed here (its amax under TP, the eager reference, a 2-D weight or
+    telemetry). ``bf16=True``: quantized as
     for the hardware form, handed back in the BF16 form instead (step 6). ``shared_dy``: a
     ``kernels.cast_transpose.SharedDy`` plan that may already hold (or produce) this quantization.
     """
@@ -234,8 +235,7 @@ def quantize_operand(
     sharded = state.amax_group is not None and state.tp.shard_axis(operand) is not None
     needs_whole = _tensor_level(name) and (sharded or len(keys) > 1)  # one tensor-level amax for all runs
     rotated = rotation is not None  # this GEMM's own rotated copy of t (a 2-D weight then is not kept)
-    if rotation is not None and (codes or impl == "reference" or _no_rounding(name) or state.collect_stats
-                                 or needs_whole):
+    if rotation is not None and (impl == "reference" or _no_rounding(name) or state.collect_stats or needs_whole):
         t, rotation = rotate(t, axis, *rotation), None
 
     # === 1. no rounding: fp32 / bf16
@@ -358,6 +358,9 @@ def _quantize(t, axis, fmt, impl, codes, key, amax, rotation, state, bf16=False)
     if impl == "triton":
         from kernels.triton_quant import quantize_triton
 
+        if rotation is not None:  # fused into the kernel: diag(signs)·H_n in rotate()'s order
+            n, signs = rotation  # signed rotations are the 16-point rht16* (precision.rotation)
+            kw.update(rotation="rht16" if signs is not None else f"had{n}", signs=signs)
         if bf16 and not spec.bf16_shift and not state.collect_stats:  # === BF16 operand, one pass
             r = quantize_triton(t, fmt, layout="contraction_last", codes=False, bf16_form=True, **kw)
             return {"bf16": r.bf16, "out_scale": r.out_scale, "scales": r.scales, "tensor_scale": r.tensor_scale,

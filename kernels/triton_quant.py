@@ -1,6 +1,6 @@
 """Fused Triton quantizers: one pass from a BF16/FP32 tensor to codes + scales (+ dequantized values).
 
-Formats: every registry entry with a sign-exponent-mantissa element (``kernels.quantizer.TRITON_FORMATS``):
+Formats: every registry entry with a sign-exponent-mantissa element (``Format.triton``; ``TRITON_FORMATS``):
 MX ``mxfp8_*``, ``mxfp6_*``, ``mxfp4`` (32-blocks, E8M0 scales, FLOOR or RCEIL), ``nvfp4`` (16-blocks,
 E4M3 scales, FP32 tensor scale) and per-tensor ``fp8_e4m3`` / ``fp8_e5m2``; the element's constants
 (bias, mantissa bits, sign position, which non-finite codes exist) come from its ``ElementSpec``.
@@ -35,16 +35,13 @@ GEMM backends that must reproduce the emulated operands bit for bit -- uniforms 
 in the reference's order (``uniforms=``).
 
 Rotation (``rotation="had16" | "had32" | "rht16"``): ``diag(signs)·H_n`` applied to consecutive groups
-of ``n`` along the block axis before quantization, fused into the same pass. It is computed as a
-top-bit-first Walsh-Hadamard butterfly on ``x * (s_i / sqrt(n))``; for ``n = 16`` (entries +-1/4,
-exact products) this is exactly the "pairwise halves" summation order that the CPU reference
-``precision.rotation.rotate`` (an fp32 matmul) produces, so fused had16/rht16 quantization equals
-``quantize(rotate(x))`` bit for bit on CPU (FP32-subnormal inputs excepted). For ``n = 32`` the
-products ``x * fl(1/sqrt(32))`` are inexact and the matmul's summation order is the BLAS library's:
-rotated values agree to float32 rounding (a few ulps; the tensor amax to 1 ulp), so codes sitting
-on a rounding boundary can flip: measured on a 512x512 N(0,1) tensor, 0 to 4 codes in 262144
-(<= 0.0015%) per format and layout. On a GPU the emulated backend's ``rotate`` is a cuBLAS matmul
-with its own order, so the hardware GEMM backends rotate with ``rotate`` and quantize unrotated.
+of ``n`` along the block axis before quantization, fused into the same pass, in the order of the
+specification ``precision.rotation.rotate``: the signs (exact), the top-bit-first Walsh-Hadamard
+butterflies ``(a, b) -> (a + b, a - b)`` (pairs ``(i, i + n/2)`` first), then one multiplication by
+``fl(1/sqrt(n))``. Every step is one IEEE float32 operation in the same order on CPU, in the
+interpreter and on a GPU (no FMA: see above), so fused quantization equals
+``quantize(rotate(x))`` bit for bit for ``had16``, ``had32`` and ``rht16`` alike, and the hardware
+GEMM backends take their rotated operands from this kernel (``kernels.operand``).
 """
 
 from __future__ import annotations
@@ -57,10 +54,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quantizer import TRITON_FORMATS
 from precision import blocks
 from precision.elements import fdiv
-from precision.formats import Rounding, ScaleRule, Scaling, get_format
+from precision.formats import FORMATS, Rounding, ScaleRule, Scaling, format_names
 from precision.quantize import resolve_format
 from precision.rotation import hadamard_matrix, rotation_size
 from precision.srand import SRKey
@@ -75,6 +71,7 @@ __all__ = [
     "quantize_triton",
 ]
 
+TRITON_FORMATS = format_names(lambda f: f.triton)  # the registry's formats with a kernel here
 
 MODE_MX, MODE_NVFP4, MODE_TENSOR = 0, 1, 2
 _MODE = {Scaling.BLOCK: MODE_MX, Scaling.TWO_LEVEL: MODE_NVFP4, Scaling.TENSOR: MODE_TENSOR}
@@ -219,13 +216,11 @@ def _load_tile(x_ptr, signs_ptr, R, N, INNER, sx_o, sx_i, sx_k, TILE_R: tl.const
     row_ok = r2 < R
     valid = row_ok & (k2 < N)
     x = tl.load(x_ptr + o2 * sx_o + i2 * sx_i + k2 * sx_k, mask=valid, other=0.0).to(tl.float32)
-    if ROT > 0:  # diag(signs)·H_ROT along the block axis
-        if HAS_SIGNS:
+    if ROT > 0:  # diag(signs)·H_ROT along the block axis, in precision.rotation.rotate's order:
+        if HAS_SIGNS:  # signs (exact), butterflies, then one multiplication by 1/sqrt(ROT)
             sg = tl.load(signs_ptr + (k1 % ROT)).to(tl.float32)
-            x = x * (sg * ROT_C)[None, :]
-        else:
-            x = x * ROT_C
-        x = _hadamard(x, TILE_R, TK, ROT, LOG_ROT)
+            x = x * sg[None, :]
+        x = _hadamard(x, TILE_R, TK, ROT, LOG_ROT) * ROT_C
     return x, r2, o2, i2, k2, row_ok, valid
 
 
@@ -544,7 +539,10 @@ def quantize_triton(
         raise RuntimeError(f"triton quantizer: {why}")
     axis = axis % x.dim()
     n = x.shape[axis]
-    sr_key, sr = sr, rounding == Rounding.STOCHASTIC
+    if not rounding.triton:
+        raise ValueError(f"triton quantizer: no kernel for {rounding} rounding; valid: "
+                         f"{', '.join(r for r in Rounding if r.triton)} (the reference quantizer has every mode)")
+    sr_key, sr = sr, rounding.stochastic
     rot = 0 if rotation in (None, "none") else rotation_size(rotation)
     if rot and n % rot:
         raise ValueError(f"rotation {rotation}: axis {axis} has length {n}, not a multiple of {rot}; "
@@ -553,7 +551,7 @@ def quantize_triton(
         raise ValueError(f"rotation {rotation}: needs signs= (the +-1 vector of length {rot})")
     if pack and (spec.bits != 4 or layout != "contraction_last" or n % 2):
         raise ValueError("pack=True: 4-bit formats "
-                         f"({', '.join(n for n in TRITON_FORMATS if get_format(n).bits == 4)}), "
+                         f"({', '.join(n for n in TRITON_FORMATS if FORMATS[n].bits == 4)}), "
                          "layout='contraction_last' and an even axis length only")
     if bf16_form and (dequantize or not spec.bf16_exact or spec.bf16_shift):
         raise ValueError(f"bf16_form: {spec.name} needs " + ("dequantize=False" if dequantize else
@@ -797,7 +795,7 @@ def cast_transpose_triton(
     _launch(_cast_transpose_kernel, grid, (x, t_len, h_len, *x.stride(), *per[0], *per[1]),
             dict(BT=tile, BH=tile, **meta))
     for res, args in ((row, a_args), (col, b_args)):
-        if get_format(res.fmt).kind == Scaling.TENSOR:  # the clip counts exist only now
+        if FORMATS[res.fmt].kind == Scaling.TENSOR:  # the clip counts exist only now
             res.num_clipped = args[9].sum(dtype=torch.int64)
     return row, col
 

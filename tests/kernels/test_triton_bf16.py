@@ -53,3 +53,45 @@ def test_triton_bf16_operands_equal_the_reference(spec, g):
         assert (tri.out_scale is None) == (ref.out_scale is None)
         if ref.out_scale is not None:
             assert same_bits(tri.out_scale, ref.out_scale)
+
+
+ROTATED = [("mxfp4+had16", Gemm.WGRAD), ("mxfp4/sr+had32", Gemm.WGRAD), ("nvfp4/sr@nvfp4+rht16_te", Gemm.WGRAD),
+           ("fp8_e4m3@fp8_e5m2+rht16", Gemm.DGRAD), ("mxfp8_e4m3+had16", Gemm.FPROP)]
+
+
+@pytest.mark.parametrize("form", ["bf16", "codes"])
+@pytest.mark.parametrize("spec,g", ROTATED)
+def test_hardware_path_fuses_the_rotation(monkeypatch, spec, g, form):
+    """A rotated GEMM on the hardware path (``wgrad_hadamard``'s Wgrad): the Triton kernel rotates
+    as it quantizes -- no eager FP32 rotation -- and its operands are the reference's bit for bit,
+    in BF16 form (``bf16_mm``) and in codes + scales (``torch._scaled_mm``)."""
+    import kernels.operand as op
+
+    a, b = data(), data(seed=1)
+    b = b[:16] if g is Gemm.FPROP else b[:, :16] if g is Gemm.WGRAD else data(seed=1)[:32, :16]
+    if g is Gemm.DGRAD:
+        a = a[:, :32]
+    recipe = parse_gemm(spec, g)
+    eager = []
+    real_rotate = op.rotate
+    monkeypatch.setattr(op, "rotate", lambda *x, **k: eager.append(1) or real_rotate(*x, **k))
+    kw = {"bf16": True} if form == "bf16" else {"codes": True}
+    ops = {}
+    for impl in ("reference", "triton"):
+        eager.clear()
+        ops[impl] = gemm_operands(g, a.to(DEV), b.to(DEV), recipe, LayerQuantState(4, "l"), impl=impl, **kw)
+        assert len(eager) == (2 if impl == "reference" else 0), f"{impl}: eager rotations {len(eager)}"
+    for ref, tri in ((ops["reference"].a, ops["triton"].a), (ops["reference"].b, ops["triton"].b)):
+        if form == "bf16":
+            assert same_bits(tri.bf16, ref.bf16), f"{spec} {g.value} {ref.fmt.fmt}"
+            assert (tri.out_scale is None) == (ref.out_scale is None)
+            if ref.out_scale is not None:
+                assert same_bits(tri.out_scale, ref.out_scale)
+        else:  # as torch._scaled_mm takes them (FP4 packed two per byte, padded)
+            from kernels.scaled_mm import hw_operand
+
+            hr, ht = hw_operand(ref), hw_operand(tri)
+            assert torch.equal(ht.codes.cpu(), hr.codes.cpu()), f"{spec} {g.value} {ref.fmt.fmt}: codes"
+            assert same_bits(ht.scales.float(), hr.scales.float()), f"{spec} {g.value}: scales"
+            if ref.tensor_scale is not None:
+                assert same_bits(tri.tensor_scale, ref.tensor_scale)
