@@ -69,7 +69,9 @@ def analyse_rl(name: str, scalars: dict[str, list[tuple[int, float]]], summary: 
         "reward_auc": _mean(_values(scalars, "rl/reward_mean")),
         "final_reward": _mean(_values(scalars, "rl/reward_mean")[-5:]),
         "k3_kl": _mean(_values(scalars, "mismatch/k3_kl")),
-        "ess": _mean(_values(scalars, "correction/ess")),
+        # the raw ESS of pi_trainer / pi_rollout (own numerics); runs logged before it: the correction's
+        "ess": _mean(_values(scalars, "mismatch/ess_raw") or _values(scalars, "correction/ess_raw")
+                     or _values(scalars, "correction/ess")),
         "masked": _mean(_values(scalars, "correction/masked_fraction")),
         "tokens_per_sec": _mean(_values(scalars, "rollout/tokens_per_sec")),
         "memory_bytes": max(memory) if memory else math.nan,
@@ -151,9 +153,10 @@ def rl_summary_table(summary: list[dict], hyper: list[str]) -> list[str]:
     head = ["treatment", *hyper, "seeds", "final held-out acc", "gap to baseline (95% CI, unadjusted)",
             "acc under rollout plan",
             "held-out acc AUC gap (95% CI)", "reward AUC",
-            "reward AUC gap (95% CI)", "mean k3_kl", "ESS", "masked", "rollout tok/s (emulated)",
+            "reward AUC gap (95% CI)", "mean k3_kl (BF16 floor)", "raw ESS", "masked", "rollout tok/s (emulated)",
             "rollout memory (MiB)", f"verdict (Holm over {k})"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    floor = next((s["k3_kl"] for s in summary if s["is_baseline"]), math.nan)  # the BF16-rollout baseline's
     for s in summary:
         mib = s["memory_bytes"] / 2**20 if math.isfinite(s["memory_bytes"]) else math.nan
         verdict = s["verdict"] + (f"; {s['failed']} failed" if s["failed"] else "")
@@ -161,7 +164,7 @@ def rl_summary_table(summary: list[dict], hyper: list[str]) -> list[str]:
                  _msd(s["final_accuracy"], s["final_accuracy_sd"]), s["gap_final_accuracy"].text(3, seeds=True),
                  _msd(s["rollout_accuracy"], s["rollout_accuracy_sd"]), s["gap_accuracy_auc"].text(3),
                  _msd(s["reward_auc"], s["reward_auc_sd"]), s["gap_reward_auc"].text(3),
-                 _f(s["k3_kl"], 5), _f(s["ess"]), _f(s["masked"]), _f(s["tokens_per_sec"], 1), _f(mib, 2), verdict]
+                 f"{_f(s['k3_kl'], 5)} ({_f(floor, 5)})", _f(s["ess"]), _f(s["masked"]), _f(s["tokens_per_sec"], 1), _f(mib, 2), verdict]
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return lines
 
@@ -207,7 +210,11 @@ def write_rl_results(out: Path, rows: list[dict], summary: list[dict], baseline:
                    "gap, Holm-adjusted over the table's treatments (worse/better: shown to differ; equivalent "
                    "(±m): inside the sweep's equivalence_margin by two one-sided tests; not shown to differ: "
                    "neither, which is not 'no cost'). mean k3_kl: trainer-vs-rollout log-prob mismatch "
-                   "(verl's k3), averaged over iterations. Rollout speed on CPU is emulated: the FP4 GEMMs run "
+                   "(verl's k3) of the rollout against the trainer's own numerics (--precision; also under --rollout-qat), "
+                   "averaged over iterations; in brackets the baseline's (BF16 rollouts: the floor that sampling "
+                   "and float rounding leave). raw ESS: effective sample size of the unclipped token ratio "
+                   "pi_trainer / pi_rollout (mismatch/ess_raw); the correction's own ESS (correction/ess, of "
+                   "its clamped weights) is 1 for 'none' and every QAT row by construction. Rollout speed on CPU is emulated: the FP4 GEMMs run "
                    "as FP32 arithmetic, so tokens/s says nothing about FP4 hardware.")]
     (out / "results.md").write_text("\n".join(lines) + "\n")
     write_rl_plots(out, rows, summary, baseline)

@@ -91,6 +91,8 @@ def _write_rl_run(out: Path, run: sweep.Run, rewards: list[float], accuracies: l
     for i, r in enumerate(rewards, 1):
         w.add_scalar("rl/reward_mean", r, i)
         w.add_scalar("mismatch/k3_kl", k3, i)
+        w.add_scalar("mismatch/ess_raw", 1.0 - 100 * k3, i)  # the raw ESS the table shows
+        w.add_scalar("correction/ess", 1.0, i)  # no correction: 1 by construction, not tabled
         w.add_scalar("rollout/tokens_per_sec", 100.0, i)
         w.add_scalar("rollout/peak_memory_bytes", 2.0 * 2**20, i)
     for j, a in enumerate(accuracies):
@@ -124,7 +126,10 @@ def test_rl_results_against_hand_computed_numbers(tmp_path):
     assert summary["fp4"]["k3_kl"] == pytest.approx(2e-3) and math.isnan(summary["fp4"]["k3_kl_sd"]) is False
     md = (out / "results.md").read_text()
     assert "| fp4 | 3 | 0.453 ± 0.061 | -0.097 ± 0.038 (3 seeds) | n/a | -0.048 ± 0.019 |" in md
-    assert "verdict (Holm over 1) |" in md  # one comparison: Holm's adjustment is the t-test itself
+    assert "verdict (Holm over 1) |" in md
+    # ESS: the raw one (1 - 100 * 2e-3); k3_kl beside the BF16-rollout floor
+    assert summary["fp4"]["ess"] == pytest.approx(0.8, abs=1e-6)
+    assert "| 0.00200 (0.00000) | 0.800 |" in md and "| mean k3_kl (BF16 floor) | raw ESS |" in md  # one comparison: Holm's adjustment is the t-test itself
     # the same verdict function as the pretraining tables: an accuracy margin may show equivalence,
     # a shown difference wins over it
     assert {s["label"]: s["verdict"] for s in summarize_rl(rows, "bf16", margin=0.2)}["fp4"] == "worse"
