@@ -282,3 +282,63 @@ def test_sigterm_saves_and_exits_0(tokenizer, tmp_path):
     stopped = int(text.split("SIGTERM: stopping after iteration ")[1].split()[0])
     assert read_tracker(str(tmp_path / "ck")) == stopped < 200
     time.sleep(0)
+
+
+# ================================================================================================
+# What the trainer scores (issue: top-p / top-k, QAT and the fallback, the verl knobs)
+# ================================================================================================
+
+
+@pytest.mark.parametrize("sampling", [("--top-p", "0.8"), ("--top-k", "5")])
+def test_truncated_sampling_scores_the_distribution_the_engine_sampled(world_of_one, tokenizer, sampling):
+    """BF16 rollouts and a BF16 trainer (no quantization at all) under top-p 0.8 or top-k 5: the
+    trainer scores the engine's truncated, renormalised distribution, so the mismatch is the float
+    floor -- scoring the full distribution read a random policy's truncation as k3 of order 1."""
+    t = _trainer(base(tokenizer, "--precision", "bf16", "--rollout-precision", "bf16", *sampling))
+    scalars = t.step()
+    assert scalars["mismatch/k3_kl"] < 1e-4, scalars["mismatch/k3_kl"]
+    assert scalars["mismatch/outside_support_fraction"] == 0.0
+    assert math.isfinite(scalars["rl/pg_loss"]) and math.isfinite(scalars["rl/entropy"])
+
+
+def test_qat_recompute_leaves_the_mismatch_and_the_fallback_their_signal(world_of_one, tokenizer):
+    """--rollout-qat replay recomputes pi_old inside the QAT forward (k3 ~0 by construction); the
+    mismatch metrics and --rollout-fallback see the rollout against the trainer's own numerics."""
+    t = _trainer(base(tokenizer, "--precision", "bf16", "--rollout-precision", "mxfp4", "--rollout-qat", "replay",
+                      "--rollout-fallback", "k3_kl=1e-6"))
+    scalars = t.step()
+    assert scalars["mismatch/k3_kl"] > 1e-6 and t.fallback.events, scalars  # the fallback triggered
+    assert scalars["qat/k3_kl"] < 1e-9 and scalars["mismatch/ess_raw"] < 1.0
+    assert t.fallback.events[0]["value"] == pytest.approx(scalars["mismatch/k3_kl"])
+
+
+def test_verl_knobs(world_of_one, tokenizer):
+    """--clip-ratio-c, --entropy-coeff, --overlong-buffer-len / --overlong-penalty-factor and
+    --overlong-filter reach the step; bad values are one line naming the flag."""
+    from pretrain.arguments import ConfigError
+    from pretrain.rl.arguments import build_rl_parser, parse_rl_args
+
+    _, cfg = parse_rl_args(base(tokenizer, "--clip-ratio-c", "2.5"), 1, False)
+    assert cfg.clip_ratio_c == 2.5 and parse_rl_args(base(tokenizer), 1, False)[1].clip_ratio_c == 3.0
+    helptext = build_rl_parser().format_help()
+    for flag in ("--clip-ratio-c", "--entropy-coeff", "--overlong-buffer-len", "--overlong-penalty-factor",
+                 "--overlong-filter"):
+        assert flag in helptext, flag
+    for extra, flag in ((("--clip-ratio-c", "1.0"), "--clip-ratio-c 1.0"),
+                        (("--overlong-buffer-len", "9"), "--overlong-buffer-len 9"),
+                        (("--overlong-penalty-factor", "-1"), "--overlong-penalty-factor -1.0")):
+        with pytest.raises(ConfigError) as e:
+            parse_rl_args(base(tokenizer, *extra), 1, False)
+        assert str(e.value).startswith(flag) and "\n" not in str(e.value)
+
+    # a random policy rarely stops within 4 tokens: DAPO's penalty over the last 2, and the filter
+    plain = _trainer(base(tokenizer, "--rl-iters", "1"))
+    penal = _trainer(base(tokenizer, "--rl-iters", "1", "--overlong-buffer-len", "2", "--overlong-penalty-factor",
+                          "0.5", "--entropy-coeff", "0.01", "--overlong-filter"))
+    a, b = plain.step(), penal.step()  # the same samples: same seed, same weights
+    lengths = [len(x) for x in plain.generate(0)[1].tokens]
+    penalty = sum(min(-(n - 2) / 2 * 0.5, 0.0) for n in lengths) / len(lengths)
+    assert b["rl/reward_mean"] == pytest.approx(a["rl/reward_mean"] + penalty, abs=1e-6) and penalty < 0
+    assert b["rl/truncated_fraction"] > 0 and "rl/entropy_loss" in b and "rl/entropy_loss" not in a
+    if b["rl/truncated_fraction"] == 1.0:  # every response filtered: no loss, no update
+        assert b["rl/pg_loss"] == 0.0
