@@ -39,7 +39,7 @@ from collections.abc import Mapping
 import torch
 
 from precision.elements import E5M2
-from precision.formats import Format, Scaling, get_format
+from precision.formats import Format, Scaling
 from precision.recipe import Gemm, GemmRecipe, LinearPrecision
 
 __all__ = [
@@ -152,7 +152,7 @@ def recipe_backend(recipe: GemmRecipe, cap=None) -> tuple[str | None, str]:
 
 def _recipe_backend(recipe: GemmRecipe, cap) -> tuple[str | None, str]:
     fa, fb = recipe.a.fmt, recipe.b.fmt
-    sa, sb = get_format(fa), get_format(fb)
+    sa, sb = recipe.a.format, recipe.b.format
     if _fp8_tensor_core(sa) and _fp8_tensor_core(sb):
         if _e5m2_pair(sa, sb):
             return None, "E5M2 x E5M2 has no FP8 tensor-core GEMM"
@@ -173,7 +173,7 @@ def _recipe_backend(recipe: GemmRecipe, cap) -> tuple[str | None, str]:
 
 def bf16_exact_recipe(recipe: GemmRecipe) -> bool:
     """Whether both operands' quantized values are exactly BF16 (``Format.bf16_exact``)."""
-    return get_format(recipe.a.fmt).bf16_exact and get_format(recipe.b.fmt).bf16_exact
+    return recipe.a.format.bf16_exact and recipe.b.format.bf16_exact
 
 
 def _select_one(g: Gemm, recipe: GemmRecipe, cap, requested: str, layer: str | None) -> str:

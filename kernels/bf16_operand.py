@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from precision.elements import fdiv, pow2
-from precision.formats import QuantizedTensor, Scaling, get_format
+from precision.formats import QuantizedTensor, Scaling
 from precision.recipe import OperandFormat
 
 __all__ = ["bf16_form", "fp32_values", "mx_shift"]
@@ -58,7 +58,7 @@ def bf16_form(fmt: OperandFormat, codes: torch.Tensor, scales: torch.Tensor | No
     (uint8, one per element; BF16 formats: the int16 bit patterns) and ``scales`` (uint8 block scales
     ``[rows, K / block]``, or the per-tensor FP32 encode scale). ``out_scale`` is None when there is
     no factor to move; the SR pre-scale is ``fmt.prescale_factor``."""
-    spec = get_format(fmt.fmt)
+    spec = fmt.format
     if not spec.bf16_exact:
         raise ValueError(f"{spec.name}: its dequantized values are not exactly BF16 values "
                          "(Format.bf16_exact); use the FP32 emulated GEMM")

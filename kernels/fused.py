@@ -187,7 +187,8 @@ def fake_quantize(
         amax = margin_amax(fmt, rotate(x, axis % x.dim(), *rotation) if rotation is not None else x, amax)
     spec, rounding, scale_rule, prescale = resolve_format(fmt, rounding, scale_rule, prescale)
     fmt = spec.name
-    rounding, scale_rule = (str(v) for v in spec.check(rounding, scale_rule))  # plain strings: cache keys
+    typed_rounding, scale_rule = spec.check(rounding, scale_rule)
+    rounding, scale_rule = str(typed_rounding), str(scale_rule)  # plain strings: kernel cache keys
     axis = axis % x.dim()
     if impl not in ("auto", "compiled", "eager"):
         raise ValueError(f"impl: unknown {impl!r}; valid: auto, compiled, eager")
@@ -199,7 +200,7 @@ def fake_quantize(
         q = quantize(x, fmt, axis=axis, amax=amax if spec.tensor_scaled else None)
         stats = {"amax": q.amax, "num_clipped": q.num_clipped} if spec.kind == Scaling.TENSOR else {}
         return q.dequantize(torch.float32), stats
-    stochastic = rounding == "stochastic"
+    stochastic = typed_rounding.stochastic
     srp = sr.params(x.shape, x.device) if stochastic and sr is not None else None
     draw = stochastic and sr is None  # the older API: eager draws from ``generator``
     used = (torch.full((), -1.0, device=x.device) if amax is None

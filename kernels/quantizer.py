@@ -24,21 +24,22 @@ import importlib.util
 
 import torch
 
-from precision.formats import QuantizedTensor, Rounding, Scaling, format_names, get_format
+from precision.enums import Rounding
+from precision.formats import QuantizedTensor, Scaling, format_names
 from precision.quantize import quantize as reference_quantize
 from precision.quantize import resolve_format
+from precision.recipe import OperandFormat
 from precision.rotation import rotate, rotation_size
 from precision.srand import SRKey
 
-__all__ = ["quantize", "QUANTIZE_BACKENDS", "triton_importable", "triton_missing_reason"]
+__all__ = ["QUANTIZE_BACKENDS", "quantize", "triton_importable", "triton_missing_reason"]
 
 QUANTIZE_BACKENDS = ("auto", "reference", "triton")
-# The fused Triton kernel handles every format with a sign-exponent-mantissa element under per-tensor,
-# block or two-level scaling (not fp32/bf16, which do not round through a grid, nor HiF8's tapered code).
-TRITON_FORMATS = format_names(lambda f: f.element is not None and f.kind != Scaling.NONE)
+# The formats the fused Triton kernel handles (``Format.triton``: the registry says which)
+TRITON_FORMATS = format_names(lambda f: f.triton)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def triton_importable() -> bool:
     try:
         return importlib.util.find_spec("triton") is not None
@@ -46,10 +47,14 @@ def triton_importable() -> bool:
         return False
 
 
-def triton_missing_reason(x: torch.Tensor | None = None, fmt: str | None = None) -> str | None:
-    """Why the Triton quantizer cannot run here (one line), or None when it can."""
-    if fmt is not None and fmt not in TRITON_FORMATS:
-        return f"no Triton kernel for format {fmt!r} (Triton formats: {', '.join(TRITON_FORMATS)})"
+def triton_missing_reason(x: torch.Tensor | None = None, fmt=None) -> str | None:
+    """Why the Triton quantizer cannot run here (one line), or None when it can. ``fmt``: a format
+    name, or an ``OperandFormat`` (whose rounding must have a kernel too: ``Rounding.triton``)."""
+    name, rounding = (fmt.fmt, fmt.rounding) if isinstance(fmt, OperandFormat) else (fmt, None)
+    if name is not None and name not in TRITON_FORMATS:
+        return f"no Triton kernel for format {name!r} (Triton formats: {', '.join(TRITON_FORMATS)})"
+    if rounding is not None and not rounding.triton:
+        return f"no Triton kernel for {rounding} rounding ({', '.join(r for r in Rounding if r.triton)} only)"
     if not triton_importable():
         return "triton is not installed (pip install 'lowprec-pretrain[gpu]', or pip install triton)"
     if x is not None and x.device.type != "cuda":
@@ -97,7 +102,7 @@ def quantize(
         if rot.startswith("rht") and signs is None:
             raise ValueError(f"rotation {rot}: needs signs= (a +-1 vector of length {n})")
     if backend == "auto":
-        backend = "triton" if x.is_cuda and triton_missing_reason(x, fmt) is None else "reference"
+        backend = "triton" if x.is_cuda and rounding.triton and triton_missing_reason(x, fmt) is None else "reference"
     if backend == "reference":
         if rot is not None:
             x = rotate(x, axis % x.dim(), rotation_size(rot), signs if rot.startswith("rht") else None)
@@ -110,13 +115,13 @@ def quantize(
     from kernels.triton_quant import quantize_triton
 
     seed = None
-    if rounding == Rounding.STOCHASTIC and sr is None:
+    if rounding.stochastic and sr is None:
         dev = generator.device if generator is not None else x.device
         seed = torch.randint(0, 2**62, (1,), generator=generator, device=dev, dtype=torch.int64)
     r = quantize_triton(x, fmt, axis=axis, rounding=rounding, scale_rule=scale_rule, rotation=rot,
                         signs=signs if rot is not None and rot.startswith("rht") else None,
                         seed=seed, sr=sr, prescale=prescale, amax=amax)
-    kind = get_format(fmt).kind
+    kind = spec.kind
     if kind == Scaling.TENSOR:
         return QuantizedTensor(fmt, r.codes, r.scales, r.axis, num_clipped=r.num_clipped, amax=r.amax)
     if kind == Scaling.TWO_LEVEL:

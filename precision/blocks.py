@@ -45,6 +45,7 @@ from precision.elements import (
     pow2,
     round_to_grid,
 )
+from precision.enums import Rounding, ScaleRule
 
 __all__ = [
     "FP32_MAX",
@@ -105,8 +106,6 @@ def mx_scale_bytes(amax: torch.Tensor, spec: ElementSpec, scale_rule: str) -> to
         up = (r.view(torch.int32) & 0x7FFFFF) != 0
         e = exponent_floor(r) + up.to(torch.int32) - torch.where(tiny, 64, 0).to(torch.int32)
     else:
-        from precision.formats import ScaleRule  # the registry's names (it imports this module)
-
         raise ValueError(f"scale_rule: unknown rule {scale_rule!r}; valid: {', '.join(ScaleRule.values())}")
     e = e.clamp(-127, 127)
     zero = exponent_floor(amax) == -127  # amax is 0 or an FP32 subnormal
@@ -121,8 +120,8 @@ def _sign_code(x: torch.Tensor, spec: ElementSpec) -> torch.Tensor:
 def mx_quantize_blocks(
     xb: torch.Tensor,
     spec: ElementSpec,
-    scale_rule: str = "floor",
-    rounding: str = "nearest",
+    scale_rule: ScaleRule | str = ScaleRule.FLOOR,
+    rounding: Rounding | str = Rounding.NEAREST,
     generator: torch.Generator | None = None,
     prescale: float = 1.0,
     u: torch.Tensor | None = None,
@@ -170,8 +169,8 @@ def mx_dequantize_blocks(codes: torch.Tensor, sbytes: torch.Tensor, spec: Elemen
 def mx_fake_quantize_blocks(
     xb: torch.Tensor,
     spec: ElementSpec,
-    scale_rule: str = "floor",
-    rounding: str = "nearest",
+    scale_rule: ScaleRule | str = ScaleRule.FLOOR,
+    rounding: Rounding | str = Rounding.NEAREST,
     u: torch.Tensor | None = None,
     prescale: float = 1.0,
 ) -> torch.Tensor:
@@ -189,7 +188,7 @@ def mx_fake_quantize_blocks(
     v = xb * pow2(127 - sbyte)
     if prescale != 1.0:
         v = v * prescale
-    if spec is E2M1 and (rounding == "nearest" or u is not None):
+    if spec is E2M1 and (not Rounding.parse(rounding, "rounding").stochastic or u is not None):
         q = e2m1_round(v, rounding, u) * pow2(sbyte - 127)
     else:
         q = round_to_grid(v, spec, rounding, u=u) * pow2(sbyte - 127)
@@ -211,7 +210,7 @@ def nvfp4_tensor_scale(amax_tensor: torch.Tensor) -> torch.Tensor:
 def nvfp4_quantize_blocks(
     xb: torch.Tensor,
     g_enc: torch.Tensor,
-    rounding: str = "nearest",
+    rounding: Rounding | str = Rounding.NEAREST,
     generator: torch.Generator | None = None,
     u: torch.Tensor | None = None,
     amax: torch.Tensor | None = None,
@@ -248,7 +247,7 @@ def nvfp4_dequantize_blocks(codes: torch.Tensor, sbytes: torch.Tensor, g_enc: to
 def nvfp4_fake_quantize_blocks(
     xb: torch.Tensor,
     g_enc: torch.Tensor,
-    rounding: str = "nearest",
+    rounding: Rounding | str = Rounding.NEAREST,
     u: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """quantize -> dequantize of NVFP4 blocks, branch-free (see :func:`mx_fake_quantize_blocks`)."""
@@ -261,7 +260,7 @@ def nvfp4_fake_quantize_blocks(
     s_enc = torch.clamp(1.0 / (s_dec * g_dec), max=FP32_MAX)
     v = torch.clamp(xb * s_enc, -E2M1.max_normal, E2M1.max_normal)
     v = torch.where(torch.isnan(v), torch.zeros_like(v), v)
-    if rounding == "nearest" or u is not None:
+    if not Rounding.parse(rounding, "rounding").stochastic or u is not None:
         q = e2m1_round(v, rounding, u) * (s_dec * g_dec)
     else:
         q = round_to_grid(v, E2M1, rounding, u=u) * (s_dec * g_dec)

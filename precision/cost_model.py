@@ -61,9 +61,10 @@ NVFP4 (E4M3 scales per 16) is native on Blackwell only.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from precision.formats import AmaxAlgo, Scaling, get_format
+from precision.enums import AmaxAlgo, Scaling
+from precision.formats import FORMATS
 from precision.recipe import Gemm, GemmRecipe, LinearPrecision, OperandFormat
 
 __all__ = [
@@ -107,8 +108,16 @@ class Target:
     """Dense peak TFLOP/s per rate class (``fp32``, ``bf16``, ``fp8`` and, where native, ``fp6``, ``fp4``)."""
     hbm_tb_s: float
     """HBM bandwidth, TB/s."""
-    native: Mapping[str, str] = field(default_factory=dict)
-    """Registered format name -> rate class, for the formats this device's tensor cores take."""
+    native_kinds: tuple[Scaling, ...] = (Scaling.NONE, Scaling.TENSOR)
+    """The scaling kinds this device's tensor cores take (FP32/BF16 and per-tensor FP8 everywhere here;
+    ``block``: OCP MX; ``two_level``: NVFP4). A format runs natively when its kind is one of them and it
+    has a tensor-core rate class at all (``Format.rate_class``: HiF8 has none)."""
+
+    @property
+    def native(self) -> dict[str, str]:
+        """Registered format name -> rate class, for the formats this device's tensor cores take
+        (read from the registry: ``Format.kind`` and ``Format.rate_class``)."""
+        return {f.name: f.rate_class for f in FORMATS.values() if f.rate_class and f.kind in self.native_kinds}
 
     def rate(self, cls: str) -> float:
         """FLOP/s of a rate class."""
@@ -120,20 +129,19 @@ class Target:
         return self.hbm_tb_s * 1e12
 
 
-_COMMON = {"fp32": "fp32", "bf16": "bf16", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
-_MX = {"mxfp8_e4m3": "fp8", "mxfp8_e5m2": "fp8", "mxfp6_e2m3": "fp6", "mxfp6_e3m2": "fp6", "mxfp4": "fp4"}
+_DENSE = (Scaling.NONE, Scaling.TENSOR)  # FP32, BF16, per-tensor FP8
 
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
         Target("b200", "NVIDIA B200 (HGX, 1,000 W; Blackwell sm_100)",
                {"fp32": 80.0, "bf16": 2250.0, "fp8": 4500.0, "fp6": 4500.0, "fp4": 9000.0}, 8.0,
-               {**_COMMON, **_MX, "nvfp4": "fp4"}),
+               (*_DENSE, Scaling.BLOCK, Scaling.TWO_LEVEL)),
         Target("mi355x", "AMD Instinct MI355X (CDNA 4, gfx950)",
                {"fp32": 157.3, "bf16": 2516.6, "fp8": 5033.2, "fp6": 10066.0, "fp4": 10066.0}, 8.0,
-               {**_COMMON, **_MX}),
+               (*_DENSE, Scaling.BLOCK)),
         Target("h200", "NVIDIA H200 SXM (Hopper sm_90: FP8 tensor cores, no FP4/FP6/MX)",
-               {"fp32": 67.0, "bf16": 989.5, "fp8": 1979.0}, 4.8, dict(_COMMON)),
+               {"fp32": 67.0, "bf16": 989.5, "fp8": 1979.0}, 4.8, _DENSE),
     )
 }
 
@@ -160,7 +168,7 @@ def _stored_bytes(op: OperandFormat, target: Target) -> float:
         return 4.0
     if op.fmt not in target.native:
         return _BF16_BYTES  # emulated: dequantized to BF16 before a BF16 GEMM
-    return get_format(op.fmt).bits_per_element / 8.0
+    return op.format.bits_per_element / 8.0
 
 
 def _quant_bytes(op: OperandFormat, target: Target, fused: bool = False) -> float:
@@ -171,7 +179,7 @@ def _quant_bytes(op: OperandFormat, target: Target, fused: bool = False) -> floa
     if fused:
         return _stored_bytes(op, target)
     nbytes = _BF16_BYTES + _stored_bytes(op, target)  # read BF16, write the stored form
-    if get_format(op.fmt).kind == Scaling.TENSOR and op.amax_algo == AmaxAlgo.CURRENT:
+    if op.format.kind == Scaling.TENSOR and op.amax_algo == AmaxAlgo.CURRENT:
         nbytes += _BF16_BYTES  # the amax pass of current per-tensor scaling
     return nbytes
 

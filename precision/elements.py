@@ -27,28 +27,30 @@ from dataclasses import dataclass
 
 import torch
 
+from precision.enums import Rounding
+
 __all__ = [
-    "ElementSpec",
     "E2M1",
+    "E2M3",
+    "E3M2",
     "E4M3",
     "E5M2",
     "ELEMENTS",
-    "round_to_grid",
-    "e2m1_encode",
-    "e2m1_decode",
-    "e2m1_values",
-    "fp8_encode",
-    "fp8_decode",
-    "exponent_floor",
-    "pow2",
-    "fdiv",
-    "E2M3",
-    "E3M2",
-    "element_values",
-    "grid_encode",
-    "grid_decode",
-    "encode_element",
+    "ElementSpec",
     "decode_element",
+    "e2m1_decode",
+    "e2m1_encode",
+    "e2m1_values",
+    "element_values",
+    "encode_element",
+    "exponent_floor",
+    "fdiv",
+    "fp8_decode",
+    "fp8_encode",
+    "grid_decode",
+    "grid_encode",
+    "pow2",
+    "round_to_grid",
 ]
 
 
@@ -94,10 +96,9 @@ E5M2 = ElementSpec("e5m2", ebits=5, mbits=2, emin=-14, emax=15, max_normal=57344
 ELEMENTS = {e.name: e for e in (E2M1, E2M3, E3M2, E4M3, E5M2)}
 
 
-def _unknown_rounding(rounding) -> ValueError:
-    from precision.formats import Rounding  # the registry's names (it imports this module)
-
-    return ValueError(f"rounding: unknown mode {rounding!r}; valid: {', '.join(Rounding.values())}")
+def _rounding(rounding) -> Rounding:
+    """``rounding`` (a member or its name) as a :class:`Rounding`; a one-line error otherwise."""
+    return Rounding.parse(rounding, "rounding")
 
 
 def fdiv(a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor:
@@ -131,7 +132,7 @@ def pow2(e: torch.Tensor) -> torch.Tensor:
 def round_to_grid(
     a: torch.Tensor,
     spec: ElementSpec,
-    rounding: str = "nearest",
+    rounding: Rounding | str = Rounding.NEAREST,
     generator: torch.Generator | None = None,
     u: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -148,32 +149,18 @@ def round_to_grid(
     e = exponent_floor(mag).clamp(min=spec.emin, max=spec.emax)
     ulp = pow2(e - spec.mbits)
     steps = mag / ulp  # exact: division by a power of two
-    if rounding == "nearest":
-        q = torch.round(steps)  # half to even
-    elif rounding == "stochastic":
-        lo = torch.floor(steps)
-        if u is None:
-            u = torch.rand(a.shape, generator=generator, device=a.device, dtype=torch.float32)
-        q = lo + (u < (steps - lo)).float()
-    else:
-        raise _unknown_rounding(rounding)
+    q = _rounding(rounding).round_steps(steps, u, generator)
     q = torch.clamp(q * ulp, max=spec.max_normal)
     return torch.copysign(q, a)
 
 
-def e2m1_round(v: torch.Tensor, rounding: str = "nearest", u: torch.Tensor | None = None) -> torch.Tensor:
+def e2m1_round(v: torch.Tensor, rounding: Rounding | str = Rounding.NEAREST, u: torch.Tensor | None = None) -> torch.Tensor:
     """``round_to_grid(v, E2M1, ...)`` written with float operations only (the grid step is 0.5
     below 2, 1 below 4, 2 above; saturate at 6), so a compiler can vectorize it; same values."""
     a = v.abs()
     step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
     steps = a / step  # exact: division by a power of two
-    if rounding == "nearest":
-        q = torch.round(steps)
-    elif rounding == "stochastic":
-        lo = torch.floor(steps)
-        q = lo + (u < (steps - lo)).float()
-    else:
-        raise _unknown_rounding(rounding)
+    q = _rounding(rounding).round_steps(steps, u)
     return torch.copysign(torch.clamp(q * step, max=E2M1.max_normal), v)
 
 
@@ -198,7 +185,7 @@ def e2m1_values() -> torch.Tensor:
     return _E2M1_VALUES.clone()
 
 
-def e2m1_encode(a: torch.Tensor, rounding: str = "nearest", generator=None,
+def e2m1_encode(a: torch.Tensor, rounding: Rounding | str = Rounding.NEAREST, generator=None,
                 u: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled float32 values -> E2M1 codes (uint8, 0..15), saturating at 6.
 
@@ -206,7 +193,7 @@ def e2m1_encode(a: torch.Tensor, rounding: str = "nearest", generator=None,
     through ``round_to_grid`` and maps the (exact) result to its code.
     """
     a = a.float()
-    if rounding == "nearest":
+    if _rounding(rounding).nearest_even:
         mag = torch.bucketize(a.abs(), _E2M1_BOUNDS_RNE.to(a.device), right=False)
     else:
         q = round_to_grid(a, E2M1, rounding, generator, u).abs()
@@ -221,13 +208,13 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- FP8 codes
-def fp8_encode(a: torch.Tensor, spec: ElementSpec, rounding: str = "nearest", generator=None,
+def fp8_encode(a: torch.Tensor, spec: ElementSpec, rounding: Rounding | str = Rounding.NEAREST, generator=None,
                u: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled float32 values -> FP8 codes (uint8), saturating to +-max normal; NaN/Inf -> NaN code
     for E4M3 (it has no Inf), kept as +-Inf for E5M2."""
     a = a.float()
     finite = torch.isfinite(a)
-    if rounding == "nearest":
+    if _rounding(rounding).nearest_even:
         q = a.clamp(-spec.max_normal, spec.max_normal)  # torch RNE-casts; E5M2 does not saturate itself
     else:
         q = round_to_grid(a, spec, rounding, generator, u)
@@ -257,7 +244,7 @@ def element_values(spec: ElementSpec) -> torch.Tensor:
 _VALUE_TABLES: dict[str, torch.Tensor] = {}
 
 
-def grid_encode(a: torch.Tensor, spec: ElementSpec, rounding: str = "nearest", generator=None,
+def grid_encode(a: torch.Tensor, spec: ElementSpec, rounding: Rounding | str = Rounding.NEAREST, generator=None,
                 u: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled float32 values -> codes of a finite-only element format (uint8), saturating.
 
@@ -284,7 +271,7 @@ def grid_decode(codes: torch.Tensor, spec: ElementSpec) -> torch.Tensor:
     return table.to(codes.device)[codes.long() & ((1 << spec.bits) - 1)]
 
 
-def encode_element(a: torch.Tensor, spec: ElementSpec, rounding: str = "nearest", generator=None,
+def encode_element(a: torch.Tensor, spec: ElementSpec, rounding: Rounding | str = Rounding.NEAREST, generator=None,
                    u: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled float32 values -> ``spec`` codes (uint8): the fastest exact path for each element."""
     if spec is E2M1:

@@ -10,16 +10,14 @@ the spec grammar, README tables -- is read from here.
 >>> FORMATS["mxfp6_e2m3"].bits_per_element, FORMATS["nvfp4"].kind
 (6.25, 'two_level')
 
-Roundings, scale rules, amax algorithms and scaling kinds are ``str`` enums: a member equals,
-hashes, prints (``str`` and ``repr``), JSON-encodes and pickles as its plain string value
-(``"nearest"``), so specs, logs and checkpoints read as they did when these were strings.
+Roundings, scale rules, amax algorithms and scaling kinds are the ``str`` enums of
+``precision.enums`` (re-exported here); a rounding carries its behaviour (``Rounding.round_steps``).
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-import enum
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +33,7 @@ from precision.elements import (
     decode_element,
     encode_element,
 )
+from precision.enums import AmaxAlgo, Rounding, ScaleRule, Scaling
 from precision.hif8 import HIF8_MAX, HIF8_SCALE_TARGET, hif8_decode, hif8_encode
 from precision.srand import SRKey
 from precision.tensorwise import scale_from_amax, tensor_amax
@@ -52,63 +51,6 @@ __all__ = [
     "pack_codes",
     "unpack_codes",
 ]
-
-
-# ====================================================================== typed vocabularies
-class _StrEnum(str, enum.Enum):
-    """A ``str`` enum that behaves as its value: ``==``/hash/``str``/f-strings/JSON, and pickles as
-    a plain ``str`` (checkpoints stay loadable with ``weights_only=True`` and by older code)."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-    def __repr__(self) -> str:  # dataclass reprs (OperandFormat(...)) read as they did with strings
-        return repr(self.value)
-
-    def __hash__(self) -> int:
-        return str.__hash__(self)
-
-    def __reduce_ex__(self, protocol):
-        return str, (self.value,)
-
-    @classmethod
-    def values(cls) -> tuple[str, ...]:
-        return tuple(m.value for m in cls)
-
-    @classmethod
-    def parse(cls, value, what: str):
-        """``value`` as a member; a one-line error naming ``what`` and the valid values otherwise."""
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"{what}: unknown {value!r}; valid: {', '.join(cls.values())}") from None
-
-
-class Rounding(_StrEnum):
-    NEAREST = "nearest"  # round half to even (HiF8: half away from zero)
-    STOCHASTIC = "stochastic"
-
-
-class ScaleRule(_StrEnum):
-    FLOOR = "floor"  # OCP MX: exponent = floor(log2 amax) - emax_elem (the block maximum may clip)
-    RCEIL = "rceil"  # NVIDIA hardware: 2^ceil(log2(amax / max_normal)) (never clips)
-
-
-class AmaxAlgo(_StrEnum):
-    CURRENT = "current"  # this tensor's own amax
-    MOST_RECENT = "most_recent"
-    MAX = "max"
-    EMA = "ema"
-
-
-class Scaling(_StrEnum):
-    NONE = "none"
-    TENSOR = "tensor"  # one FP32 scale per tensor
-    BLOCK = "block"  # one scale per block along the contraction axis
-    TWO_LEVEL = "two_level"  # block scales under an FP32 tensor scale (NVFP4)
 
 
 # BF16 (``Format.bf16_exact``): 7 stored mantissa bits, FP32's exponent range, subnormals to 2^-133
@@ -222,7 +164,7 @@ class Format(abc.ABC):
     code_bits: int = 8  # bits of one element code
     scale_bits: int = 0  # bits of one block scale (block formats)
     tile: int = 0  # 2-D block scaling (weights): the edge of the square sharing one scale; 0: 1-D only
-    roundings: tuple[Rounding, ...] = (Rounding.NEAREST, Rounding.STOCHASTIC)
+    roundings: tuple[Rounding, ...] = tuple(Rounding)  # every mode of precision.enums.Rounding
     scale_rules: tuple[ScaleRule, ...] = (ScaleRule.FLOOR,)  # more than FLOOR: MX
     delayed: bool = False  # delayed scaling (an amax history) applies
     max_normal: float = 0.0
@@ -230,6 +172,10 @@ class Format(abc.ABC):
     """Per-tensor formats: the value a tensor's amax maps to, ``scale = scale_target / amax``
     (FP8: its max normal, as TransformerEngine; HiF8: 2^3, inside its 3-mantissa-bit binades).
     An operand's ``margin`` divides it by 2^margin (``OperandFormat.scale_target``)."""
+    rate_class: str | None = None
+    """The tensor-core rate class a GEMM of this format runs at on a device whose tensor cores take
+    its scaling kind (``precision.cost_model``: ``fp32``, ``bf16``, ``fp8``, ``fp6``, ``fp4``); None:
+    no device has tensor cores for it (HiF8), so it is emulated everywhere."""
 
     # ---------------------------------------------------------------- properties
     @property
@@ -250,7 +196,7 @@ class Format(abc.ABC):
 
     @property
     def supports_sr(self) -> bool:
-        return Rounding.STOCHASTIC in self.roundings
+        return any(r.stochastic for r in self.roundings)
 
     @property
     def has_scale_rules(self) -> bool:
@@ -278,6 +224,13 @@ class Format(abc.ABC):
     @property
     def packable(self) -> bool:
         return self.code_bits in (4, 6)
+
+    @property
+    def triton(self) -> bool:
+        """Whether the fused Triton quantizer (``kernels.triton_quant``) has a kernel for this format:
+        every sign-exponent-mantissa element under per-tensor, block or two-level scaling (not
+        fp32/bf16, which do not round through a grid, nor HiF8's tapered code)."""
+        return self.element is not None and self.kind != Scaling.NONE
 
     @property
     def bf16_exact(self) -> bool:
@@ -327,13 +280,13 @@ class Format(abc.ABC):
         if block2d and x.dim() != 2:
             raise ValueError(f"{self.name}: 2-D block scaling takes a 2-D tensor (a weight [out, in]), "
                              f"got shape {tuple(x.shape)}")
-        if prescale != 1.0 and not (self.has_scale_rules and r is Rounding.STOCHASTIC):
+        if prescale != 1.0 and not (self.has_scale_rules and r.stochastic):
             raise ValueError(f"{self.name}: prescale needs an MX format with stochastic rounding")
         if x.dim() == 0:
             raise ValueError("quantize: x must have at least one dimension")
         axis = axis % x.dim()
         u = None
-        if r is Rounding.STOCHASTIC and sr is not None:  # natural layout, blocked like x below
+        if r.stochastic and sr is not None:  # natural layout, blocked like x below
             u = sr.uniforms(x.shape, x.device)
         if block2d:
             return self._quantize(x.float(), axis, r, s, generator, prescale, amax, u, block2d=True)
@@ -486,19 +439,20 @@ _MX_RULES = (ScaleRule.FLOOR, ScaleRule.RCEIL)
 
 def _mx(name: str, element: ElementSpec, what: str) -> MXFormat:
     return MXFormat(name, Scaling.BLOCK, f"{what} + E8M0 scale per 32", element, block=32,
-                    code_bits=element.bits, scale_bits=8, tile=32, scale_rules=_MX_RULES, max_normal=element.max_normal)
+                    code_bits=element.bits, scale_bits=8, tile=32, scale_rules=_MX_RULES, max_normal=element.max_normal,
+                    rate_class=f"fp{element.bits}")
 
 
 FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
         IdentityFormat("fp32", Scaling.NONE, "float32, not rounded (exact FP32 GEMM)", code_bits=32,
-                       roundings=_NEAREST),
-        CastFormat("bf16", Scaling.NONE, "bfloat16 (RNE cast)", code_bits=16, roundings=_NEAREST),
+                       roundings=_NEAREST, rate_class="fp32"),
+        CastFormat("bf16", Scaling.NONE, "bfloat16 (RNE cast)", code_bits=16, roundings=_NEAREST, rate_class="bf16"),
         TensorFormat("fp8_e4m3", Scaling.TENSOR, "E4M3, saturating", E4M3, delayed=True,
-                     max_normal=E4M3.max_normal, scale_target=E4M3.max_normal),
+                     max_normal=E4M3.max_normal, scale_target=E4M3.max_normal, rate_class="fp8"),
         TensorFormat("fp8_e5m2", Scaling.TENSOR, "E5M2, saturating", E5M2, delayed=True,
-                     max_normal=E5M2.max_normal, scale_target=E5M2.max_normal),
+                     max_normal=E5M2.max_normal, scale_target=E5M2.max_normal, rate_class="fp8"),
         HiF8Format("hif8", Scaling.TENSOR, "HiFloat8, ties away, saturating at 2^15", roundings=_NEAREST,
                    delayed=True, max_normal=HIF8_MAX, scale_target=HIF8_SCALE_TARGET),
         _mx("mxfp8_e4m3", E4M3, "E4M3"),
@@ -507,7 +461,7 @@ FORMATS: dict[str, Format] = {
         _mx("mxfp6_e3m2", E3M2, "E3M2 (FP6)"),
         _mx("mxfp4", E2M1, "E2M1 (FP4)"),
         NVFP4Format("nvfp4", Scaling.TWO_LEVEL, "E2M1 + E4M3 scale per 16 + FP32 tensor scale", E2M1, block=16,
-                    code_bits=4, scale_bits=8, tile=16, max_normal=E2M1.max_normal),
+                    code_bits=4, scale_bits=8, tile=16, max_normal=E2M1.max_normal, rate_class="fp4"),
     )
 }
 

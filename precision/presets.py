@@ -13,18 +13,11 @@ per-layer rules a preset brings with it (e.g. which layers ``hif8_w8a8`` leaves 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from precision.recipe import Gemm, LinearPrecision, parse_gemm
+from precision.recipe import PRESETS as _REGISTRY
+from precision.recipe import Gemm, LinearPrecision, parse_gemm, preset
+from precision.recipe import register_preset as _preset
 
 __all__ = ["default_rules", "describe", "get", "names"]
-
-_REGISTRY: dict[str, Callable[[], LinearPrecision]] = {}
-
-
-def _preset(fn: Callable[[], LinearPrecision]) -> Callable[[], LinearPrecision]:
-    _REGISTRY[fn.__name__] = fn
-    return fn
 
 
 def _lp(fprop: str, dgrad: str, wgrad: str) -> LinearPrecision:
@@ -206,10 +199,8 @@ def names() -> list[str]:
 
 
 def get(name: str) -> LinearPrecision:
-    try:
-        return _REGISTRY[name]()
-    except KeyError:
-        raise ValueError(f"unknown precision preset {name!r}; valid: {', '.join(_REGISTRY)}") from None
+    """The preset's ``LinearPrecision``; a one-line error listing the valid names."""
+    return preset(name)
 
 
 def describe(name: str) -> str:

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from precision.formats import FORMATS, Format, QuantizedTensor, Rounding, ScaleRule, get_format
+from precision.enums import Rounding, ScaleRule
+from precision.formats import FORMATS, Format, QuantizedTensor, get_format
+from precision.recipe import OperandFormat
 from precision.srand import SRKey
+from precision.tensorwise import tensor_amax
 
 __all__ = [
     "FORMATS",
@@ -43,19 +46,19 @@ def format_spec(name) -> Format:
 
 
 def resolve_format(fmt, rounding=None, scale_rule=None, prescale=None):
-    """``(Format, rounding, scale_rule, prescale)`` from a format name / ``Format`` with keyword
-    settings (defaults nearest, floor, 1.0), or from an ``OperandFormat`` that carries them itself."""
-    from precision.recipe import OperandFormat  # recipe validates against the registry
-
+    """``(Format, Rounding, ScaleRule, prescale)`` from a format name / ``Format`` with keyword
+    settings (defaults nearest, floor, 1.0; checked against the format: ``Format.check``), or from an
+    ``OperandFormat`` that carries them itself (validated when it was made)."""
     if isinstance(fmt, OperandFormat):
         given = [k for k, v in (("rounding", rounding), ("scale_rule", scale_rule), ("prescale", prescale))
                  if v is not None]
         if given:
             raise ValueError(f"quantize: {fmt} is an OperandFormat, which carries its own rounding, scale rule "
                              f"and prescale; do not also pass {', '.join(given)}")
-        return get_format(fmt.fmt), fmt.rounding, fmt.scale_rule, fmt.prescale_factor
-    return (get_format(fmt), Rounding.NEAREST if rounding is None else rounding,
-            ScaleRule.FLOOR if scale_rule is None else scale_rule, 1.0 if prescale is None else prescale)
+        return fmt.format, fmt.rounding, fmt.scale_rule, fmt.prescale_factor
+    f = get_format(fmt)
+    r, s = f.check(Rounding.NEAREST if rounding is None else rounding, ScaleRule.FLOOR if scale_rule is None else scale_rule)
+    return f, r, s, 1.0 if prescale is None else prescale
 
 
 def margin_amax(fmt, x: torch.Tensor, amax):
@@ -63,9 +66,6 @@ def margin_amax(fmt, x: torch.Tensor, amax):
     ``amax * 2^margin`` (the tensor's own amax when ``amax`` is None), so that ``scale_target / it``
     is ``scale_target / amax / 2^margin`` bit for bit (a power-of-two factor is exact in FP32).
     ``amax`` unchanged without a margin."""
-    from precision.recipe import OperandFormat
-    from precision.tensorwise import tensor_amax
-
     if not isinstance(fmt, OperandFormat) or not fmt.margin:
         return amax
     a = tensor_amax(x) if amax is None else torch.as_tensor(amax, dtype=torch.float32, device=x.device).reshape(())
@@ -104,8 +104,6 @@ def quantize(
     """
     amax = margin_amax(fmt, x, amax)
     f, rounding, scale_rule, prescale = resolve_format(fmt, rounding, scale_rule, prescale)
-    from precision.recipe import OperandFormat  # recipe validates against the registry
-
     if isinstance(fmt, OperandFormat):
         if block2d is not None:
             raise ValueError(f"quantize: {fmt} is an OperandFormat, which carries its own 2-D setting; "

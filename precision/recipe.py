@@ -32,16 +32,39 @@ from __future__ import annotations
 import enum
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from precision.formats import FORMATS, AmaxAlgo, Format, Rounding, ScaleRule, Scaling, format_names
+from precision.enums import AmaxAlgo, Rounding, ScaleRule, Scaling
+from precision.formats import FORMATS, Format, format_names
 from precision.rotation import ROTATIONS
 
-__all__ = ["Gemm", "GemmRecipe", "LinearPrecision", "OperandFormat", "SpecError"]
+__all__ = ["PRESETS", "Gemm", "GemmRecipe", "LinearPrecision", "OperandFormat", "SpecError", "preset",
+           "register_preset"]
 
 
 class SpecError(ValueError):
     """An invalid precision spec; the message names the GEMM, the bad value and the valid ones."""
+
+
+# The named presets (``--precision NAME``, ``base=NAME`` in a compact spec): name -> constructor.
+# ``precision.presets`` defines them with :func:`register_preset`; they build on the classes below,
+# so the registry lives here and the spec grammar reads it without importing the presets module.
+PRESETS: dict[str, Callable[[], LinearPrecision]] = {}
+
+
+def register_preset(fn: Callable[[], LinearPrecision]) -> Callable[[], LinearPrecision]:
+    """Register ``fn`` (its name is the preset's name, its docstring the preset's table)."""
+    PRESETS[fn.__name__] = fn
+    return fn
+
+
+def preset(name: str) -> LinearPrecision:
+    """The ``LinearPrecision`` of a registered preset; a one-line error listing the valid names."""
+    try:
+        return PRESETS[name]()
+    except KeyError:
+        raise ValueError(f"unknown precision preset {name!r}; valid: {', '.join(PRESETS)}") from None
 
 
 class Gemm(str, enum.Enum):
@@ -92,6 +115,7 @@ class OperandFormat:
         if self.fmt not in FORMATS:
             raise SpecError(f"unknown format {self.fmt!r}; valid: {', '.join(FORMATS)}")
         spec = FORMATS[self.fmt]
+        object.__setattr__(self, "_format", spec)  # resolved once: code reads ``self.format``
         for field, enum_type, what in (("rounding", Rounding, "rounding"), ("scale_rule", ScaleRule, "scale rule"),
                                        ("amax_algo", AmaxAlgo, "amax algorithm")):
             value = getattr(self, field)
@@ -100,18 +124,18 @@ class OperandFormat:
             object.__setattr__(self, field, enum_type(value))  # the same value, typed
         if self.rounding not in spec.roundings:
             raise SpecError(f"{self.fmt}: {self.rounding} rounding is not supported; valid with: "
-                            f"{', '.join(format_names(lambda f: f.supports_sr))}")
+                            f"{', '.join(format_names(lambda f: self.rounding in f.roundings))}")
         if self.scale_rule not in spec.scale_rules:
             raise SpecError(f"{self.fmt}: scale rule {str(self.scale_rule)!r} applies to MX formats only "
                             f"({', '.join(format_names(lambda f: f.has_scale_rules))})")
-        if self.prescale and not (spec.has_scale_rules and self.rounding == Rounding.STOCHASTIC):
+        if self.prescale and not (spec.has_scale_rules and self.rounding.stochastic):
             raise SpecError(f"{self.fmt}: prescale (3/4) needs an MX format with stochastic rounding")
         if self.block2d and not spec.tile:
             raise SpecError(f"{self.fmt}: 2-D block scaling (2d) does not apply; valid with: "
                             f"{', '.join(format_names(lambda f: f.tile))}")
-        if self.block2d and self.rounding != Rounding.NEAREST:
+        if self.block2d and self.rounding.stochastic:
             raise SpecError(f"{self.fmt}/2d: 2-D weight tiles round to nearest (one quantized weight serves "
-                            "Fprop and Dgrad); drop sr")
+                            f"Fprop and Dgrad); drop {self.rounding.modifier}")
         if self.amax_algo != AmaxAlgo.CURRENT and not spec.delayed:
             raise SpecError(f"{self.fmt}: delayed scaling applies to per-tensor formats only "
                             f"({', '.join(format_names(lambda f: f.delayed))})")
@@ -128,8 +152,16 @@ class OperandFormat:
 
     @property
     def format(self) -> Format:
-        """The registry entry of ``fmt``."""
-        return FORMATS[self.fmt]
+        """The registry entry of ``fmt`` (resolved when this operand format was made)."""
+        return self._format
+
+    def __getstate__(self) -> dict:  # pickles as its fields alone (the registry entry is looked up again)
+        return {k: v for k, v in self.__dict__.items() if k != "_format"}
+
+    def __setstate__(self, state: dict) -> None:
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
+        object.__setattr__(self, "_format", FORMATS[self.fmt])
 
     @property
     def is_high_precision(self) -> bool:
@@ -147,8 +179,8 @@ class OperandFormat:
 
     def modifiers(self) -> list[str]:
         mods = []
-        if self.rounding == Rounding.STOCHASTIC:
-            mods.append("sr")
+        if self.rounding.modifier:
+            mods.append(self.rounding.modifier)
         if self.prescale:
             mods.append("prescale")
         if self.block2d:
@@ -204,8 +236,8 @@ _MARGIN_RE = re.compile(r"^margin\((-?\d+)\)$")
 
 def _apply_modifier(fields: dict, mod: str) -> None:
     """Record one modifier in ``fields`` (OperandFormat keyword arguments)."""
-    if mod == "sr":
-        fields["rounding"] = Rounding.STOCHASTIC
+    if rounding := Rounding.from_modifier(mod):
+        fields["rounding"] = rounding
     elif mod == "prescale":
         fields["prescale"] = True
     elif mod == "2d":
@@ -220,7 +252,7 @@ def _apply_modifier(fields: dict, mod: str) -> None:
     elif m := _MARGIN_RE.match(mod):
         fields["margin"] = int(m.group(1))
     else:
-        raise SpecError(f"unknown modifier {mod!r}; valid: sr, prescale, 2d, {', '.join(ScaleRule.values())}, "
+        raise SpecError(f"unknown modifier {mod!r}; valid: {', '.join(Rounding.modifiers())}, prescale, 2d, {', '.join(ScaleRule.values())}, "
                         f"current, margin(N), delayed(ALGO[,N]) with ALGO in {', '.join(AmaxAlgo.values()[1:])}, or a rotation "
                         f"({', '.join(ROTATIONS[1:])})")
 
@@ -303,8 +335,6 @@ class LinearPrecision:
     @classmethod
     def parse(cls, text: str) -> LinearPrecision:
         """Parse ``fprop=...,dgrad=...,wgrad=...`` (optionally ``base=PRESET`` for the rest)."""
-        from precision import presets  # presets build on this module
-
         items = {}
         for part in _split_top(text):
             if "=" not in part:
@@ -316,7 +346,7 @@ class LinearPrecision:
             if key in items:
                 raise SpecError(f"{key}: given twice")
             items[key] = value
-        base = presets.get(items.pop("base")) if "base" in items else None
+        base = preset(items.pop("base")) if "base" in items else None
         recipes = {}
         for g in Gemm:
             if g.value in items:

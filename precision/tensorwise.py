@@ -18,17 +18,11 @@ from __future__ import annotations
 import torch
 
 from precision.elements import fdiv
+from precision.enums import AmaxAlgo
 
-__all__ = ["AmaxHistory", "tensor_amax", "scale_from_amax"]  # AMAX_ALGOS: see __getattr__
+__all__ = ["AMAX_ALGOS", "AmaxHistory", "scale_from_amax", "tensor_amax"]
 
-
-
-def __getattr__(name: str):
-    if name == "AMAX_ALGOS":  # the registry's names (precision.formats.AmaxAlgo imports this module)
-        from precision.formats import AmaxAlgo
-
-        return AmaxAlgo.values()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+AMAX_ALGOS = AmaxAlgo.values()
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
@@ -59,8 +53,6 @@ class AmaxHistory:
     """
 
     def __init__(self, algo: str = "max", history_len: int = 64, ema_decay: float = 0.9):
-        from precision.formats import AmaxAlgo
-
         algo = str(AmaxAlgo.parse(algo, "amax algorithm"))
         if history_len < 1:
             raise ValueError(f"amax history length: must be >= 1, got {history_len}")

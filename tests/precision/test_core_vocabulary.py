@@ -1,0 +1,126 @@
+"""The core's vocabulary: enums in a leaf module, rounding as a behaviour, format facts on ``Format``.
+
+Oracles: Python's ``round`` (round half to even, the language's own rule) for nearest rounding;
+the datasheet facts of ``precision.cost_model``'s docstring (which formats each target's tensor
+cores take) for the rate classes; the module graph itself (``ast``) for the import structure.
+"""
+
+import ast
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from precision import FORMATS, OperandFormat, Rounding, presets
+from precision.cost_model import TARGETS
+from precision.enums import AmaxAlgo, ScaleRule, Scaling
+from precision.recipe import Gemm, LinearPrecision, parse_gemm
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _imports(path: Path) -> tuple[set[str], list[str]]:
+    """(modules imported at module level, modules imported inside functions) of one file."""
+    tree = ast.parse(path.read_text())
+    top, inner = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            (top.update if node in tree.body else inner.extend)(n for n in names if n)
+    return top, inner
+
+
+def test_enums_are_a_leaf_module():
+    top, inner = _imports(ROOT / "precision" / "enums.py")
+    assert {m.split(".")[0] for m in top} <= {"__future__", "enum", "torch"} and not inner
+
+
+@pytest.mark.parametrize("module", ["blocks", "elements", "tensorwise", "formats", "quantize", "recipe",
+                                    "presets", "cost_model"])
+def test_no_import_inside_a_function_in_the_core(module):
+    # the circles formats <-> blocks/elements/tensorwise, quantize -> recipe and recipe <-> presets
+    # were broken by imports inside functions; the leaf module and the preset registry replace them
+    _, inner = _imports(ROOT / "precision" / f"{module}.py")
+    assert [m for m in inner if m.startswith(("precision", "kernels"))] == []
+
+
+def test_quantizer_and_triton_quant_no_longer_import_each_other():
+    top, _ = _imports(ROOT / "kernels" / "triton_quant.py")
+    assert "kernels.quantizer" not in top  # TRITON_FORMATS is the registry's (Format.triton)
+
+
+def test_the_vocabularies_are_the_registry_names():
+    import precision.formats as pf
+
+    assert pf.Rounding is Rounding and pf.ScaleRule is ScaleRule and pf.AmaxAlgo is AmaxAlgo and pf.Scaling is Scaling
+    assert Rounding.values() == ("nearest", "stochastic") and Rounding.modifiers() == ("sr",)
+    assert Rounding.from_modifier("sr") is Rounding.STOCHASTIC and Rounding.from_modifier("2d") is None
+
+
+def test_rounding_members_carry_their_behaviour():
+    assert not Rounding.NEAREST.stochastic and Rounding.NEAREST.nearest_even and Rounding.NEAREST.modifier is None
+    assert Rounding.STOCHASTIC.stochastic and not Rounding.STOCHASTIC.nearest_even
+    assert Rounding.STOCHASTIC.modifier == "sr" and Rounding.NEAREST.triton and Rounding.STOCHASTIC.triton
+
+
+def test_nearest_step_rounding_is_python_round_half_even():
+    steps = [0.0, 0.5, 1.5, 2.5, 3.49, 3.5, 4.5, 7.5, 1e6 + 0.5, 2.0**23 - 0.5]
+    got = Rounding.NEAREST.round_steps(torch.tensor(steps, dtype=torch.float32))
+    assert got.tolist() == [float(round(s)) for s in torch.tensor(steps, dtype=torch.float32).tolist()]
+
+
+def test_stochastic_step_rounding_uses_u_and_is_unbiased():
+    steps = torch.tensor([2.25, 2.25, 2.25, 5.0])
+    assert Rounding.STOCHASTIC.round_steps(steps, torch.tensor([0.1, 0.3, 0.9, 0.999])).tolist() == [3, 2, 2, 5]
+    g = torch.Generator().manual_seed(0)
+    mean = Rounding.STOCHASTIC.round_steps(torch.full((200_000,), 1.3), generator=g).mean().item()
+    assert abs(mean - 1.3) < 0.005  # 0.46 / sqrt(2e5) = 0.001 standard error
+
+
+def test_rounding_enum_pickles_and_prints_as_its_string():
+    r = pickle.loads(pickle.dumps(Rounding.STOCHASTIC))
+    assert type(r) is str and r == "stochastic" and f"{Rounding.NEAREST}" == "nearest"
+    assert Rounding.parse("stochastic", "x") is Rounding.STOCHASTIC
+    with pytest.raises(ValueError, match=r"^rounding: unknown 'up'; valid: nearest, stochastic$"):
+        Rounding.parse("up", "rounding")
+
+
+def test_spec_modifiers_come_from_the_rounding_members():
+    op = parse_gemm("mxfp4/sr", Gemm.FPROP).a
+    assert op.rounding is Rounding.STOCHASTIC and str(op) == "mxfp4/sr"
+    assert LinearPrecision.parse("base=mxfp4_sr,fprop=bf16").wgrad.a.rounding is Rounding.STOCHASTIC
+
+
+def test_the_preset_registry_serves_base():
+    assert LinearPrecision.parse("base=fp8,wgrad=mxfp4").fprop == presets.get("fp8").fprop
+    with pytest.raises(ValueError, match="unknown precision preset 'nope'; valid: bf16, "):
+        LinearPrecision.parse("base=nope")
+
+
+def test_operand_format_resolves_its_format_once_and_pickles_without_it():
+    op = OperandFormat("mxfp4", rounding="stochastic")
+    assert op.format is FORMATS["mxfp4"]
+    blob = pickle.dumps(op)
+    assert b"MXFormat" not in blob and b"ElementSpec" not in blob  # fields only: old checkpoints' form
+    back = pickle.loads(blob)
+    assert back == op and hash(back) == hash(op) and back.format is FORMATS["mxfp4"]
+
+
+def test_triton_formats_are_a_registry_fact():
+    from kernels.quantizer import TRITON_FORMATS
+
+    assert TRITON_FORMATS == ("fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2",
+                              "mxfp4", "nvfp4")
+    assert not FORMATS["hif8"].triton and not FORMATS["bf16"].triton and FORMATS["nvfp4"].triton
+
+
+def test_rate_classes_live_on_the_format_and_give_the_datasheet_native_tables():
+    # the cost model's docstring table: B200 takes MXFP8/MXFP6/MXFP4/NVFP4, MI355X OCP MX only,
+    # H200 FP8 only; HiF8 has tensor cores on none of them
+    common = {"fp32": "fp32", "bf16": "bf16", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
+    mx = {"mxfp8_e4m3": "fp8", "mxfp8_e5m2": "fp8", "mxfp6_e2m3": "fp6", "mxfp6_e3m2": "fp6", "mxfp4": "fp4"}
+    assert TARGETS["b200"].native == {**common, **mx, "nvfp4": "fp4"}
+    assert TARGETS["mi355x"].native == {**common, **mx}
+    assert TARGETS["h200"].native == common
+    assert FORMATS["hif8"].rate_class is None and FORMATS["nvfp4"].rate_class == "fp4"
