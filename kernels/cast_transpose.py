@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import operand as pipeline
-from precision.formats import get_format
+from precision.enums import AmaxAlgo
 from precision.recipe import Gemm, LinearPrecision, OperandFormat
 from precision.state import LayerQuantState
 
@@ -81,15 +81,15 @@ class SharedDy:
             return None
         wfmt = self.wgrad_fmt
         w_keys = [(0, None, None)]
-        if wfmt.rounding == "stochastic":  # Wgrad's next call: the index its own quantization would use
+        if wfmt.rounding.stochastic:  # Wgrad's next call: the index its own quantization would use
             _, w_keys = pipeline._sr_keys(state, Gemm.WGRAD, "dy", state.calls[Gemm.WGRAD.value], tuple(t.shape))
         if len(w_keys) != 1:
             return None
-        w_amax = state.amax_history(Gemm.WGRAD, "dy", wfmt).amax(t.device) if wfmt.amax_algo != "current" else None
+        w_amax = state.amax_history(Gemm.WGRAD, "dy", wfmt).amax(t.device) if wfmt.amax_algo != AmaxAlgo.CURRENT else None
         row, col = cast_transpose_triton(
             t, fmt, wfmt, sr_row=keys[0][2], sr_col=w_keys[0][2],
-            amax_row=scale_amax if get_format(fmt.fmt).tensor_scaled else None,
-            amax_col=w_amax if get_format(wfmt.fmt).tensor_scaled else None,
+            amax_row=scale_amax if fmt.format.tensor_scaled else None,
+            amax_col=w_amax if wfmt.format.tensor_scaled else None,
             codes=not self.bf16, bf16_form=self.bf16)
         self.wgrad_res = _as_result(col, self.bf16)
         return _as_result(row, self.bf16)
@@ -110,7 +110,7 @@ def share_dy(dy: torch.Tensor, precision: LinearPrecision, state: LayerQuantStat
         return None
     fmts = (dgrad.a, wgrad.a)
     if any(c not in _CONSUMERS for c in chosen) or any(
-            pipeline._resolve_impl("auto", dy, f.fmt, True) != "triton" for f in fmts):
+            pipeline._resolve_impl("auto", dy, f, True) != "triton" for f in fmts):
         return None
-    bf16 = all(c == "bf16_mm" for c in chosen) and not any(get_format(f.fmt).bf16_shift for f in fmts)
+    bf16 = all(c == "bf16_mm" for c in chosen) and not any(f.format.bf16_shift for f in fmts)
     return SharedDy(dy, state, dgrad.a, wgrad.a, bf16)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.bf16_operand import bf16_form
-from precision.formats import Scaling, get_format
+from precision.enums import AmaxAlgo, Scaling
 from precision.quantize import quantize as reference_quantize
 from precision.recipe import Gemm, GemmRecipe, OperandFormat
 from precision.rotation import fixed_signs, rotate, rotation_size
@@ -92,13 +92,13 @@ class GemmOperands:
     high_precision: bool = False
 
 
-def _tensor_level(fmt: str) -> bool:
+def _tensor_level(fmt: OperandFormat) -> bool:
     """Formats whose scale involves the whole tensor's amax (per-tensor FP8/HiF8, NVFP4's FP32 scale)."""
-    return get_format(fmt).tensor_scaled
+    return fmt.format.tensor_scaled
 
 
-def _no_rounding(fmt: str) -> bool:
-    return get_format(fmt).kind == Scaling.NONE  # fp32 (identity) and bf16 (an RNE cast): no scale
+def _no_rounding(fmt: OperandFormat) -> bool:
+    return fmt.format.kind == Scaling.NONE  # fp32 (identity) and bf16 (an RNE cast): no scale
 
 
 def finite_amax(t: torch.Tensor) -> torch.Tensor:
@@ -139,7 +139,7 @@ def pad_and_rotation(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmReci
     if recipe.rotation == "none":
         return a, b, None
     n = rotation_size(recipe.rotation)
-    multiple = math.lcm(n, *(get_format(f.fmt).block or 1 for f in (recipe.a, recipe.b)))
+    multiple = math.lcm(n, *(f.format.block or 1 for f in (recipe.a, recipe.b)))
     a_axis, b_axis = CONTRACTION_AXES[g]
     a, b = _pad_axis(a, a_axis, multiple), _pad_axis(b, b_axis, multiple)
     signs = fixed_signs(recipe.rotation, a.device)  # rht16_te: TransformerEngine's constant
@@ -165,7 +165,7 @@ def gemm_operands(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe,
     if state.observe_only:  # === QAT warm-up: a BF16 GEMM; delayed-scaling operands record their amax
         pa, pb, rot = pad_and_rotation(g, a, b, recipe, state, call)
         for t, axis, fmt, name in ((pa, a_axis, recipe.a, names[0]), (pb, b_axis, recipe.b, names[1])):
-            if fmt.amax_algo != "current":
+            if fmt.amax_algo != AmaxAlgo.CURRENT:
                 tr = rotate(t, axis, *rot) if rot is not None else t
                 state.observe_amax(g, name, fmt, whole_tensor_amax(tr, state, name))
         fmt_bf16 = OperandFormat("bf16")
@@ -198,7 +198,7 @@ def _sr_keys(state: LayerQuantState, gemm: Gemm, operand: str, call: int, shape)
     return axis, keys
 
 
-def _resolve_impl(impl: str, t: torch.Tensor, fmt: str, codes: bool) -> str:
+def _resolve_impl(impl: str, t: torch.Tensor, fmt: OperandFormat | str, codes: bool) -> str:
     if not codes:
         if impl not in ("auto", "compiled", "eager", "reference"):
             raise ValueError(f"quantizer: unknown {impl!r}; valid: auto, compiled, eager, reference")
@@ -228,20 +228,20 @@ def quantize_operand(
     """
     name = fmt.fmt
     want_bf16, codes = bf16, codes or bf16  # the BF16 form is decoded from the hardware form
-    impl = _resolve_impl(impl, t, name, codes)
+    impl = _resolve_impl(impl, t, fmt, codes)
     # stochastic rounding: one key per contiguous run of the shard in the whole tensor
-    sr = fmt.rounding == "stochastic"
+    sr = fmt.rounding.stochastic
     piece_axis, keys = _sr_keys(state, gemm, operand, call, t.shape) if sr else (None, [(0, None, None)])
     sharded = state.amax_group is not None and state.tp.shard_axis(operand) is not None
-    needs_whole = _tensor_level(name) and (sharded or len(keys) > 1)  # one tensor-level amax for all runs
+    needs_whole = _tensor_level(fmt) and (sharded or len(keys) > 1)  # one tensor-level amax for all runs
     rotated = rotation is not None  # this GEMM's own rotated copy of t (a 2-D weight then is not kept)
-    if rotation is not None and (impl == "reference" or _no_rounding(name) or state.collect_stats or needs_whole):
+    if rotation is not None and (impl == "reference" or _no_rounding(fmt) or state.collect_stats or needs_whole):
         t, rotation = rotate(t, axis, *rotation), None
 
     # === 1. no rounding: fp32 / bf16
-    if _no_rounding(name):
+    if _no_rounding(fmt):
         if want_bf16:  # the RNE cast is the BF16 form itself (a no-op for BF16 activations)
-            if not get_format(name).bf16_exact:
+            if not fmt.format.bf16_exact:
                 raise ValueError(f"{gemm.value} {operand}: {name} values are not exactly BF16 (Format.bf16_exact); "
                                  "its GEMM runs on the FP32 emulated backend")
             cast = t.to(torch.bfloat16)
@@ -268,7 +268,7 @@ def quantize_operand(
 
     # === 2-3. whole-tensor amax; the amax the tensor-level scale comes from
     whole = whole_tensor_amax(t, state, operand) if needs_whole else None
-    delayed = fmt.amax_algo != "current"
+    delayed = fmt.amax_algo != AmaxAlgo.CURRENT
     scale_amax = state.amax_history(gemm, operand, fmt).amax(t.device) if delayed else None
     if scale_amax is None:
         scale_amax = whole  # current scaling (None: the quantizer takes the tensor's own amax)
@@ -286,7 +286,7 @@ def quantize_operand(
         res = parts[0] if len(parts) == 1 else _concat(parts, piece_axis, axis)
 
     # === 5. telemetry (device tensors; numerics only on telemetry steps)
-    if get_format(name).kind == Scaling.TENSOR:  # per-tensor FP8 / HiF8: amax and clipped count
+    if fmt.format.kind == Scaling.TENSOR:  # per-tensor FP8 / HiF8: amax and clipped count
         cur = whole if whole is not None else res["amax"]
         if delayed:
             state.observe_amax(gemm, operand, fmt, cur)
@@ -297,7 +297,7 @@ def quantize_operand(
 
         deq = res["values"]
         stats_amax = None if scale_amax is None else float(scale_amax)
-        spec = get_format(name)  # per-tensor: values clip beyond scale_amax * max_normal / scale_target
+        spec = fmt.format  # per-tensor: values clip beyond scale_amax * max_normal / scale_target
         headroom = spec.max_normal / fmt.scale_target if spec.kind == Scaling.TENSOR else 1.0
         state.record(gemm, operand, **operand_stats(t, deq, name, axis, stats_amax, fmt.scale_rule, headroom))
     out = QuantizedOperand(fmt, axis, values=None if codes else res["values"], codes=res.get("codes"),
@@ -350,7 +350,7 @@ def _quantize(t, axis, fmt, impl, codes, key, amax, rotation, state, bf16=False)
     hardware form codes/scales (contraction-last; FP4 packed two per byte unless ``bf16``), plus
     tensor_scale, amax, num_clipped. ``bf16`` on Triton: the kernel writes the BF16 form itself
     (``bf16`` / ``out_scale``, no codes) where the format allows (no ``Format.bf16_shift``)."""
-    spec = get_format(fmt.fmt)
+    spec = fmt.format
     # every quantizer takes the OperandFormat whole (rounding, scale rule, prescale)
     kw = {"axis": axis, "sr": key}
     if amax is not None and spec.tensor_scaled:
