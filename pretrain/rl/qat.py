@@ -69,6 +69,29 @@ the first: every weight moved by a relative 1e-3 in a random direction changes a
 activation codes still the rollout's); replay keeps 99.94 / 99.77 % of the codes and the gap at
 2.2e-5 / 1.1e-3. So replay also pins the part of a genuine policy change that moves an
 activation across a rounding boundary; whether that helps the RL update is what the sweep measures.
+
+"Bit for bit" and rtn's residual. rtn reproduces the engine's log-probs only where the trainer's
+input to each quantizer is the engine's bit for bit. On CPU the engine's decode GEMMs (one new
+token against a KV-cache) and the trainer's teacher-forced GEMMs (the whole row at once) sum in
+other orders, and an activation within a last bit of an FP4 rounding boundary then takes the other
+code. Measured with the RL task's starting policy (MXFP4 rollout with the MXFP4 KV-cache, BF16
+trainer, 32 prompts x 8 samples, the shared 2-core CPU): at iteration 0, 6 of 818 response tokens
+differ by more than 1e-4 in log-prob under rtn (at most 0.059; ``k3`` 3.9e-6), none under replay
+(max 3.6e-7, ``k3`` 6.9e-15); at iteration 1 neither has one (``k3`` 5.5e-15). replay differs from
+rtn only in the activations' rounding, so those tokens are activation codes on the other side of a
+boundary. That is the sweep's rtn ``k3_kl`` of 6e-5 (a mean over 100 iterations, with a trained
+policy whose activations sit near boundaries more often) against replay's 9e-15.
+
+Replay outside its window (the failure mode). The record names a direction, not an interval: replay
+takes the trainer's own interval ``[lo', hi']`` and applies the recorded direction to it wherever
+the trainer's value is ``window`` steps inside it. Once the trainer's value has moved to *another*
+interval (the two inputs differ by more than about ``window`` grid steps), the direction lands on
+the wrong interval and the code is neither the rollout's nor the trainer's own nearest: measured on
+256 x 256 N(0, 1) activations in MXFP4 with additive noise on the trainer's copy (seed 0), 0 such
+codes of 65,536 at noise 1e-4 and 2e-3, 1,231 at 5e-2 and 8,502 at 2e-1 (the rollout's code
+then survives on 95.3 % and 54.9 %). Replay is for the numerics' last-bit differences and small
+policy moves (a later mini-batch), not for a trainer that has moved far from the rollout: there,
+``rtn`` or the correction (``pretrain.rl.objective``) are the honest choice (``test_qat.py``).
 """
 
 from __future__ import annotations

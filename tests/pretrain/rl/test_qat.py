@@ -209,3 +209,25 @@ def test_bad_input_is_refused(model, rollout):
     with (pytest.raises(RuntimeError, match="the forward has 4 rows, the records 2 sequences"),
           qat.trainer_forward(batch.records[:2])):
         score_logprobs(model, batch, vocab_size=V)
+
+
+def test_replay_outside_its_window_makes_codes_neither_side_made():
+    """The failure mode of pretrain.rl.qat's module docstring: once the trainer's value has left the
+    rollout's grid interval, the recorded direction lands on the wrong interval. 256 x 256 N(0, 1)
+    MXFP4 activations, additive noise on the trainer's copy: no such code below the window, 1,231
+    and 8,502 of 65,536 at noise 5e-2 and 2e-1 (the docstring's figures)."""
+    from precision.rounding_record import record_rounding, replay_quantize
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 256, generator=g)
+    q_roll, rec = record_rounding(x, "mxfp4")
+    roll = q_roll.dequantize(torch.float32)
+    neither, kept = {}, {}
+    for sigma in (1e-4, 2e-3, 5e-2, 2e-1):
+        xt = x + sigma * torch.randn(256, 256, generator=g)
+        rep = replay_quantize(xt, rec).dequantize(torch.float32)
+        own = record_rounding(xt, "mxfp4")[0].dequantize(torch.float32)  # the trainer's own nearest rounding
+        neither[sigma] = int(((rep != roll) & (rep != own)).sum())
+        kept[sigma] = float((rep == roll).double().mean())
+    assert neither == {1e-4: 0, 2e-3: 0, 5e-2: 1231, 2e-1: 8502}
+    assert kept[1e-4] == kept[2e-3] == 1.0 and round(kept[5e-2], 3) == 0.953 and round(kept[2e-1], 3) == 0.549
