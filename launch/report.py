@@ -133,7 +133,8 @@ def sweep_report(out: Path) -> int:
     info = json.loads((out / "sweep.json").read_text())
     runs = [Run(**r) for r in info["runs"]]
     collect(out, runs, info["sweep"].get("baseline"), margin=info["sweep"].get("equivalence_margin"),
-            descent=info["sweep"].get("descent_steps"), published=info["sweep"].get("published"))
+            descent=info["sweep"].get("descent_steps"), published=info["sweep"].get("published"),
+            contrasts=info["sweep"].get("contrasts"))
     print((out / "results.md").read_text().split("\n## Runs")[0])
     plots = ([out / "rl_curves.png"] if runs and runs[0].script == "rl"
              else [out / "loss_curves.png", out / "loss_gap_curves.png", out / "gap.png"])

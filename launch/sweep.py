@@ -179,7 +179,7 @@ def main(argv=None) -> int:
                   f"{len(seeds or [0])} seed(s)), {args.parallel} at a time, {nproc} process(es) each")
             failed = run_local(out, runs, nproc, args.parallel, extra, args.retry_diverged)
         collect(out, runs, sweep.get("baseline"), args.smooth, sweep.get("equivalence_margin"),
-                sweep.get("descent_steps"), sweep.get("published"))
+                sweep.get("descent_steps"), sweep.get("published"), sweep.get("contrasts"))
         plots = ([out / "rl_curves.png"] if runs and runs[0].script == "rl"
                  else [out / "loss_curves.png", out / "loss_gap_curves.png", out / "gap.png"])
         print(f"results: {out / 'results.md'}, {out / 'results.csv'}, {out / 'summary.csv'}, plots: "

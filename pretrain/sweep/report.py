@@ -31,11 +31,12 @@ __all__ = ["COLUMNS", "DESCENT_COLUMNS", "SUMMARY_COLUMNS", "SUMMARY_EXTRA_COLUM
 
 def collect(out: Path, runs: list[Run], baseline: str | None, window: int = 10,
             margin: float | None = None, descent: list[int] | None = None,
-            published: dict | None = None) -> list[dict]:
+            published: dict | None = None, contrasts: list[list[str]] | None = None) -> list[dict]:
     """Analyse every run, write results.csv / summary.csv / results.md and the plots; return the run
     rows. ``margin``: the sweep's ``equivalence_margin`` (none: no equivalence verdicts);
     ``descent``: its ``descent_steps`` (the runs compared during the descent, ``descent.csv`` and a
-    table first in results.md); ``published``: its ``published`` figures, printed beside that table."""
+    table first in results.md); ``published``: its ``published`` figures, printed beside that table;
+    ``contrasts``: its ``[a, b]`` pairs, compared in that table too (``a`` against ``b``)."""
     if runs and runs[0].script == "rl":
         return collect_rl(out, runs, baseline, margin)
     rows = []
@@ -65,7 +66,7 @@ def collect(out: Path, runs: list[Run], baseline: str | None, window: int = 10,
         row["descent_extra_censored"] = d.extra.censored if d else False
         row["descent_excess_loss"] = d.excess_loss if d else float("nan")
     summary = summarize(rows, baseline, margin=margin)
-    descent_rows = summarize_descent(rows, baseline, descent) if descent else []
+    descent_rows = summarize_descent(rows, baseline, descent, contrasts) if descent else []
     tuned = []
     hyper = sorted({k for r in runs for k in r.point})
     if hyper:
@@ -175,7 +176,8 @@ def descent_table(descent: list[dict], published: dict | None = None) -> list[st
         cells = [s["precision"], str(s["seeds"]), s["excess_loss"].text(4, seeds=True), s["verdict_excess"],
                  s["_extra"].text(2), s["verdict_extra"]]
         if published:
-            cells.append(str(published["extra_tokens"].get(s["precision"], "baseline" if s["is_baseline"] else "")))
+            cells.append(str(published["extra_tokens"].get(s["precision"], "baseline" if s["is_baseline"] else "")
+                             if s["against"] == descent[0]["against"] else ""))
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return lines
 
@@ -216,7 +218,9 @@ def write_tables(out: Path, rows: list[dict], summary: list[dict], tuned: list[d
         first, last = descent[0]["window"]
         at = next((s["baseline_loss_at"] for s in descent if s["is_baseline"]), [float("nan")] * 2)
         lines[-2] = (f"## During the descent: steps {first}-{last} (the baseline's training loss "
-                     f"{_fmt(at[0])} -> {_fmt(at[1])}), paired by seed")
+                     f"{_fmt(at[0])} -> {_fmt(at[1])}), paired by seed against the baseline"
+                     + (", then each contrast 'a vs b' (a against b)" if any(
+                         s["against"] != baseline for s in descent) else ""))
         lines += descent_table(descent, published)
         lines += ["", ("excess train loss: the run's unsmoothed training loss minus the baseline's, mean over the "
                        "baseline's logged steps in the window; extra steps: at each of those steps s, the step at "

@@ -229,23 +229,29 @@ def descent_numbers(row: dict, base: dict, window: list[int]) -> DescentGap:
     return descent_gap(row["_raw"], base["_raw"], window[0], window[1])
 
 
-def summarize_descent(rows: list[dict], baseline: str | None, window: list[int]) -> list[dict]:
-    """One row per grid point: the descent's extra steps and excess loss, paired by seed with the
-    baseline at the same hyper-parameters, 95% intervals over seeds, each Holm-adjusted over the table.
-    A censored seed (a target never reached) makes the extra steps a lower bound without an interval;
-    a diverged seed is reported, never averaged away."""
-    by_group: dict[str, list[dict]] = {}
+def summarize_descent(rows: list[dict], baseline: str | None, window: list[int],
+                      contrasts: list[list[str]] | None = None) -> list[dict]:
+    """One row per grid point against the baseline, then one per contrast ``[a, b]`` (``a`` against
+    ``b``, the sweep's ``contrasts``): the descent's extra steps and excess loss, paired by seed (same
+    hyper-parameters), 95% intervals over seeds, each column Holm-adjusted over all the table's
+    comparisons. A censored seed (a target never reached) makes the extra steps a lower bound
+    without an interval; a diverged seed is reported, never averaged away."""
+    groups: dict[str, list[dict]] = {}
     for row in rows:
-        by_group.setdefault(row["_run"].group, []).append(row)
+        groups.setdefault(row["_run"].group, []).append(row)
+    wanted = [(g, m[0]["_run"].label, baseline, m[0]["_run"].point) for g, m in groups.items()]
+    for a, b in contrasts or []:
+        wanted += [(g, a, b, m[0]["_run"].point) for g, m in groups.items() if m[0]["_run"].label == a]
     out = []
-    for group, members in by_group.items():
-        run = members[0]["_run"]
+    for group, label, against, point in wanted:
+        members = groups[group]
         extras, excess, n_diverged = [], [], 0
         for m in members:
-            b = next((r for r in rows if r["_run"].label == baseline and r["_run"].seed == m["_run"].seed
-                      and r["_run"].point == m["_run"].point), None)
-            if b is None or (_diverged(b) and b is not m) or not m["_raw"][0]:
-                continue  # no pair (yet): a pending or failed run, or a diverged baseline
+            b = next((r for r in rows if r["_run"].label == against and r["_run"].seed == m["_run"].seed
+                      and r["_run"].point == point), None)
+            unfinished = any(r.get("status", "done") not in ("done", "diverged") for r in (m, b) if r is not None)
+            if b is None or unfinished or (_diverged(b) and b is not m) or not m["_raw"][0]:
+                continue  # no pair (yet): a pending, running or failed run, or a diverged baseline
             if _diverged(m):
                 n_diverged += 1
                 excess.append(math.nan)
@@ -255,12 +261,14 @@ def summarize_descent(rows: list[dict], baseline: str | None, window: list[int])
                 continue
             extras.append(d.extra)
             excess.append(d.excess_loss)
-        base_row = next((r for r in rows if r["_run"].label == baseline and r["_run"].point == run.point), None)
-        at = ([interpolate_loss(base_row, s) for s in window] if base_row is not None else [math.nan, math.nan])
-        out.append({"point": group, "precision": run.label, "seeds": len(members),
-                    "is_baseline": run.label == baseline, "window": list(window), "baseline_loss_at": at,
-                    "excess_loss": paired_interval(excess), "_extra": summarize_extra(extras, n_diverged),
-                    "diverged": n_diverged})
+        base_row = next((r for r in rows if r["_run"].label == against and r["_run"].point == point), None)
+        at = [interpolate_loss(base_row, s) for s in window] if base_row is not None else [math.nan, math.nan]
+        is_base = label == against
+        name = label if against == baseline else f"{label} vs {against}"
+        out.append({"point": group if against == baseline else f"{group} vs {against}", "precision": name,
+                    "against": against, "seeds": len(members), "is_baseline": is_base, "window": list(window),
+                    "baseline_loss_at": at, "excess_loss": paired_interval(excess),
+                    "_extra": summarize_extra(extras, n_diverged), "diverged": n_diverged})
     live = [not s["_extra"].censored for s in out]
     for s, v in zip(out, table_verdicts([s["excess_loss"] for s in out], [s["is_baseline"] for s in out])):
         s["verdict_excess"] = v

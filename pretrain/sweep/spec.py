@@ -18,7 +18,7 @@ __all__ = ["GEMMS", "POINT_KEYS", "RESERVED_FLAGS", "SCRIPTS", "SWEEP_KEYS", "Ru
 
 GEMMS = ("fprop", "dgrad", "wgrad")
 SWEEP_KEYS = {"base", "grid", "baseline", "nproc-per-node", "name", "description", "seeds", "script",
-              "equivalence_margin", "descent_steps", "published"}
+              "equivalence_margin", "descent_steps", "published", "contrasts"}
 # What a sweep runs: pretraining (the default) or RL post-training (``script: rl``).
 SCRIPTS = {"pretrain": "pretrain.py", "rl": "rl.py"}
 # The grid keys that name the runs' precision (or, for treatments, whole flag sets).
@@ -90,6 +90,14 @@ def load_sweep(path: str) -> dict:
                          f"gap for pretraining, an accuracy gap for script: rl), e.g. 0.01; got {margin!r}")
     _check_descent(data.get("descent_steps"), path)
     _check_published(data.get("published"), path)
+    contrasts = data.get("contrasts")
+    if contrasts is not None and (not isinstance(contrasts, list) or not contrasts or not all(
+            isinstance(c, list) and len(c) == 2 and all(isinstance(x, str) for x in c) and c[0] != c[1]
+            for c in contrasts)):
+        raise SweepError(f"sweep file {path}: contrasts must be a list of [label, against] pairs of two "
+                         f"different labels, e.g. [[wgrad_had16, wgrad_mxfp4]]; got {contrasts!r}")
+    if contrasts is not None and data.get("descent_steps") is None:
+        raise SweepError(f"sweep file {path}: contrasts are compared during the descent: give descent_steps too")
     return data
 
 
@@ -300,6 +308,9 @@ def expand_runs(sweep: dict, path: str = "sweep") -> list[Run]:
     labels = list(dict.fromkeys(r.label for r in runs))
     if baseline is not None and baseline not in labels:
         raise SweepError(f"{path}: baseline {baseline!r} is not one of the runs: {', '.join(labels)}")
+    unknown = [x for c in sweep.get("contrasts") or [] for x in c if x not in labels]
+    if unknown:
+        raise SweepError(f"{path}: contrasts: {', '.join(unknown)} not among the runs' labels: {', '.join(labels)}")
     unknown = [k for k in (sweep.get("published") or {}).get("extra_tokens", {}) if k not in labels]
     if unknown:
         raise SweepError(f"{path}: published.extra_tokens: {', '.join(map(str, unknown))} not among the runs' "

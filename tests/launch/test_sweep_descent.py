@@ -59,6 +59,7 @@ def test_sweep_prints_the_descent_table_with_holm_verdicts_and_published_figures
     f = tmp_path / "s.yaml"
     f.write_text("seeds: [0, 1, 2]\nbaseline: fp8\ndescent_steps: [8, 40]\n"
                  "published: {source: 'the study', extra_tokens: {mxfp4: '+26%', wgrad_hadamard: '+8%'}}\n"
+                 "contrasts: [[mxfp4, wgrad_hadamard]]\n"
                  "grid:\n  presets: [fp8, mxfp4, wgrad_hadamard]\n")
     spec = sweep.load_sweep(str(f))
     runs = sweep.expand_runs(spec, str(f))
@@ -66,7 +67,8 @@ def test_sweep_prints_the_descent_table_with_holm_verdicts_and_published_figures
     rates = {"fp8": (20.0, 20.0, 20.0), "mxfp4": (22.0, 22.2, 21.8), "wgrad_hadamard": (20.1, 19.9, 20.0)}
     for r in runs:
         write_run(out, r, curve(rates[r.label][r.seed])[1])
-    rows = sweep.collect(out, runs, "fp8", window=1, descent=spec["descent_steps"], published=spec["published"])
+    rows = sweep.collect(out, runs, "fp8", window=1, descent=spec["descent_steps"], published=spec["published"],
+                         contrasts=spec["contrasts"])
     by = {r["run"]: r for r in rows}
     assert by["mxfp4__seed-1"]["descent_extra_pct"] == pytest.approx(11.0, abs=0.05)
     md = (out / "results.md").read_text()
@@ -78,9 +80,12 @@ def test_sweep_prints_the_descent_table_with_holm_verdicts_and_published_figures
     assert cells[5] == "worse" and cells[6] == "+26%"
     had = next(line for line in md.splitlines() if line.startswith("| wgrad_hadamard | 3 |"))
     assert "not shown to differ" in had and had.rstrip().endswith("+8% |")
-    assert "verdict (Holm over 2)" in md and "published: the study" in md
+    assert "verdict (Holm over 3)" in md and "published: the study" in md
+    # the contrast: +10/+11/+9 % over fp8 against -0.5/+0.5/0 % of the Hadamard's over fp8
+    contrast = next(line for line in md.splitlines() if line.startswith("| mxfp4 vs wgrad_hadamard |"))
+    assert "worse" in contrast and contrast.rstrip().endswith("|  |")
     csv = (out / "descent.csv").read_text().splitlines()
-    assert csv[0].startswith("point,precision,seeds,first_step,last_step") and len(csv) == 4
+    assert csv[0].startswith("point,precision,seeds,first_step,last_step") and len(csv) == 5
     assert "descent_extra_pct" in (out / "results.csv").read_text().splitlines()[0]
 
 
@@ -90,6 +95,11 @@ def test_sweep_prints_the_descent_table_with_holm_verdicts_and_published_figures
     ("published: {source: s, extra_tokens: {mxfp5: '+1%'}}\ngrid:\n  presets: [fp8]\n",
      "published.extra_tokens: mxfp5 not among the runs' labels: fp8"),
     ("published: {extra_tokens: {fp8: '+1%'}}\ngrid:\n  presets: [fp8]\n", "published must map source (text)"),
+    ("descent_steps: [8, 40]\ncontrasts: [[fp8, bf16]]\ngrid:\n  presets: [fp8, mxfp4]\n",
+     "contrasts: bf16 not among the runs' labels: fp8, mxfp4"),
+    ("descent_steps: [8, 40]\ncontrasts: [[fp8, fp8]]\ngrid:\n  presets: [fp8]\n",
+     "contrasts must be a list of [label, against] pairs of two different labels"),
+    ("contrasts: [[fp8, mxfp4]]\ngrid:\n  presets: [fp8, mxfp4]\n", "give descent_steps too"),
 ])
 def test_bad_descent_and_published_keys_fail_with_one_line(tmp_path, text, message):
     f = tmp_path / "bad.yaml"
@@ -102,7 +112,7 @@ def test_bad_descent_and_published_keys_fail_with_one_line(tmp_path, text, messa
 
 
 def test_the_noise_free_sweep_files_expand():
-    for name, baseline, n in (("mxfp4_fullbatch_cpu", "wgrad_exact", 18), ("mxfp4_ladder_fullbatch_cpu", "fp8", 21)):
+    for name, baseline, n in (("mxfp4_fullbatch_cpu", "wgrad_exact", 36), ("mxfp4_ladder_fullbatch_cpu", "fp8", 21)):
         path = str(ROOT / "configs" / "sweeps" / f"{name}.yaml")
         s = sweep.load_sweep(path)
         runs = sweep.expand_runs(s, path)
