@@ -1,8 +1,13 @@
 """Command line of ``launch/pretrain.py``: Megatron-LM flag names, model-size files, early validation.
 
+    run = parse_run_config(argv, world_size, cuda)   # parse + validate + freeze: pretrain.config.RunConfig
     args = parse_args(argv)                   # argparse + configs/models/NAME.yaml; one-line errors
     validate_args(args, world_size)           # everything checkable before torch.distributed / build
     cfg = model_config(args, vocab_size)      # model.gpt.ModelConfig
+
+The flags themselves (names, defaults, ``--help`` text, groups) are the fields of the typed configs in
+``pretrain.config``; :func:`build_parser` generates its groups from them. This module is the glue:
+model-size files, ``--pretrained-checkpoint``'s shape, derived defaults and the one-line validation.
 
 Precedence: parser defaults < ``--model-size`` file < flags given on the command line.
 ``--precision-schedule`` (``precision.schedule``) replaces ``--precision`` (which then defaults to
@@ -29,19 +34,19 @@ from typing import NoReturn
 
 import yaml
 
-from kernels.backends import GEMM_BACKENDS
+from pretrain.config import (  # noqa: F401 - re-exported: launchers, RL and the sweep import them from here
+    GROUPS,
+    LR_DECAY_STYLES,
+    LR_WSD_DECAY_STYLES,
+    MODEL_SIZES_DIR,
+    WD_INCR_STYLES,
+    RunConfig,
+    add_group,
+    model_config,
+    model_sizes,
+)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL_SIZES_DIR = os.path.join(REPO, "configs", "models")
 PROG = "pretrain.py"
-
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
-"""``--lr-decay-style`` choices, the styles of megatron-core's ``OptimizerParamScheduler.get_lr`` (``pretrain.optim``)."""
-LR_WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
-"""``--lr-wsd-decay-style`` choices: how WSD anneals over its last ``--lr-wsd-decay-iters``."""
-WD_INCR_STYLES = ("constant", "linear", "cosine")
-"""``--weight-decay-incr-style`` choices."""
-
 
 
 class ConfigError(ValueError):
@@ -59,329 +64,15 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-def model_sizes() -> list[str]:
-    """Names of the model-size files in ``configs/models``."""
-    if not os.path.isdir(MODEL_SIZES_DIR):
-        return []
-    return sorted(f[: -len(".yaml")] for f in os.listdir(MODEL_SIZES_DIR) if f.endswith(".yaml"))
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from precision.formats import AmaxAlgo  # valid values come from the format registry
-
+    """The parser, its groups generated from the run's config classes (``pretrain.config.GROUPS``)."""
     p = _Parser(
         prog=PROG,
         description="Pretrain a megatron-core GPT under a per-GEMM precision policy.",
         allow_abbrev=False,
     )
-    g = p.add_argument_group("model")
-    add = g.add_argument
-    add(
-        "--model-size",
-        metavar="NAME|FILE",
-        help=f"model shape and recommended hyper-parameters from configs/models/NAME.yaml "
-        f"({', '.join(model_sizes())}) or a .yaml file; explicit flags override it",
-    )
-    add("--num-layers", type=int)
-    add("--hidden-size", type=int)
-    add("--ffn-hidden-size", type=int, help="default: 4 * hidden size")
-    add("--num-attention-heads", type=int)
-    add("--num-query-groups", type=int, help="grouped-query attention groups (default: = heads)")
-    add("--seq-length", type=int)
-    add("--normalization", choices=["RMSNorm", "LayerNorm"], default="RMSNorm")
-    add(
-        "--swiglu", action=argparse.BooleanOptionalAction, default=True, help="SwiGLU MLP (--no-swiglu: GeLU)"
-    )
-    add("--position-embedding-type", choices=["rope", "learned_absolute"], default="rope")
-    add("--rotary-base", type=int, default=10000)
-    add(
-        "--use-rope-scaling",
-        action="store_true",
-        help="Llama 3.x RoPE frequency scaling (--rope-scaling-factor)",
-    )
-    add("--rope-scaling-factor", type=float, default=8.0)
-    add("--untie-embeddings-and-output-weights", action=argparse.BooleanOptionalAction, default=True)
-    add("--add-bias-linear", action="store_true", default=False)
-    add("--disable-bias-linear", dest="add_bias_linear", action="store_false")
-    add("--add-qkv-bias", action="store_true", help="bias on linear_qkv only (Qwen2)")
-    add("--init-method-std", type=float, default=0.02)
-    add("--norm-epsilon", type=float, default=1e-5)
-    add("--hidden-dropout", type=float, default=0.0)
-    add("--attention-dropout", type=float, default=0.0)
-    add("--make-vocab-size-divisible-by", type=int, default=128)
-
-    g = p.add_argument_group("precision")
-    add = g.add_argument
-    add(
-        "--precision",
-        metavar="NAME|SPEC|FILE",
-        help="default recipe of every linear: a preset (precision.presets), a per-GEMM spec, "
-        "or a YAML/JSON file (default: bf16; not with --precision-schedule)",
-    )
-    add(
-        "--precision-schedule",
-        metavar="START:PRECISION,...",
-        help="a precision per phase instead of --precision (precision.schedule): START:P runs P from "
-        "iteration START+1 on (after START iterations); P is anything --precision takes, or observe (BF16 "
-        "GEMMs filling the next phase's amax histories); --precision-rule applies in every phase. E.g. "
-        "'0:fp8,200:wgrad_hadamard,900:bf16', the NVFP4 paper's BF16 end '0:nvfp4,900:bf16', an FP8-to-MXFP4 "
-        "warm start '0:fp8,100:mxfp4', QAT '0:observe,500:hif8_w8a8' (= --qat-warmup-iters 500)",
-    )
-    add(
-        "--precision-rule",
-        action="append",
-        default=[],
-        metavar="SELECTOR=VALUE",
-        help="per-layer override, first match wins, e.g. first:1=bf16 or 'kind:mlp=wgrad=mxfp4+had16' "
-        "(repeatable)",
-    )
-    add(
-        "--gemm-backend",
-        choices=GEMM_BACKENDS,
-        default="auto",
-        help="auto: per GEMM, the device's tensor cores where they support the recipe (FP8 on sm_89+, "
-        "MX/NVFP4 on sm_100), else on CUDA BF16 tensor cores for every BF16-exact format (bf16_mm), "
-        "else emulated; emulated: fused torch.compile quantizers in FP32; reference: the eager spec "
-        "(bit-identical, slower); fp8_scaled_mm / mx_scaled_mm / bf16_mm: force that hardware path",
-    )
-    add(
-        "--numerics-interval",
-        type=int,
-        default=0,
-        metavar="N",
-        help="every N iterations log per layer x GEMM x operand: SQNR, clipped, flushed, amax "
-        "(TensorBoard numerics/<layer>/<gemm>/<operand>/<metric>; launch/report.py renders them); 0: off",
-    )
-    add(
-        "--amax-algo",
-        choices=AmaxAlgo.values(),  # the registry's names (precision.formats)
-        help="delayed-scaling amax algorithm for every per-tensor operand (FP8, HiF8) of the plan",
-    )
-    add("--amax-history-len", type=int, metavar="N", help="amax history window (steps) for --amax-algo")
-    add(
-        "--qat-backward",
-        choices=("hp", "ste"),
-        default="hp",
-        help="what Dgrad and Wgrad consume: hp -- the high-precision w and x, each quantized by its own "
-        "GEMM's recipe (default; TE's override_linear_precision, the hif8_w8a8 recipe); ste -- Fprop's "
-        "quantized Q(w) and Q(x), the fake-quant straight-through estimator (dx = dy Q(w), dw = dy^T Q(x))",
-    )
-    add(
-        "--fp8-margin",
-        type=int,
-        metavar="N",
-        help="Megatron-LM/TransformerEngine's margin for every per-tensor operand (FP8, HiF8) of the plan: "
-        "scale = target / amax / 2^N, target the format's scale target (FP8: its max normal, as TE; "
-        "HiF8: 2^3); N >= 0 for FP8, N >= -12 for HiF8 (-12: amax -> 2^15, TE's FP8 rule); default: "
-        "the plan's own (0)",
-    )
-    add(
-        "--qat-warmup-iters",
-        type=int,
-        default=0,
-        metavar="N",
-        help="train the first N iterations in BF16 while the amax histories fill, then switch to the "
-        "quantized plan (HiF8 QAT recipe: 500); the same as --precision-schedule 0:observe,N:PRECISION "
-        "with --precision PRECISION (not with --precision-schedule). Either spelling makes "
-        "--lr-decay-style default to constant and --lr-warmup-iters to 0: warm-up and QAT at --lr",
-    )
-    add(
-        "--kv-quant",
-        metavar="FORMAT",
-        help="fake-quantize K and V in the training forward exactly as a rollout KV-cache in FORMAT "
-        "stores them (along the head dimension, straight-through gradient; model.kv_cache), e.g. "
-        "mxfp4, nvfp4, fp8; default: off",
-    )
-
-    g = p.add_argument_group("mixed precision and memory")
-    add = g.add_argument
-    add(
-        "--bf16",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="BF16 parameters and activations with FP32 main parameters and gradients (megatron-core's "
-        "mixed-precision optimizer on the megatron engine, an FP32 main copy on the torch engine); "
-        "default: on with CUDA, off on CPU (--no-bf16: FP32 throughout)",
-    )
-    add(
-        "--recompute-granularity",
-        choices=["full", "selective"],
-        help="activation recomputation (megatron-core's TransformerBlock): full: whole transformer "
-        "layers (--recompute-method, --recompute-num-layers); selective: core attention only",
-    )
-    add(
-        "--recompute-method",
-        choices=["uniform", "block"],
-        help="with --recompute-granularity full: uniform (default): every layer, in chunks of "
-        "--recompute-num-layers; block: only the first --recompute-num-layers layers of each pipeline stage",
-    )
-    add(
-        "--recompute-num-layers",
-        type=int,
-        metavar="N",
-        help="layers per recomputed chunk (uniform) or recomputed layers per stage (block); default 1",
-    )
-
-    g = p.add_argument_group("parallelism")
-    add = g.add_argument
-    add("--tensor-model-parallel-size", type=int, default=1)
-    add("--pipeline-model-parallel-size", type=int, default=1)
-    add("--sequence-parallel", action="store_true", help="CUDA only; needs TP > 1")
-    add(
-        "--ddp-impl",
-        choices=["auto", "torch", "megatron"],
-        default="auto",
-        help="megatron: megatron-core DDP, optimizer and pipeline schedules (CUDA only); torch: torch DDP "
-        "and our AdamW loop (CPU or GPU; no pipeline parallelism); auto: megatron on CUDA, torch on CPU",
-    )
-    add(
-        "--use-distributed-optimizer",
-        action="store_true",
-        help="shard the optimizer state over data-parallel ranks (megatron-core's distributed optimizer; "
-        "needs the megatron engine, so CUDA)",
-    )
-
-    g = p.add_argument_group("training")
-    add = g.add_argument
-    add("--micro-batch-size", type=int, default=1)
-    add("--global-batch-size", type=int, help="default: micro batch size * data-parallel size")
-    add("--train-iters", type=int)
-    add("--lr", type=float, default=3e-4)
-    add("--min-lr", type=float, default=0.0)
-    add("--lr-warmup-iters", type=int, default=0, help="linear warm-up from --lr-warmup-init to --lr")
-    add("--lr-warmup-fraction", type=float, help="warm-up over this fraction of --lr-decay-iters (instead of "
-        "--lr-warmup-iters)")
-    add("--lr-warmup-init", type=float, default=0.0, help="the lr the warm-up starts from")
-    add("--lr-decay-iters", type=int, help="the decay reaches --min-lr here (default: --train-iters)")
-    add("--lr-decay-style", choices=list(LR_DECAY_STYLES), default="cosine",
-        help="after the warm-up (megatron-core's OptimizerParamScheduler; Megatron-LM's default is linear); "
-        "WSD: --lr until the last --lr-wsd-decay-iters of --lr-decay-iters, which anneal to --min-lr")
-    add("--lr-wsd-decay-iters", type=int, help="WSD: the annealing length (needed with --lr-decay-style WSD)")
-    add("--lr-wsd-decay-style", choices=list(LR_WSD_DECAY_STYLES), default="exponential",
-        help="WSD: the annealing's shape")
-    add("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
-        help="at --load, take the lr schedule's values from this run's flags (the default here; Megatron-LM "
-        "refuses a difference without one of these two flags)")
-    add("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler", action="store_true",
-        help="at --load, take the lr schedule's values from the checkpoint")
-    add("--weight-decay", type=float, default=0.1)
-    add("--start-weight-decay", type=float, help="with --weight-decay-incr-style linear/cosine")
-    add("--end-weight-decay", type=float, help="with --weight-decay-incr-style linear/cosine")
-    add("--weight-decay-incr-style", choices=list(WD_INCR_STYLES), default="constant",
-        help="weight decay from --start-weight-decay to --end-weight-decay over --train-iters")
-    add("--adam-beta1", type=float, default=0.9)
-    add("--adam-beta2", type=float, default=0.95)
-    add("--adam-eps", type=float, default=1e-8)
-    add("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (0: off)")
-    add("--seed", type=int, default=1234)
-    add("--exit-interval", type=int, help="save (with --save) and exit after an iteration divisible by this")
-    add(
-        "--check-for-nan-in-loss-and-grad",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="a non-finite loss or gradient norm ends the run as diverged: exit status 3, "
-        "--save/run_status.json, the last good checkpoint named (pretrain/status.py); "
-        "--no-check-for-nan-in-loss-and-grad: train on",
-    )
-    add(
-        "--skip-nonfinite-steps",
-        type=int,
-        default=0,
-        metavar="N",
-        help="skip up to N non-finite steps (no parameter or optimizer update, counted in "
-        "train/nonfinite_steps) before the next one ends the run as diverged",
-    )
-
-    g = p.add_argument_group("data")
-    add = g.add_argument
-    add(
-        "--data-path",
-        nargs="+",
-        metavar="PREFIX",
-        help="indexed-dataset prefixes (PREFIX.bin/.idx), optionally weighted: W1 P1 W2 P2; "
-        "default: the built-in stdlib corpus",
-    )
-    add("--valid-data-path", nargs="+", metavar="PREFIX", help="separate validation prefixes")
-    add("--split", default="99,1,0", help="train,valid,test document split of --data-path (default 99,1,0)")
-    add(
-        "--fixed-train-set",
-        type=int,
-        metavar="N",
-        help="train on N fixed sequences of the training data, repeated (evenly spaced windows, "
-        "independent of --seed); with --global-batch-size N every step's gradient is the exact "
-        "gradient of the set (full batch). N must be a multiple of --global-batch-size",
-    )
-    add(
-        "--tokenizer-model",
-        metavar="PATH",
-        help="sentencepiece .model file, or a Hugging Face tokenizer folder with --tokenizer-type "
-        "HuggingFaceTokenizer (required with --data-path)",
-    )
-    add(
-        "--tokenizer-type",
-        choices=("SentencePieceTokenizer", "HuggingFaceTokenizer"),
-        default="SentencePieceTokenizer",
-        help="what --tokenizer-model is (default SentencePieceTokenizer; without --data-path, "
-        "HuggingFaceTokenizer tokenizes the built-in corpus with it)",
-    )
-    add(
-        "--num-workers",
-        type=int,
-        metavar="N",
-        help="data-loader worker processes per rank (torch DataLoader; 0: load in the training process; "
-        "default: 2 with CUDA, 0 on CPU); batches go to pinned memory on CUDA",
-    )
-    add(
-        "--data-cache-dir",
-        default=os.path.join(os.path.expanduser("~"), ".cache", "lowprec-pretrain"),
-        help="built-in corpus and dataset index cache (default ~/.cache/lowprec-pretrain)",
-    )
-
-    g = p.add_argument_group("checkpoints, evaluation, logging")
-    add = g.add_argument
-    add(
-        "--save",
-        metavar="DIR",
-        help="checkpoint directory (Megatron layout: DIR/iter_0000010/mp_rank_00/...)",
-    )
-    add("--save-interval", type=int, help="save every N iterations (and always at the end and on SIGTERM)")
-    add(
-        "--save-retain",
-        type=int,
-        metavar="N",
-        help="keep the newest N complete checkpoints in --save; older ones are deleted only after a newer "
-        "one is complete (default: keep all)",
-    )
-    add(
-        "--load",
-        metavar="DIR",
-        help="resume from DIR's latest checkpoint; may equal --save and not exist yet",
-    )
-    add(
-        "--ckpt-step",
-        type=int,
-        metavar="N",
-        help="with --load: load iteration N instead of the one latest_checkpointed_iteration.txt names",
-    )
-    add(
-        "--finetune", action="store_true", help="with --load: load model weights only, restart at iteration 0"
-    )
-    add(
-        "--pretrained-checkpoint",
-        metavar="PATH",
-        help="initial model weights, used while --load holds no checkpoint yet: a launch/convert_hf.py "
-        "output (directory or hf_converted.pt) or a training checkpoint directory (any TP size); the "
-        "model shape and the default tokenizer come from it",
-    )
-    add(
-        "--eval-interval",
-        type=int,
-        default=1000,
-        help="held-out evaluation every N iterations (0: only at the end)",
-    )
-    add("--eval-iters", type=int, default=10, help="global batches per evaluation (0: no evaluation)")
-    add("--log-interval", type=int, default=10)
-    add("--tensorboard-dir", metavar="DIR")
+    for title, classes in GROUPS:
+        add_group(p, title, *classes)
     return p
 
 
@@ -868,42 +559,17 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> None
         raise ConfigError(str(e)) from None
 
 
-def recompute_config(args: argparse.Namespace):
-    """The ``model.gpt.RecomputeConfig`` of ``--recompute-*`` (None: no recomputation)."""
-    from model.gpt import RecomputeConfig
+def recompute_config(args):
+    """The ``model.gpt.RecomputeConfig`` of ``--recompute-*`` (None: no recomputation); ``args`` is a
+    Namespace or a ``pretrain.config.MemoryConfig``."""
+    from pretrain.config import MemoryConfig, from_namespace
 
-    if args.recompute_granularity is None:
-        return None
-    if args.recompute_granularity == "selective":
-        return RecomputeConfig("selective")
-    n = 1 if args.recompute_num_layers is None else args.recompute_num_layers
-    return RecomputeConfig("full", args.recompute_method or "uniform", n)
+    return (args if isinstance(args, MemoryConfig) else from_namespace(MemoryConfig, args)).recompute()
 
 
-def model_config(args: argparse.Namespace, vocab_size: int):
-    """The ``model.gpt.ModelConfig`` of ``args`` for a tokenizer of ``vocab_size`` tokens."""
-    from model.gpt import ModelConfig
-
-    return ModelConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        seq_length=args.seq_length,
-        vocab_size=vocab_size,
-        normalization=args.normalization,
-        activation="swiglu" if args.swiglu else "gelu",
-        position_embedding=args.position_embedding_type,
-        untie_embeddings=args.untie_embeddings_and_output_weights,
-        add_bias_linear=args.add_bias_linear,
-        add_qkv_bias=args.add_qkv_bias,
-        init_method_std=args.init_method_std,
-        rotary_base=args.rotary_base,
-        rope_scaling_factor=args.rope_scaling_factor if args.use_rope_scaling else None,
-        layernorm_epsilon=args.norm_epsilon,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        kv_quant=args.kv_quant,
-    )
+def parse_run_config(argv: list[str] | None, world_size: int, cuda: bool) -> RunConfig:
+    """Parse, validate and freeze: the run's :class:`pretrain.config.RunConfig` (:class:`ConfigError`
+    on bad input, one line)."""
+    args = parse_args_or_raise(argv)
+    validate_args(args, world_size, cuda)
+    return RunConfig.from_namespace(args)

@@ -46,7 +46,7 @@ One optimizer step, whatever computed the gradients: ``optimizer_step``
     ``optimizer_step(schedule, loss=loss)``. RL calls the same two around its own losses (the
     gradients of a policy loss that the caller backpropagated)::
 
-        engine = TorchEngine(model, optim, device, nonfinite=NonFinitePolicy(...))
+        engine = TorchEngine(model, run, device)  # run: pretrain.config.RunConfig (or a parsed Namespace)
         engine.begin_step()                      # zero the gradients; snapshot what a skip restores
         loss.backward()                          # any loss whose gradients are this rank's share
         result = engine.optimizer_step(schedule) # reduce, clip, set the lr, step, end the quant step
@@ -217,15 +217,16 @@ class TorchEngine(_StepMixin):
 
     name = "torch"
 
-    def __init__(self, model: torch.nn.Module, args, device: torch.device, nonfinite: NonFinitePolicy | None = None):
+    def __init__(self, model: torch.nn.Module, run, device: torch.device, nonfinite: NonFinitePolicy | None = None):
         from pretrain.optim import MainParams, build_optimizer
 
-        self.model, self.args, self.device = model, args, device
-        self.main = MainParams(model) if getattr(args, "bf16", False) else None  # --bf16: FP32 mains
-        self.optimizer = build_optimizer(model, args, self.main)
+        self.run = run = _run_config(run)
+        self.model, self.device = model, device
+        self.main = MainParams(model) if run.memory.bf16 else None  # --bf16: FP32 mains
+        self.optimizer = build_optimizer(model, run.training, self.main)
         self.ddp: torch.nn.Module = model  # wrap() replaces it when DP > 1 (FP32 only)
         self.stepped = False  # whether the last step updated the parameters
-        self.nonfinite = nonfinite or NonFinitePolicy()
+        self.nonfinite = nonfinite or run.training.nonfinite_policy()
 
     def wrap(self) -> None:
         """torch DDP over the data-parallel group (after a checkpoint is loaded into the model)."""
@@ -276,7 +277,7 @@ class TorchEngine(_StepMixin):
                 if p.grad is not None:
                     _dp_sum(p.grad)
         allreduce_tp_partial_grads(params)
-        norm = clip_grad_norm(params.parameters(), self.args.clip_grad, parallel_state.get_tensor_model_parallel_group())
+        norm = clip_grad_norm(params.parameters(), self.run.training.clip_grad, parallel_state.get_tensor_model_parallel_group())
         lr = schedule.step()
         self.stepped = not check_finite or bool(torch.isfinite(torch.stack([torch.as_tensor(loss, device=norm.device)
                                                                             .float(), norm])).all())
@@ -346,7 +347,7 @@ class MegatronEngine(_StepMixin):
 
     name = "megatron"
 
-    def __init__(self, model: torch.nn.Module, args, device: torch.device, nonfinite: NonFinitePolicy | None = None):
+    def __init__(self, model: torch.nn.Module, run, device: torch.device, nonfinite: NonFinitePolicy | None = None):
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -355,13 +356,15 @@ class MegatronEngine(_StepMixin):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        self.model, self.args, self.device = model, args, device
+        self.run = run = _run_config(run)
+        self.model, self.device = model, device
+        t = run.training
         config = model.config
         # the hooks megatron's schedules call (Megatron-LM's training.setup_model_and_optimizer)
         config.calculate_per_token_loss = True
         config.pipeline_dtype = config.params_dtype
         config.grad_scale_func = None  # FP32 master weights: no loss scaling
-        self.distributed_optimizer = bool(args.use_distributed_optimizer)
+        self.distributed_optimizer = bool(run.parallel.use_distributed_optimizer)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
@@ -372,13 +375,13 @@ class MegatronEngine(_StepMixin):
         config.finalize_model_grads_func = finalize_model_grads
         opt_config = OptimizerConfig(
             optimizer="adam",
-            lr=args.lr,
-            min_lr=args.min_lr,
-            weight_decay=args.weight_decay,
-            adam_beta1=args.adam_beta1,
-            adam_beta2=args.adam_beta2,
-            adam_eps=args.adam_eps,
-            clip_grad=args.clip_grad,
+            lr=t.lr,
+            min_lr=t.min_lr,
+            weight_decay=t.weight_decay,
+            adam_beta1=t.adam_beta1,
+            adam_beta2=t.adam_beta2,
+            adam_eps=t.adam_eps,
+            clip_grad=t.clip_grad,
             params_dtype=config.params_dtype,
             bf16=config.params_dtype == torch.bfloat16,  # --bf16: FP32 main params in the optimizer
             fp16=False,
@@ -387,7 +390,7 @@ class MegatronEngine(_StepMixin):
         self.optimizer = get_megatron_optimizer(opt_config, [self.ddp])
         self.forward_backward = get_forward_backward_func()
         self.stepped = False  # whether the last step updated the parameters
-        self.nonfinite = nonfinite or NonFinitePolicy()
+        self.nonfinite = nonfinite or run.training.nonfinite_policy()
 
     def wrap(self) -> None:
         pass  # wrapped at construction (megatron's optimizer needs the DDP buffers)
@@ -413,8 +416,8 @@ class MegatronEngine(_StepMixin):
             data_iterator=iter(micro),
             model=[self.ddp],
             num_microbatches=len(micro),
-            seq_length=self.args.seq_length,
-            micro_batch_size=self.args.micro_batch_size,
+            seq_length=self.run.model.seq_length,
+            micro_batch_size=self.run.training.micro_batch_size,
             forward_only=forward_only,
         )
         sums = torch.zeros(2, device=self.device)
@@ -497,9 +500,18 @@ class MegatronEngine(_StepMixin):
         self.optimizer.reload_model_params()
 
 
-def build_engine(model: torch.nn.Module, args, device: torch.device, nonfinite: NonFinitePolicy | None = None):
-    """The engine ``--ddp-impl`` names (``auto``: megatron on CUDA, torch on CPU)."""
-    impl = args.ddp_impl
+def build_engine(model: torch.nn.Module, run, device: torch.device, nonfinite: NonFinitePolicy | None = None):
+    """The engine ``--ddp-impl`` names (``auto``: megatron on CUDA, torch on CPU); ``nonfinite``
+    defaults to the run's ``--check-for-nan-in-loss-and-grad`` / ``--skip-nonfinite-steps``."""
+    run = _run_config(run)
+    impl = run.parallel.ddp_impl
     if impl == "auto":
         impl = "megatron" if device.type == "cuda" else "torch"
-    return (MegatronEngine if impl == "megatron" else TorchEngine)(model, args, device, nonfinite)
+    return (MegatronEngine if impl == "megatron" else TorchEngine)(model, run, device, nonfinite)
+
+
+def _run_config(run):
+    """``run`` as a ``pretrain.config.RunConfig`` (a validated Namespace is read into one)."""
+    from pretrain.config import RunConfig
+
+    return run if isinstance(run, RunConfig) else RunConfig.from_namespace(run)

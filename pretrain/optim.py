@@ -99,18 +99,27 @@ class MainParams:
         return state
 
 
-def build_optimizer(model: torch.nn.Module, args, main: MainParams | None = None) -> torch.optim.AdamW:
+def build_optimizer(model: torch.nn.Module, training, main: MainParams | None = None) -> torch.optim.AdamW:
     """AdamW over ``model``'s parameters (or their FP32 mains), weight decay on matrices only; lr is
-    set per step."""
+    set per step. ``training``: the run's ``pretrain.config.TrainingConfig`` (a parsed Namespace is
+    read into one)."""
+    t = _training(training)
     decay, no_decay = [], []
     for name, p in (main or model).named_parameters():
         if p.requires_grad:
             (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
     groups = [
-        {"params": decay, "weight_decay": args.weight_decay, "wd_mult": 1.0},
+        {"params": decay, "weight_decay": t.weight_decay, "wd_mult": 1.0},
         {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0},  # the schedule's weight decay x wd_mult
     ]
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+
+
+def _training(training):
+    """``training`` as a ``TrainingConfig`` (a Namespace of another program's parser is read into one)."""
+    from pretrain.config import TrainingConfig, from_namespace
+
+    return training if isinstance(training, TrainingConfig) else from_namespace(TrainingConfig, training)
 
 
 # old (pre-megatron-core) checkpoint key -> OptimizerParamScheduler key
@@ -151,27 +160,29 @@ class LRScheduleConfig:
     ``--override-opt_param-scheduler``) this run's flags win and a note names what changed."""
 
     @classmethod
-    def from_args(cls, args) -> LRScheduleConfig:
-        """The schedule of validated ``args`` (``pretrain.arguments.validate_args``)."""
-        fraction = getattr(args, "lr_warmup_fraction", None)
-        warmup = fraction * args.lr_decay_iters if fraction is not None else args.lr_warmup_iters
-        incr = getattr(args, "weight_decay_incr_style", "constant")
-        start_wd = args.weight_decay if incr == "constant" else args.start_weight_decay
-        end_wd = args.weight_decay if incr == "constant" else args.end_weight_decay
+    def from_training(cls, training) -> LRScheduleConfig:
+        """The schedule of the run's validated ``pretrain.config.TrainingConfig``."""
+        t = _training(training)
+        fraction = t.lr_warmup_fraction
+        warmup = fraction * t.lr_decay_iters if fraction is not None else t.lr_warmup_iters
+        incr = t.weight_decay_incr_style
+        start_wd = t.weight_decay if incr == "constant" else t.start_weight_decay
+        end_wd = t.weight_decay if incr == "constant" else t.end_weight_decay
         return cls(
-            max_lr=args.lr, min_lr=args.min_lr, warmup_iters=warmup, decay_iters=args.lr_decay_iters,
-            decay_style=args.lr_decay_style, init_lr=getattr(args, "lr_warmup_init", 0.0),
-            wsd_decay_iters=getattr(args, "lr_wsd_decay_iters", None),
-            wsd_decay_style=getattr(args, "lr_wsd_decay_style", "exponential"),
-            start_wd=start_wd, end_wd=end_wd, wd_incr_iters=max(1, args.train_iters), wd_incr_style=incr,
-            use_checkpoint=bool(getattr(args, "use_checkpoint_opt_param_scheduler", False)),
+            max_lr=t.lr, min_lr=t.min_lr, warmup_iters=warmup, decay_iters=t.lr_decay_iters,
+            decay_style=t.lr_decay_style, init_lr=t.lr_warmup_init,
+            wsd_decay_iters=t.lr_wsd_decay_iters, wsd_decay_style=t.lr_wsd_decay_style,
+            start_wd=start_wd, end_wd=end_wd, wd_incr_iters=max(1, t.train_iters), wd_incr_style=incr,
+            use_checkpoint=bool(t.use_checkpoint_opt_param_scheduler),
         )  # fmt: skip
+
+    from_args = from_training  # a validated Namespace (pretrain.arguments.validate_args) is read alike
 
 
 class LRSchedule(OptimizerParamScheduler):
     """megatron-core's ``OptimizerParamScheduler`` counting one step per iteration.
 
-        schedule = LRSchedule.from_args(optimizer, args)
+        schedule = LRSchedule.from_training(optimizer, run.training)
         lr = schedule.step()          # before optimizer.step(): sets every group's lr and weight decay
 
     Weight decay is ``schedule weight decay x group["wd_mult"]`` (megatron's convention;
@@ -233,8 +244,11 @@ class LRSchedule(OptimizerParamScheduler):
         )  # fmt: skip
 
     @classmethod
-    def from_args(cls, optimizer, args) -> LRSchedule:
-        return cls.from_config(optimizer, LRScheduleConfig.from_args(args))
+    def from_training(cls, optimizer, training) -> LRSchedule:
+        """The schedule of the run's ``pretrain.config.TrainingConfig`` (or a validated Namespace)."""
+        return cls.from_config(optimizer, LRScheduleConfig.from_training(training))
+
+    from_args = from_training
 
     def lr_at(self, iteration: int) -> float:
         """Learning rate of (1-based) ``iteration``, without moving the schedule."""

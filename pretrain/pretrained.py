@@ -32,6 +32,7 @@ import os
 import torch
 
 from model.gpt import ModelConfig
+from pretrain.config.model import SHAPE_FROM_CONFIG, shape_of  # noqa: F401 - SHAPE_FROM_CONFIG re-exported
 
 HF_TOKENIZER_TYPE = "HuggingFaceTokenizer"
 SP_TOKENIZER_TYPE = "SentencePieceTokenizer"
@@ -119,32 +120,7 @@ def read_pretrained(path: str) -> Pretrained:
     )  # fmt: skip
 
 
-# Argument name -> how to read it off a ModelConfig (the inverse of pretrain.arguments.model_config).
-SHAPE_FROM_CONFIG = {
-    "num_layers": lambda c: c.num_layers,
-    "hidden_size": lambda c: c.hidden_size,
-    "ffn_hidden_size": lambda c: c.ffn_hidden_size,
-    "num_attention_heads": lambda c: c.num_attention_heads,
-    "num_query_groups": lambda c: c.num_query_groups,
-    "normalization": lambda c: c.normalization,
-    "swiglu": lambda c: c.activation == "swiglu",
-    "position_embedding_type": lambda c: c.position_embedding,
-    "rotary_base": lambda c: c.rotary_base,
-    "use_rope_scaling": lambda c: c.rope_scaling_factor is not None,
-    "untie_embeddings_and_output_weights": lambda c: c.untie_embeddings,
-    "add_bias_linear": lambda c: c.add_bias_linear,
-    "add_qkv_bias": lambda c: c.add_qkv_bias,
-    "norm_epsilon": lambda c: c.layernorm_epsilon,
-    "make_vocab_size_divisible_by": lambda c: c.make_vocab_size_divisible_by,
-}
-
-
-def shape_args(cfg: ModelConfig) -> dict:
-    """The ``pretrain.arguments`` values that reproduce ``cfg``'s shape."""
-    values = {name: get(cfg) for name, get in SHAPE_FROM_CONFIG.items()}
-    if cfg.rope_scaling_factor is not None:
-        values["rope_scaling_factor"] = cfg.rope_scaling_factor
-    return values
+shape_args = shape_of  # the model flags that reproduce a config's shape (pretrain.config.model)
 
 
 @torch.no_grad()

@@ -1004,10 +1004,7 @@ def setup(args) -> Trainer:
     )
 
     model, plans = build_scheduled_model(args, vocab_size, device)
-    from pretrain.engine import NonFinitePolicy
-
-    engine = build_engine(model, args, device, NonFinitePolicy(check=bool(args.check_for_nan_in_loss_and_grad),
-                                                               max_skips=int(args.skip_nonfinite_steps or 0)))
+    engine = build_engine(model, args, device)  # the non-finite policy of the run's flags
     trainer = Trainer(
         args, model, engine, LRSchedule.from_args(engine.optimizer, args), plans.stage[0], cfg, tokenizer.path,
         train_ds, valid_ds, device, plans=plans,

@@ -1,0 +1,156 @@
+"""The model group of flags (``ModelArgs``) and its one mapping to and from ``model.gpt.ModelConfig``.
+
+``ModelArgs`` holds the flags as Megatron-LM spells them (``--swiglu``, ``--position-embedding-type``,
+``--norm-epsilon`` ...); ``ModelConfig`` is what the model is built from. ``to_model_config`` and
+``shape_of`` are the two directions, written once: parsing a ``--pretrained-checkpoint`` reads the
+shape flags off its config, a checkpoint's ``args`` rebuild its config, and a resume compares the
+:data:`SHAPE_FLAGS` (those fixing parameter shapes) with the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from pretrain.config.fields import arg
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODEL_SIZES_DIR = os.path.join(REPO, "configs", "models")
+
+
+def model_sizes() -> list[str]:
+    """Names of the model-size files in ``configs/models``."""
+    if not os.path.isdir(MODEL_SIZES_DIR):
+        return []
+    return sorted(f[: -len(".yaml")] for f in os.listdir(MODEL_SIZES_DIR) if f.endswith(".yaml"))
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Model shape and architecture flags (group "model"); ``to_model_config`` builds the model's config."""
+
+    model_size: str | None = arg("--model-size", metavar="NAME|FILE", help=lambda: (
+        f"model shape and recommended hyper-parameters from configs/models/NAME.yaml "
+        f"({', '.join(model_sizes())}) or a .yaml file; explicit flags override it"))
+    """A ``configs/models/NAME.yaml`` or a ``.yaml`` path: parser defaults < the file < flags given."""
+    num_layers: int | None = arg("--num-layers", type=int)
+    """Transformer layers (required, or from ``--model-size`` / ``--pretrained-checkpoint``)."""
+    hidden_size: int | None = arg("--hidden-size", type=int)
+    """Model width (required, or from a model-size file)."""
+    ffn_hidden_size: int | None = arg("--ffn-hidden-size", type=int, help="default: 4 * hidden size")
+    """MLP width; filled with 4 x ``hidden_size`` when not given."""
+    num_attention_heads: int | None = arg("--num-attention-heads", type=int)
+    """Attention heads (required, or from a model-size file)."""
+    num_query_groups: int | None = arg("--num-query-groups", type=int,
+                                       help="grouped-query attention groups (default: = heads)")
+    """Key/value heads of grouped-query attention; filled with ``num_attention_heads`` when not given."""
+    seq_length: int | None = arg("--seq-length", type=int)
+    """Training sequence length in tokens (required)."""
+    normalization: str = arg("--normalization", choices=["RMSNorm", "LayerNorm"], default="RMSNorm")
+    """RMSNorm or LayerNorm."""
+    swiglu: bool = arg("--swiglu", action=argparse.BooleanOptionalAction, default=True,
+                       help="SwiGLU MLP (--no-swiglu: GeLU)")
+    """SwiGLU MLP; ``False``: GeLU."""
+    position_embedding_type: str = arg("--position-embedding-type", choices=["rope", "learned_absolute"],
+                                       default="rope")
+    """rope or learned_absolute."""
+    rotary_base: int = arg("--rotary-base", type=int, default=10000)
+    """RoPE base."""
+    use_rope_scaling: bool = arg("--use-rope-scaling", action="store_true",
+                                 help="Llama 3.x RoPE frequency scaling (--rope-scaling-factor)")
+    """Llama 3.x RoPE frequency scaling by ``rope_scaling_factor``."""
+    rope_scaling_factor: float = arg("--rope-scaling-factor", type=float, default=8.0)
+    """The scaling factor with ``use_rope_scaling``."""
+    untie_embeddings_and_output_weights: bool = arg("--untie-embeddings-and-output-weights",
+                                                    action=argparse.BooleanOptionalAction, default=True)
+    """Separate output layer (``False``: tied to the input embedding)."""
+    add_bias_linear: bool = arg("--add-bias-linear", action="store_true", default=False,
+                                also=((("--disable-bias-linear",), {"action": "store_false"}),))
+    """Biases on every linear (``--disable-bias-linear``: none, the default)."""
+    add_qkv_bias: bool = arg("--add-qkv-bias", action="store_true", help="bias on linear_qkv only (Qwen2)")
+    """A bias on ``linear_qkv`` only (Qwen2)."""
+    init_method_std: float = arg("--init-method-std", type=float, default=0.02)
+    """Standard deviation of the normal initialisation."""
+    norm_epsilon: float = arg("--norm-epsilon", type=float, default=1e-5)
+    """Epsilon of the normalization layers."""
+    hidden_dropout: float = arg("--hidden-dropout", type=float, default=0.0)
+    """Dropout after attention and MLP."""
+    attention_dropout: float = arg("--attention-dropout", type=float, default=0.0)
+    """Dropout of the attention probabilities."""
+    make_vocab_size_divisible_by: int = arg("--make-vocab-size-divisible-by", type=int, default=128)
+    """The embedding table is padded to a multiple of this (times the TP size; megatron's rule)."""
+
+    def to_model_config(self, vocab_size: int, kv_quant: str | None = None):
+        """The ``model.gpt.ModelConfig`` for a tokenizer of ``vocab_size`` tokens (``--kv-quant``: K and V
+        fake-quantized as a rollout KV-cache stores them)."""
+        return model_config(self, vocab_size, kv_quant)
+
+
+# Flags that fix parameter shapes: a checkpoint must agree with the run on all of them.
+SHAPE_FLAGS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "swiglu",
+    "normalization", "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear",
+    "add_qkv_bias",
+)  # fmt: skip
+
+
+def model_config(a, vocab_size: int, kv_quant: str | None = None):
+    """The ``model.gpt.ModelConfig`` of the model flags in ``a`` (``ModelArgs``, or any object with
+    their names, e.g. a checkpoint's saved arguments read by ``argparse.Namespace(**saved)``);
+    ``kv_quant`` defaults to ``a.kv_quant`` where ``a`` has it."""
+    from model.gpt import ModelConfig
+
+    if kv_quant is None:
+        kv_quant = getattr(a, "kv_quant", None)
+    return ModelConfig(
+        num_layers=a.num_layers,
+        hidden_size=a.hidden_size,
+        ffn_hidden_size=a.ffn_hidden_size,
+        num_attention_heads=a.num_attention_heads,
+        num_query_groups=a.num_query_groups,
+        seq_length=a.seq_length,
+        vocab_size=vocab_size,
+        normalization=a.normalization,
+        activation="swiglu" if a.swiglu else "gelu",
+        position_embedding=a.position_embedding_type,
+        untie_embeddings=a.untie_embeddings_and_output_weights,
+        add_bias_linear=a.add_bias_linear,
+        add_qkv_bias=a.add_qkv_bias,
+        init_method_std=a.init_method_std,
+        rotary_base=a.rotary_base,
+        rope_scaling_factor=a.rope_scaling_factor if a.use_rope_scaling else None,
+        layernorm_epsilon=a.norm_epsilon,
+        hidden_dropout=a.hidden_dropout,
+        attention_dropout=a.attention_dropout,
+        make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
+        kv_quant=kv_quant,
+    )
+
+
+# Flag name -> how to read it off a ModelConfig (the inverse of model_config).
+SHAPE_FROM_CONFIG = {
+    "num_layers": lambda c: c.num_layers,
+    "hidden_size": lambda c: c.hidden_size,
+    "ffn_hidden_size": lambda c: c.ffn_hidden_size,
+    "num_attention_heads": lambda c: c.num_attention_heads,
+    "num_query_groups": lambda c: c.num_query_groups,
+    "normalization": lambda c: c.normalization,
+    "swiglu": lambda c: c.activation == "swiglu",
+    "position_embedding_type": lambda c: c.position_embedding,
+    "rotary_base": lambda c: c.rotary_base,
+    "use_rope_scaling": lambda c: c.rope_scaling_factor is not None,
+    "untie_embeddings_and_output_weights": lambda c: c.untie_embeddings,
+    "add_bias_linear": lambda c: c.add_bias_linear,
+    "add_qkv_bias": lambda c: c.add_qkv_bias,
+    "norm_epsilon": lambda c: c.layernorm_epsilon,
+    "make_vocab_size_divisible_by": lambda c: c.make_vocab_size_divisible_by,
+}
+
+
+def shape_of(cfg) -> dict:
+    """The model flags' values that reproduce ``cfg``'s shape (``model.gpt.ModelConfig``)."""
+    values = {name: get(cfg) for name, get in SHAPE_FROM_CONFIG.items()}
+    if cfg.rope_scaling_factor is not None:
+        values["rope_scaling_factor"] = cfg.rope_scaling_factor
+    return values

@@ -1,0 +1,63 @@
+"""Typed run configs (``pretrain.config``): the parser is generated from them, every field is
+documented, a validated Namespace freezes into one ``RunConfig`` that saves as it did, and the model
+flags map to and from ``ModelConfig`` in one place."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import itertools
+
+import pytest
+
+from pretrain.arguments import build_parser, parse_args_or_raise, parse_run_config, validate_args
+from pretrain.config import GROUPS, ModelArgs, RunConfig, flag_name, model_config, shape_of
+
+from ._launch import TINY
+
+CLASSES = [cls for _, classes in GROUPS for cls in classes]
+
+
+def test_every_flag_is_a_config_field_and_every_field_a_flag():
+    dests = {a.dest for a in build_parser()._actions} - {"help"}
+    fields = {f.name for cls in CLASSES for f in dataclasses.fields(cls)}
+    assert dests == fields
+    titles = [g.title for g in build_parser()._action_groups][2:]  # after argparse's own two
+    assert titles == [t for t, _ in GROUPS]
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+def test_every_field_has_a_docstring_under_it(cls):
+    tree = ast.parse(inspect.getsource(inspect.getmodule(cls)))
+    body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__).body
+    documented = {a.target.id for a, b in itertools.pairwise(body)
+                  if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
+                  and isinstance(b.value.value, str) and b.value.value.strip()}
+    assert [f.name for f in dataclasses.fields(cls) if f.name not in documented] == []
+
+
+def test_a_validated_run_freezes_into_one_config_that_saves_as_the_namespace_did():
+    argv = ["--train-iters", "4", *TINY, "--precision", "mxfp4", "--precision-rule", "first:1=bf16",
+            "--skip-nonfinite-steps", "2"]
+    args = parse_args_or_raise(argv)
+    validate_args(args, world_size=1, cuda=False)
+    run = RunConfig.from_namespace(args)
+    assert run.to_dict() == vars(args)  # what checkpoints save as "args", unchanged
+    assert run.training.lr == 3e-3 and run.training.global_batch_size == 4 and run.memory.bf16 is False
+    assert run.precision.precision_rule == ("first:1=bf16",) and run.training.nonfinite_policy().max_skips == 2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.training.lr = 1.0
+    assert parse_run_config(argv, 1, False) == run
+
+
+def test_the_model_flags_map_to_the_model_config_and_back():
+    run = parse_run_config(["--train-iters", "4", *TINY, "--no-swiglu", "--use-rope-scaling",
+                            "--rope-scaling-factor", "4", "--add-bias-linear"], 1, False)
+    cfg = run.model_config(vocab_size=512)
+    assert cfg.activation == "gelu" and cfg.rope_scaling_factor == 4.0 and cfg.add_bias_linear and cfg.vocab_size == 512
+    assert model_config(run.model, 512) == cfg  # the same function reads a Namespace or the config
+    for name, v in shape_of(cfg).items():
+        assert getattr(run.model, name) == v, name
+    assert flag_name("num_query_groups") == "--num-query-groups"
+    assert isinstance(run.model, ModelArgs)
