@@ -33,12 +33,8 @@ Held-out accuracy: greedy generation on the task's held-out problems with the tr
 (``Engine`` without a rollout plan, the policy under --precision), the same for every rollout plan;
 and under the rollout plan (how the rollout engine serves the policy).
 
-Checkpoints (``pretrain.checkpointing``, atomic): pretraining's keys, plus ``rl``: the RL iteration,
-the per-iteration history (for ``rl_summary.json``), the fallback state and the reference policy's
-weights (--kl-coef). A checkpoint ``launch/rl.py`` wrote resumes exactly (weights, optimizer, lr
-schedule, RNG, quantization state, fallback, iteration); any other ``--load`` gives weights only
-and starts at iteration 0. If ``--save`` already holds an RL checkpoint, the run resumes from it
-(so the same command continues a stopped run). SIGTERM: finish the iteration, save, exit 0.
+Checkpoints and ``rl_summary.json``: ``pretrain.rl.checkpoint`` (exact resume; the same command continues a
+stopped run). SIGTERM: finish the iteration, save, exit 0.
 
 TensorBoard (rank 0; step = iteration): ``rl/reward_mean``, ``rl/heldout_accuracy``,
 ``rl/heldout_accuracy_rollout`` (the same under the rollout plan), ``rl/response_length``, ``rl/entropy``, ``rl/kl_ref`` (with --kl-coef), ``rl/pg_loss``,
@@ -60,10 +56,7 @@ a warm-up, left out), ``peak_memory_bytes``, ``kv_bytes_per_token``, ``packed_we
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
-import json
-import math
 import os
 import sys
 import time
@@ -72,14 +65,15 @@ from dataclasses import dataclass, field
 import torch
 
 from pretrain.arguments import ConfigError
+from pretrain.rl import checkpoint as rl_checkpoint
 from pretrain.rl import rollout as rollout_side
+from pretrain.rl.checkpoint import SUMMARY_FILE
 from pretrain.rl.score import policy_logprobs, score
 from pretrain.rl.update import update
 from pretrain.train import build_model, init_distributed, is_rank0, rank0_print
 
 __all__ = ["SUMMARY_FILE", "RLTrainer", "policy_logprobs", "setup", "train"]
 
-SUMMARY_FILE = "rl_summary.json"
 
 
 @dataclass
@@ -214,85 +208,18 @@ class RLTrainer:
             self.tb.flush()
         return acc
 
-    # ---------------------------------------------------------------- checkpoints
-    def model_state(self) -> dict:
-        state = self.model.state_dict()
-        return state if self.main is None else self.main.state_dict_into(state)
-
+    # ---------------------------------------------------------------- checkpoints, summary (pretrain.rl.checkpoint)
     def save(self) -> str:
-        from pretrain.checkpointing import save_checkpoint
-
-        t0 = time.perf_counter()
-        state = {
-            "model": self.model_state(),
-            "optimizer": self.optimizer.state_dict(),
-            "opt_param_scheduler": self.schedule.state_dict(),
-            "consumed_train_samples": self.iteration * self.cfg.sequences_per_step,
-            "precision_plan": self.plan.to_dict(),
-            "model_config": dataclasses.asdict(self.model_config),
-            "tokenizer_model": getattr(self.tokenizer, "path", None),
-            "args": dict(self.flags),
-            "rl": {
-                "iteration": self.iteration,
-                "history": self.history,
-                "evals": self.evals,
-                "fallback": self.fallback.state_dict() if self.fallback is not None else None,
-                "rollout_plan": self.rollout_plan.to_dict(),
-                "reference_model": self.ref_state,
-            },
-        }
-        path = save_checkpoint(self.run.save, self.iteration, state, retain=self.run.save_retain)
-        rank0_print(f"saved checkpoint {path} ({time.perf_counter() - t0:.1f}s)")
-        self.last_saved = self.iteration
-        return path
+        return rl_checkpoint.save(self)
 
     def load(self) -> None:
-        """Resume from an RL checkpoint (``--save`` first, then ``--load``), else the starting weights
-        from ``--load`` (weights only, iteration 0), else keep the random initialisation."""
-        from pretrain.checkpointing import TRACKER, CheckpointError, load_checkpoint, restore_rng_state
+        rl_checkpoint.load(self)
 
-        a = self.run
-        source = None
-        for d in (a.save, a.load):
-            if d and os.path.isfile(os.path.join(d, TRACKER)):
-                source = d
-                break
-        if source is None:
-            rank0_print("no --load checkpoint: training a randomly initialised policy")
-            return
-        tp = a.tensor_model_parallel_size
-        ckpt = load_checkpoint(source, tp, reshard_model=True, iteration=a.ckpt_step if source == a.load else None)
-        is_rl = "rl" in ckpt or "rl_iters" in ckpt.get("args", {})
-        if source == a.save and not is_rl and a.load and source != a.load:  # --save holds no RL run: start from --load
-            ckpt = load_checkpoint(a.load, tp, reshard_model=True, iteration=a.ckpt_step)
-            source, is_rl = a.load, "rl" in ckpt or "rl_iters" in ckpt.get("args", {})
-        if is_rl and ckpt.get("resharded"):
-            raise CheckpointError(f"--load: {ckpt['path']} is an RL checkpoint saved with --tensor-model-parallel-size "
-                                  f"{ckpt['args'].get('tensor_model_parallel_size')}; resume with that size")
-        try:
-            self.model.load_state_dict(ckpt["model"], strict=True)
-        except RuntimeError as e:
-            raise CheckpointError(f"--load: {ckpt['path']} does not fit this model: "
-                                  f"{' '.join(str(e).split())[:300]}") from None
-        if self.main is not None:
-            self.main.load(ckpt["model"])
-        if not is_rl:
-            rank0_print(f"starting policy: weights of {ckpt['path']} (iteration {ckpt.get('iteration')}); "
-                        f"RL iteration 0")
-            return
-        rl = ckpt["rl"]
-        self.optimizer.load_state_dict(ckpt["optimizer"])
-        self.schedule.load_state_dict(ckpt["opt_param_scheduler"])
-        self.iteration = int(rl["iteration"])
-        self.history = list(rl["history"])
-        self.evals = [tuple(e) for e in rl["evals"]]
-        self.ref_state = rl.get("reference_model")
-        if self.fallback is not None and rl.get("fallback") is not None:
-            self.fallback.load_state_dict(rl["fallback"])
-        if not restore_rng_state(ckpt):
-            rank0_print("note: data-parallel size differs from the checkpoint's: RNG states not restored")
-        self.last_saved = self.iteration
-        rank0_print(f"resumed from {ckpt['path']}: RL iteration {self.iteration}")
+    def summary(self) -> dict:
+        return rl_checkpoint.summary(self)
+
+    def write_summary(self) -> str | None:
+        return rl_checkpoint.write_summary(self)
 
     # ---------------------------------------------------------------- logging
     def log(self, scalars: dict) -> None:
@@ -315,47 +242,6 @@ class RLTrainer:
             )
             if self.tb is not None:
                 self.tb.flush()
-
-    def summary(self) -> dict:
-        h = self.history
-
-        def mean(key, warm=False):  # warm: leave out the run's first iteration (warm-up) if there are more
-            rows = h[1:] if warm and len(h) > 1 else h
-            vals = [r[key] for r in rows if key in r and math.isfinite(r[key])]
-            return sum(vals) / len(vals) if vals else None
-
-        return {
-            "final_heldout_accuracy": self.evals[-1][1] if self.evals else None,
-            "initial_heldout_accuracy": self.evals[0][1] if self.evals else None,
-            "final_heldout_accuracy_rollout": self.evals[-1][2] if self.evals else None,
-            "initial_heldout_accuracy_rollout": self.evals[0][2] if self.evals else None,
-            "reward_auc": mean("rl/reward_mean"),
-            "mean_k3_kl": mean("mismatch/k3_kl"),
-            "tokens_per_sec": mean("rollout/tokens_per_sec", warm=True),
-            "peak_memory_bytes": max((r["rollout/peak_memory_bytes"] for r in h), default=None),
-            "kv_bytes_per_token": h[-1]["rollout/kv_bytes_per_token"] if h else None,
-            "packed_weight_bytes": h[-1]["rollout/packed_weight_bytes"] if h else None,
-            "seconds_per_iteration": mean("time/seconds_per_iteration", warm=True),
-            "iterations": self.iteration,
-            "heldout_accuracy": [list(e) for e in self.evals],
-            "reward_mean": [r["rl/reward_mean"] for r in h],
-            "k3_kl": [r["mismatch/k3_kl"] for r in h],
-            "fallback": {"moved": list(self.fallback.moved), "events": self.fallback.events}
-            if self.fallback is not None else None,
-            "rollout_plan": self.rollout_plan.to_dict(),
-            "args": dict(self.flags),
-        }
-
-    def write_summary(self) -> str | None:
-        if not (self.run.save and is_rank0()):
-            return None
-        os.makedirs(self.run.save, exist_ok=True)
-        path = os.path.join(self.run.save, SUMMARY_FILE)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.summary(), f, indent=1, default=str)
-        os.replace(tmp, path)
-        return path
 
 
 def _dp_group():
