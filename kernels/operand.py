@@ -69,6 +69,8 @@ class QuantizedOperand:
     block formats or the float32 encode scale (0-d) per tensor; ``tensor_scale``: NVFP4's ``g_enc``.
     ``bf16`` / ``out_scale``: the BF16 form, contraction axis last ``[rows, K]``, and the FP32 factor
     that goes to the GEMM output (``kernels.bf16_operand``; the pre-scale is ``fmt.prescale_factor``).
+    ``decode_scale``: per-tensor formats in hardware form, ``1 / scales`` as the Triton kernel computed
+    it (the specification's decode factor, handed to ``torch._scaled_mm`` as is); None: compute it.
     """
 
     fmt: OperandFormat
@@ -80,6 +82,7 @@ class QuantizedOperand:
     packed: bool = False
     bf16: torch.Tensor | None = None
     out_scale: torch.Tensor | None = None
+    decode_scale: torch.Tensor | None = None
 
 
 @dataclass
@@ -302,7 +305,7 @@ def quantize_operand(
         state.record(gemm, operand, **operand_stats(t, deq, name, axis, stats_amax, fmt.scale_rule, headroom))
     out = QuantizedOperand(fmt, axis, values=None if codes else res["values"], codes=res.get("codes"),
                            scales=res.get("scales"), tensor_scale=res.get("tensor_scale"),
-                           packed=res.get("packed", False))
+                           packed=res.get("packed", False), decode_scale=res.get("decode_scale"))
     if want_bf16 and res.get("bf16") is not None:  # === 6. the BF16 form, written by the Triton kernel
         out.bf16, out.out_scale = res["bf16"], res["out_scale"]
     elif want_bf16:  # === 6. the BF16 form, decoded from the codes (which stay for inspection)
@@ -368,7 +371,8 @@ def _quantize(t, axis, fmt, impl, codes, key, amax, rotation, state, bf16=False)
         packed = not bf16 and spec.code_bits == 4 and t.shape[axis] % 32 == 0
         r = quantize_triton(t, fmt, layout="contraction_last", pack=packed, dequantize=state.collect_stats, **kw)
         return {"values": r.dequantized, "codes": r.codes, "scales": r.scales, "tensor_scale": r.tensor_scale,
-                "amax": r.amax, "num_clipped": r.num_clipped, "packed": packed}
+                "amax": r.amax, "num_clipped": r.num_clipped, "packed": packed,
+                "decode_scale": r.out_scale if spec.kind == Scaling.TENSOR else None}
     if impl == "reference" or codes:
         q = reference_quantize(t, fmt, **kw)
         out = {"amax": q.amax, "num_clipped": q.num_clipped, "tensor_scale": q.tensor_scale}
@@ -396,6 +400,7 @@ def _concat(parts: list[dict], piece_axis: int, axis: int) -> dict:
             out[field] = torch.cat(vals, dim=piece_axis if field == "values" else hw_dim)
     out["tensor_scale"], out["amax"] = parts[0].get("tensor_scale"), parts[0].get("amax")
     out["out_scale"] = parts[0].get("out_scale")  # a tensor-level factor: the same for every run
+    out["decode_scale"] = parts[0].get("decode_scale")
     if parts[0].get("num_clipped") is not None:
         out["num_clipped"] = sum(p["num_clipped"] for p in parts)
     out["packed"] = parts[0].get("packed", False)

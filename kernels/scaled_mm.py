@@ -58,6 +58,7 @@ class HwOperand:
     k: int
     tensor_scale: torch.Tensor | None = None  # NVFP4 g_enc
     prescale: float = 1.0
+    decode_scale: torch.Tensor | None = None  # per-tensor: 1 / scales, computed by the quantizer
 
     @property
     def data(self) -> torch.Tensor:
@@ -70,6 +71,8 @@ class HwOperand:
     def scale(self) -> torch.Tensor:
         """The scale tensor in the dtype and layout ``_scaled_mm`` takes."""
         if self.scale_layout == "tensor":
+            if self.decode_scale is not None:  # the quantizer's own 1 / scale (one IEEE division)
+                return self.decode_scale.reshape(1)
             return (1.0 / self.scales).reshape(1).float()
         s = to_blocked(self.scales) if self.scale_layout == "blocked" else self.scales
         two_level = FORMATS[self.fmt].kind == Scaling.TWO_LEVEL  # NVFP4: E4M3 block scales
@@ -115,7 +118,8 @@ def hw_operand(q: QuantizedOperand, scale_layout: str = "blocked") -> HwOperand:
     scales = _pad2(q.scales, rows_p, k_p // spec.block).contiguous() if block else q.scales
     return HwOperand(q.fmt.fmt, codes, scales, scale_layout if block else "tensor", rows_p, k_p,
                      tensor_scale=q.tensor_scale,
-                     prescale=q.fmt.prescale_factor if spec.kind != Scaling.TWO_LEVEL else 1.0)
+                     prescale=q.fmt.prescale_factor if spec.kind != Scaling.TWO_LEVEL else 1.0,
+                     decode_scale=q.decode_scale)
 
 
 # ============================================================================ the GEMM call

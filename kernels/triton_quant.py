@@ -46,6 +46,7 @@ GEMM backends take their rotated operands from this kernel (``kernels.operand``)
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -54,13 +55,10 @@ import torch
 import triton
 import triton.language as tl
 
-from precision import blocks
-from precision.elements import fdiv
 from precision.formats import FORMATS, Rounding, ScaleRule, Scaling, format_names
 from precision.quantize import resolve_format
 from precision.rotation import hadamard_matrix, rotation_size
 from precision.srand import SRKey
-from precision.tensorwise import scale_from_amax
 
 __all__ = [
     "TRITON_FORMATS",
@@ -228,19 +226,19 @@ def _load_tile(x_ptr, signs_ptr, R, N, INNER, sx_o, sx_i, sx_k, TILE_R: tl.const
 def _amax_kernel(x_ptr, signs_ptr, amax_ptr, R, N, INNER, sx_o, sx_i, sx_k,
                  TILE_R: tl.constexpr, TK: tl.constexpr, ROT: tl.constexpr, LOG_ROT: tl.constexpr,
                  ROT_C: tl.constexpr, HAS_SIGNS: tl.constexpr):
-    """Atomic max of the finite |x| (rotated if asked) into an int32 cell: non-negative float32
-    values order like their bit patterns."""
+    """Atomic max of the finite |x| (rotated if asked) into an integer cell (int32 or int64, its
+    low 32 bits): non-negative float32 values order like their bit patterns."""
     x, r2, o2, i2, k2, row_ok, valid = _load_tile(x_ptr, signs_ptr, R, N, INNER, sx_o, sx_i, sx_k, TILE_R, TK,
                                                   ROT, LOG_ROT, ROT_C, HAS_SIGNS)
     finite = (x == x) & (tl.abs(x) < float("inf"))
     m = tl.max(tl.max(tl.where(finite & valid, tl.abs(x), 0.0), axis=1), axis=0)
-    tl.atomic_max(amax_ptr, m.to(tl.int32, bitcast=True))
+    tl.atomic_max(amax_ptr, m.to(tl.int32, bitcast=True).to(amax_ptr.dtype.element_ty))
 
 
 @triton.jit
 def _quant_kernel(
     x_ptr, signs_ptr, u_ptr, seed_ptr, srp_ptr, gs_ptr,
-    codes_ptr, scales_ptr, dq_ptr, aux_ptr,
+    codes_ptr, scales_ptr, dq_ptr, aux_ptr, ts_ptr,
     R, N, INNER, NPAD, NBLK, C,
     sx_o, sx_i, sx_k, sc_o, sc_i, sc_k, ss_o, ss_i, ss_k, sd_o, sd_i, sd_k, su_o, su_i, su_k,
     prescale,
@@ -249,10 +247,16 @@ def _quant_kernel(
     ELEM: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
     MAXN: tl.constexpr, SUBSCALE: tl.constexpr, SIGN_SHIFT: tl.constexpr,
     RCEIL: tl.constexpr, SR: tl.constexpr, U_GIVEN: tl.constexpr, KEYED: tl.constexpr, NAT: tl.constexpr,
-    PRESCALE: tl.constexpr,
+    PRESCALE: tl.constexpr, TARGET: tl.constexpr, MARGIN: tl.constexpr, AMAX_OUT: tl.constexpr,
     WRITE_CODES: tl.constexpr, WRITE_DQ: tl.constexpr, PACK: tl.constexpr, BF16_FORM: tl.constexpr,
 ):
-    """MODE 0: MX, 1: NVFP4, 2: per-tensor FP8 (scales from ``gs_ptr``; clip counts to ``aux_ptr``).
+    """MODE 0: MX, 1: NVFP4, 2: per-tensor FP8.
+
+    Tensor-level numbers (MODE 1, 2) are computed here from the amax at ``gs_ptr`` (float32: the
+    amax pass's result, or a given delayed / TP-reduced amax), with the reference's expressions, and
+    program (0, 0) writes them to ``ts_ptr`` (float32 ``[scale, 1/scale]``; NVFP4 ``[g_enc, 1/g_enc]``).
+    MODE 2 also adds its clip count to ``aux_ptr[1]`` (int64) and, with AMAX_OUT (the amax was
+    given, so no amax pass ran), max-reduces the tile's finite amax into ``aux_ptr[0]``.
 
     BF16_FORM: ``dq_ptr`` (bfloat16) receives the BF16 form (``kernels.bf16_operand``) instead of
     the FP32 dequantization: the element value (per-tensor), element x 2^(byte-127) without the
@@ -261,23 +265,24 @@ def _quant_kernel(
     x, r2, o2, i2, k2, row_ok, valid = _load_tile(x_ptr, signs_ptr, R, N, INNER, sx_o, sx_i, sx_k, TILE_R, TK,
                                                   ROT, LOG_ROT, ROT_C, HAS_SIGNS)
     _quant_store(x, r2, o2, i2, k2, row_ok, valid, tl.program_id(0), tl.program_id(1), tl.num_programs(1),
-                 u_ptr, seed_ptr, srp_ptr, gs_ptr, codes_ptr, scales_ptr, dq_ptr, aux_ptr,
+                 u_ptr, seed_ptr, srp_ptr, gs_ptr, codes_ptr, scales_ptr, dq_ptr, aux_ptr, ts_ptr,
                  N, INNER, NPAD, NBLK, C, sc_o, sc_i, sc_k, ss_o, ss_i, ss_k, sd_o, sd_i, sd_k, su_o, su_i, su_k,
                  prescale, MODE, BLOCK, NB, TILE_R, ELEM, EMIN, EMAX, MBITS, BIAS, MAXN, SUBSCALE, SIGN_SHIFT,
-                 RCEIL, SR, U_GIVEN, KEYED, NAT, PRESCALE, WRITE_CODES, WRITE_DQ, PACK, BF16_FORM)
+                 RCEIL, SR, U_GIVEN, KEYED, NAT, PRESCALE, TARGET, MARGIN, AMAX_OUT, WRITE_CODES, WRITE_DQ, PACK,
+                 BF16_FORM)
 
 
 @triton.jit
 def _quant_store(
     x, r2, o2, i2, k2, row_ok, valid, pid_r, pid_k, nprog_k,
-    u_ptr, seed_ptr, srp_ptr, gs_ptr, codes_ptr, scales_ptr, dq_ptr, aux_ptr,
+    u_ptr, seed_ptr, srp_ptr, gs_ptr, codes_ptr, scales_ptr, dq_ptr, aux_ptr, ts_ptr,
     N, INNER, NPAD, NBLK, C, sc_o, sc_i, sc_k, ss_o, ss_i, ss_k, sd_o, sd_i, sd_k, su_o, su_i, su_k,
     prescale,
     MODE: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, TILE_R: tl.constexpr,
     ELEM: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
     MAXN: tl.constexpr, SUBSCALE: tl.constexpr, SIGN_SHIFT: tl.constexpr,
     RCEIL: tl.constexpr, SR: tl.constexpr, U_GIVEN: tl.constexpr, KEYED: tl.constexpr, NAT: tl.constexpr,
-    PRESCALE: tl.constexpr,
+    PRESCALE: tl.constexpr, TARGET: tl.constexpr, MARGIN: tl.constexpr, AMAX_OUT: tl.constexpr,
     WRITE_CODES: tl.constexpr, WRITE_DQ: tl.constexpr, PACK: tl.constexpr, BF16_FORM: tl.constexpr,
 ):
     """Quantize one loaded ``[TILE_R, NB*BLOCK]`` tile (blocks along axis 1) and store its codes,
@@ -301,12 +306,21 @@ def _quant_store(
 
     if MODE == 2:
         # ================= per-tensor FP8: v = x * scale ============================
-        scale = tl.load(gs_ptr)
-        inv_scale = tl.load(gs_ptr + 1)
+        # scale = scale_target / (amax * 2^margin), 1 for amax 0, at most FP32_MAX
+        # (precision.tensorwise.scale_from_amax: one division); 1/scale: one division
+        a = tl.load(gs_ptr) * MARGIN
+        scale = tl.minimum(tl.where(a > 0, tl.math.div_rn(tl.zeros_like(a) + TARGET, a), 1.0), FP32_MAX)
+        inv_scale = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
+        first = (pid_r == 0) & (pid_k == 0)
+        tl.store(ts_ptr, scale, mask=first)
+        tl.store(ts_ptr + 1, inv_scale, mask=first)
+        if AMAX_OUT:  # this tensor's own amax, for telemetry and the delayed-scaling history
+            m = tl.max(tl.max(tl.where(finite & valid, tl.abs(x), 0.0), axis=1), axis=0)
+            tl.atomic_max(aux_ptr, m.to(tl.int32, bitcast=True).to(tl.int64))
         v = x * scale
         fin = (v == v) & (tl.abs(v) < float("inf"))
-        nclip = tl.sum(tl.sum(((tl.abs(v) > MAXN) & fin & valid).to(tl.int32), axis=1), axis=0)
-        tl.store(aux_ptr + pid_r * nprog_k + pid_k, nclip)
+        nclip = tl.sum(tl.sum(((tl.abs(v) > MAXN) & fin & valid).to(tl.int64), axis=1), axis=0)
+        tl.atomic_add(aux_ptr + 1, nclip)
         sign = _signbit(v)
         qm = _round_grid(tl.where(fin, v, 0.0), u, EMIN, EMAX, MBITS, MAXN, SR)
         code = _grid_code(qm, EMIN, MBITS, BIAS, SUBSCALE) | (sign << SIGN_SHIFT)
@@ -360,8 +374,15 @@ def _quant_store(
             sbyte = tl.where(bad, 255, sbyte)
         else:
             # ---- NVFP4: E4M3 block scale under the FP32 tensor scale ----------------
-            g6 = tl.load(gs_ptr)          # g_enc / 6
-            g_dec = tl.load(gs_ptr + 1)   # 1 / g_enc
+            # g_enc = min(448*6 / amax, FP32_MAX), 1 for amax 0 (precision.blocks.nvfp4_tensor_scale)
+            a = tl.load(gs_ptr)
+            g_enc = tl.minimum(tl.math.div_rn(tl.zeros_like(a) + 2688.0, a), FP32_MAX)
+            g_enc = tl.where(a == 0.0, 1.0, g_enc)
+            g6 = tl.math.div_rn(g_enc, tl.zeros_like(g_enc) + 6.0)   # g_enc / 6
+            g_dec = tl.math.div_rn(tl.zeros_like(g_enc) + 1.0, g_enc)  # 1 / g_enc
+            first = (pid_r == 0) & (pid_k == 0)
+            tl.store(ts_ptr, g_enc, mask=first)
+            tl.store(ts_ptr + 1, g_dec, mask=first)
             s_dec = tl.minimum(tl.where(bad, 0.0, amax) * g6, 448.0)
             s_dec = _round_grid(s_dec, s_dec, -6, 8, 3, 448.0, False)   # E4M3, nearest
             sbyte = _grid_code(s_dec, -6, 3, 7, 512.0)
@@ -442,9 +463,10 @@ def _collapse(shape, strides):
     return size, stride
 
 
-def _ois(t: torch.Tensor, axis: int):
-    """(outer, inner, s_outer, s_inner, s_axis) addressing of ``t`` around ``axis``, or None."""
-    sh, st = list(t.shape), list(t.stride())
+def _ois_of(shape, strides, axis: int):
+    """(outer, inner, s_outer, s_inner, s_axis) addressing of a tensor of ``shape`` / ``strides``
+    around ``axis``, or None."""
+    sh, st = list(shape), list(strides)
     a = _collapse(sh[:axis], st[:axis])
     b = _collapse(sh[axis + 1:], st[axis + 1:])
     if a is None or b is None:
@@ -452,18 +474,28 @@ def _ois(t: torch.Tensor, axis: int):
     return a[0], b[0], a[1], b[1], st[axis]
 
 
-def _contraction_last(shape, axis, n_axis, dtype, device):
-    """A tensor in ``movedim(axis, -1)`` order (contiguous), viewed back with ``axis`` in place."""
-    moved = [s for d, s in enumerate(shape) if d != axis] + [n_axis]
-    return torch.empty(moved, dtype=dtype, device=device).movedim(-1, axis)
+def _ois(t: torch.Tensor, axis: int):
+    return _ois_of(t.shape, t.stride(), axis)
 
 
-def _alloc(shape, axis, n_axis, dtype, device, layout):
-    if layout == "input":
-        s = list(shape)
-        s[axis] = n_axis
-        return torch.empty(s, dtype=dtype, device=device)
-    return _contraction_last(shape, axis, n_axis, dtype, device)
+class _Out:
+    """An output buffer: ``tensor`` in the layout handed back and the kernel's (s_outer, s_inner,
+    s_axis) strides of it seen in the input's layout -- no view is made for the kernel."""
+
+    def __init__(self, shape, axis, n_axis, dtype, device, layout):
+        if layout == "input":
+            s = list(shape)
+            s[axis] = n_axis
+            self.tensor = torch.empty(s, dtype=dtype, device=device)
+            self.strides = _ois(self.tensor, axis)[2:]
+        else:  # contraction-last: x.movedim(axis, -1) order, contiguous
+            moved = [v for d, v in enumerate(shape) if d != axis] + [n_axis]
+            self.tensor = torch.empty(moved, dtype=dtype, device=device)
+            st = list(self.tensor.stride())
+            natural = st[:axis] + [st[-1]] + st[axis:-1]
+            s = list(shape)
+            s[axis] = n_axis
+            self.strides = _ois_of(s, natural, axis)[2:]
 
 
 def _strides(t: torch.Tensor | None, axis: int):
@@ -471,6 +503,23 @@ def _strides(t: torch.Tensor | None, axis: int):
         return 0, 0, 0
     _, _, so, si, sk = _ois(t, axis)
     return so, si, sk
+
+
+_DUMMIES: dict = {}
+
+
+def _dummies(dev: torch.device):
+    """Placeholder pointers for arguments a launch does not read (made once per device)."""
+    key = (dev.type, dev.index)
+    if key not in _DUMMIES:
+        _DUMMIES[key] = (torch.zeros(1, device=dev), torch.zeros(1, dtype=torch.int64, device=dev))
+    return _DUMMIES[key]
+
+
+@functools.cache
+def _rotation_constant(n: int) -> float:
+    """``fl32(1/sqrt(n))``, the entry of ``precision.rotation.hadamard_matrix(n)``."""
+    return float(hadamard_matrix(n)[0, 0])
 
 
 _TILE_R_GPU = 64
@@ -582,46 +631,41 @@ def quantize_triton(
     ekw = dict(ELEM=_NONFINITE[elem.nonfinite], EMIN=elem.emin, EMAX=elem.emax, MBITS=elem.mbits,
                BIAS=elem.bias, MAXN=float(elem.max_normal),
                SUBSCALE=float(2.0 ** (elem.mbits - elem.emin)), SIGN_SHIFT=elem.sign_shift)
-    rot_c = float(hadamard_matrix(rot)[0, 0]) if rot else 1.0
-    signs_t = (signs.to(device=dev, dtype=torch.float32).contiguous() if signs is not None
-               else torch.empty(1, device=dev))
-    dummy_f = torch.empty(1, device=dev)
-    dummy_i = torch.zeros(1, dtype=torch.int64, device=dev)
+    rot_c = _rotation_constant(rot) if rot else 1.0
+    dummy_f, dummy_i = _dummies(dev)
+    signs_t = signs.to(device=dev, dtype=torch.float32).contiguous() if signs is not None else dummy_f
     ncols = x.shape[-1]
     nat = 0 if axis == x.dim() - 1 else 1 if axis == x.dim() - 2 else 2
     launch = dict(BLOCK=block, NB=nb, TILE_R=tile_r, ROT=rot, LOG_ROT=int(math.log2(rot)) if rot else 0,
                   ROT_C=rot_c, HAS_SIGNS=signs is not None and rot > 0, **ekw)
+    per_tensor = spec.kind == Scaling.TENSOR
 
-    def run(mode, gs, codes_t, scales_t, dq_t, aux, u_t, seed_t, write_codes, write_dq):
-        write_dq = write_dq or bf16_form
-        sc = _strides(codes_t, axis) if codes_t is not None else (0, 0, 0)
-        ss = _strides(scales_t, axis) if scales_t is not None and scales_t.dim() else (0, 0, 0)
-        sd = _strides(dq_t, axis)
-        su = _strides(u_t, axis)
+    def run(mode, gs, codes_o, scales_o, dq_o, aux, ts, u_t, seed_t, amax_out=False):
+        none = (0, 0, 0)
         args = (x, signs_t, u_t if u_t is not None else dummy_f, seed_t if seed_t is not None else dummy_f,
                 srp_t if srp_t is not None else dummy_i, gs if gs is not None else dummy_f,
-                codes_t if codes_t is not None else dummy_f, scales_t if scales_t is not None else dummy_f,
-                dq_t if dq_t is not None else dummy_f, aux if aux is not None else dummy_f,
-                R, n, inner, npad, nblk, ncols, sx_o, sx_i, sx_k, *sc, *ss, *sd, *su, float(prescale))
+                codes_o.tensor if codes_o is not None else dummy_f,
+                scales_o.tensor if scales_o is not None else dummy_f,
+                dq_o.tensor if dq_o is not None else dummy_f, aux if aux is not None else dummy_f,
+                ts if ts is not None else dummy_f,
+                R, n, inner, npad, nblk, ncols, sx_o, sx_i, sx_k,
+                *(codes_o.strides if codes_o is not None else none),
+                *(scales_o.strides if scales_o is not None else none),
+                *(dq_o.strides if dq_o is not None else none), *_strides(u_t, axis), float(prescale))
         meta = dict(MODE=mode, RCEIL=scale_rule == ScaleRule.RCEIL, SR=sr, U_GIVEN=uniforms is not None,
-                    KEYED=uniforms is None and key is not None, NAT=nat,
-                    PRESCALE=prescale != 1.0, WRITE_CODES=write_codes, WRITE_DQ=write_dq, PACK=pack,
-                    BF16_FORM=bf16_form, **launch)
+                    KEYED=uniforms is None and key is not None, NAT=nat, PRESCALE=prescale != 1.0,
+                    TARGET=float(spec.scale_target) if per_tensor else 1.0,
+                    MARGIN=2.0**margin if per_tensor else 1.0, AMAX_OUT=amax_out,
+                    WRITE_CODES=codes, WRITE_DQ=dequantize or bf16_form, PACK=pack, BF16_FORM=bf16_form, **launch)
         if _capture is not None:  # cast_transpose_triton launches both layouts' arguments in one kernel
             _capture.append((args, meta))
         else:
             _launch(_quant_kernel, grid, args, meta)
 
-    # ---- tensor-wide numbers: amax pass (NVFP4 with a given amax needs none) ----------------------
-    amax_cur = None
-    if _own_amax is not None:  # cast_transpose_triton's one amax pass (this tensor's own, unrotated)
-        amax_cur = _own_amax
-    elif spec.kind == Scaling.TENSOR or (spec.tensor_scaled and amax is None):
-        bits = torch.zeros(1, dtype=torch.int32, device=dev)
-        _launch(_amax_kernel, grid, (x, signs_t, bits, R, n, inner, sx_o, sx_i, sx_k),
+    def amax_pass(cell: torch.Tensor) -> None:  # atomic max of the finite |x| (rotated) into cell[0]
+        _launch(_amax_kernel, grid, (x, signs_t, cell, R, n, inner, sx_o, sx_i, sx_k),
                 dict(TILE_R=tile_r, TK=tk, ROT=rot, LOG_ROT=launch["LOG_ROT"], ROT_C=rot_c,
                      HAS_SIGNS=launch["HAS_SIGNS"]))
-        amax_cur = bits.view(torch.float32)[0]
 
     # ---- SR random numbers ---------------------------------------------------------------------
     u_t = seed_t = srp_t = None
@@ -635,78 +679,86 @@ def quantize_triton(
             seed_t = (seed.reshape(1).to(device=dev, dtype=torch.int64) if isinstance(seed, torch.Tensor)
                       else torch.tensor([int(seed)], dtype=torch.int64, device=dev))
 
+    # ---- outputs, allocated in the layout handed back (the kernel gets their strides) -----------
     shape = list(x.shape)
-    codes_t = None
-    if codes:
-        if pack:
-            moved = [s for d, s in enumerate(shape) if d != axis] + [n // 2]
-            codes_t = torch.empty(moved, dtype=torch.uint8, device=dev).movedim(-1, axis)
-        else:
-            codes_t = _alloc(shape, axis, n, torch.uint8, dev, layout)
-    dq_t = torch.empty(shape, dtype=torch.float32, device=dev) if dequantize else None
+    codes_o = _Out(shape, axis, n // 2 if pack else n, torch.uint8, dev, layout) if codes else None
+    dq_o = _Out(shape, axis, n, torch.float32, dev, "input") if dequantize else None
     if bf16_form:
-        dq_t = _alloc(shape, axis, n, torch.bfloat16, dev, layout)
+        dq_o = _Out(shape, axis, n, torch.bfloat16, dev, layout)
+    given = None if amax is None else _amax_tensor(amax, dev)
 
-    if spec.kind == Scaling.TENSOR:
-        used = (amax_cur if amax is None
-                else torch.as_tensor(amax, dtype=torch.float32, device=dev).reshape(()))
-        scale = scale_from_amax(used * 2.0**margin, spec.scale_target)  # the reference's own expression
-        gs = torch.stack([scale, 1.0 / scale]).float().contiguous()
-        clips = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=dev)
-        run(MODE_TENSOR, gs, codes_t, None, dq_t, clips, u_t, seed_t, codes, dequantize)
-        res = TritonQuantResult(fmt, axis, codes_t, scale, None if bf16_form else dq_t, amax=amax_cur,
-                                num_clipped=clips.sum(dtype=torch.int64))
-        out_scale = 1.0 / scale  # the spec's dequantization: element * (1 / scale)
+    # ---- tensor-level numbers: computed in the kernel from the amax (no host-side arithmetic); the
+    #      amax pass runs only for a current scale: a given amax leaves one launch -------------------
+    if per_tensor:
+        ws = torch.zeros(2, dtype=torch.int64, device=dev)  # [own amax (float32 bits), clipped count]
+        ts = torch.empty(2, device=dev)  # [scale, 1/scale], written by the kernel
+        amax_out = given is not None and _own_amax is None  # the quantize pass finds the amax itself
+        if given is None and _own_amax is None:
+            amax_pass(ws)
+        own = _own_amax if _own_amax is not None else ws.view(torch.float32)[0]
+        run(MODE_TENSOR, given if given is not None else own, codes_o, None, dq_o, ws, ts, u_t, seed_t,
+            amax_out=amax_out)
+        res = TritonQuantResult(fmt, axis, codes_o.tensor if codes_o is not None else None, ts[0],
+                                dq_o.tensor if dq_o is not None and not bf16_form else None, amax=own,
+                                num_clipped=ws[1])
+        out_scale = ts[1]  # the spec's dequantization: element * (1 / scale)
     else:
-        scales_t = _alloc(shape, axis, nblk, torch.uint8, dev, layout)
-        gs, g_enc = None, None
+        scales_o = _Out(shape, axis, nblk, torch.uint8, dev, layout)
+        gs = ts = g_enc = out_scale = None
         if spec.kind == Scaling.TWO_LEVEL:
-            used = (amax_cur if amax is None
-                    else torch.as_tensor(amax, dtype=torch.float32, device=dev).reshape(()))
-            g_enc = blocks.nvfp4_tensor_scale(used)              # the reference's own expression
-            gs = torch.stack([fdiv(g_enc, spec.max_normal), 1.0 / g_enc]).float().contiguous()
-        run(_MODE[spec.kind], gs, codes_t, scales_t, dq_t, None, u_t, seed_t, codes, dequantize)
-        res = TritonQuantResult(fmt, axis, codes_t, scales_t, None if bf16_form else dq_t, tensor_scale=g_enc,
+            gs = given if given is not None else _own_amax
+            if gs is None:
+                cell = torch.zeros(1, dtype=torch.int64, device=dev)
+                amax_pass(cell)
+                gs = cell.view(torch.float32)
+            ts = torch.empty(2, device=dev)  # [g_enc, 1/g_enc], written by the kernel
+            g_enc, out_scale = ts[0], ts[1]
+        run(_MODE[spec.kind], gs, codes_o, scales_o, dq_o, None, ts, u_t, seed_t)
+        res = TritonQuantResult(fmt, axis, codes_o.tensor if codes_o is not None else None, scales_o.tensor,
+                                dq_o.tensor if dq_o is not None and not bf16_form else None, tensor_scale=g_enc,
                                 prescale=prescale if spec.has_scale_rules else 1.0)
-        out_scale = 1.0 / g_enc if g_enc is not None else None
+    res.out_scale = out_scale
     if bf16_form:
-        res.bf16, res.out_scale = (dq_t.movedim(axis, -1) if layout == "contraction_last" else dq_t), out_scale
-    if layout == "contraction_last":
-        # hand back the contiguous K-last tensors themselves
-        if res.codes is not None:
-            res.codes = res.codes.movedim(axis, -1)
-        if spec.blocked:
-            res.scales = res.scales.movedim(axis, -1)
+        res.bf16 = dq_o.tensor
     return res
+
+
+def _amax_tensor(amax, dev) -> torch.Tensor:
+    """A given amax as a float32 tensor on ``dev`` whose first element the kernel reads."""
+    if isinstance(amax, torch.Tensor):
+        return amax.to(device=dev, dtype=torch.float32)
+    return torch.tensor([float(amax)], dtype=torch.float32, device=dev)
 
 
 # ====================================================================== cast-transpose
 # Per-layout kernel arguments of _quant_store, in _quant_kernel's order (see _split_args).
-_LAYOUT_ARGS = slice(2, 10), slice(13, 16), slice(19, 32)
+_LAYOUT_ARGS = slice(2, 11), slice(14, 17), slice(20, 33)
 _LAYOUT_META = ("MODE", "BLOCK", "NB", "TILE_R", "ELEM", "EMIN", "EMAX", "MBITS", "BIAS", "MAXN", "SUBSCALE",
-                "SIGN_SHIFT", "RCEIL", "SR", "U_GIVEN", "KEYED", "NAT", "PRESCALE", "WRITE_CODES", "WRITE_DQ", "PACK",
-                "BF16_FORM")
+                "SIGN_SHIFT", "RCEIL", "SR", "U_GIVEN", "KEYED", "NAT", "PRESCALE", "TARGET", "MARGIN", "AMAX_OUT",
+                "WRITE_CODES", "WRITE_DQ", "PACK", "BF16_FORM")
 
 
 @triton.jit
 def _cast_transpose_kernel(
     x_ptr, T, H, sx_t, sx_h,
-    a_u, a_seed, a_srp, a_gs, a_codes, a_scales, a_dq, a_aux, a_NPAD, a_NBLK, a_C, a_sc_o, a_sc_i, a_sc_k,
+    a_u, a_seed, a_srp, a_gs, a_codes, a_scales, a_dq, a_aux, a_ts, a_NPAD, a_NBLK, a_C, a_sc_o, a_sc_i, a_sc_k,
     a_ss_o, a_ss_i, a_ss_k, a_sd_o, a_sd_i, a_sd_k, a_su_o, a_su_i, a_su_k, a_prescale,
-    b_u, b_seed, b_srp, b_gs, b_codes, b_scales, b_dq, b_aux, b_NPAD, b_NBLK, b_C, b_sc_o, b_sc_i, b_sc_k,
+    b_u, b_seed, b_srp, b_gs, b_codes, b_scales, b_dq, b_aux, b_ts, b_NPAD, b_NBLK, b_C, b_sc_o, b_sc_i, b_sc_k,
     b_ss_o, b_ss_i, b_ss_k, b_sd_o, b_sd_i, b_sd_k, b_su_o, b_su_i, b_su_k, b_prescale,
     BT: tl.constexpr, BH: tl.constexpr,
     A_MODE: tl.constexpr, A_BLOCK: tl.constexpr, A_NB: tl.constexpr, A_TILE_R: tl.constexpr,
     A_ELEM: tl.constexpr, A_EMIN: tl.constexpr, A_EMAX: tl.constexpr, A_MBITS: tl.constexpr,
     A_BIAS: tl.constexpr, A_MAXN: tl.constexpr, A_SUBSCALE: tl.constexpr, A_SIGN_SHIFT: tl.constexpr,
     A_RCEIL: tl.constexpr, A_SR: tl.constexpr, A_U_GIVEN: tl.constexpr, A_KEYED: tl.constexpr,
-    A_NAT: tl.constexpr, A_PRESCALE: tl.constexpr, A_WRITE_CODES: tl.constexpr, A_WRITE_DQ: tl.constexpr,
+    A_NAT: tl.constexpr, A_PRESCALE: tl.constexpr, A_TARGET: tl.constexpr, A_MARGIN: tl.constexpr,
+    A_AMAX_OUT: tl.constexpr, A_WRITE_CODES: tl.constexpr, A_WRITE_DQ: tl.constexpr,
     A_PACK: tl.constexpr, A_BF16_FORM: tl.constexpr,
     B_MODE: tl.constexpr, B_BLOCK: tl.constexpr, B_NB: tl.constexpr, B_TILE_R: tl.constexpr,
     B_ELEM: tl.constexpr, B_EMIN: tl.constexpr, B_EMAX: tl.constexpr, B_MBITS: tl.constexpr,
     B_BIAS: tl.constexpr, B_MAXN: tl.constexpr, B_SUBSCALE: tl.constexpr, B_SIGN_SHIFT: tl.constexpr,
     B_RCEIL: tl.constexpr, B_SR: tl.constexpr, B_U_GIVEN: tl.constexpr, B_KEYED: tl.constexpr,
-    B_NAT: tl.constexpr, B_PRESCALE: tl.constexpr, B_WRITE_CODES: tl.constexpr, B_WRITE_DQ: tl.constexpr,
+    B_NAT: tl.constexpr, B_PRESCALE: tl.constexpr, B_TARGET: tl.constexpr, B_MARGIN: tl.constexpr,
+    B_AMAX_OUT: tl.constexpr, B_WRITE_CODES: tl.constexpr, B_WRITE_DQ: tl.constexpr,
     B_PACK: tl.constexpr, B_BF16_FORM: tl.constexpr,
 ):
     """One read of a ``[BT, BH]`` tile of the 2-D ``x [T, H]``, quantized twice from the same
@@ -723,18 +775,20 @@ def _cast_transpose_kernel(
     # === A: blocks along h -- rows r = t (o = t, i = 0), k = h
     _quant_store(x, t1[:, None], t1[:, None], tl.zeros([BT, 1], dtype=tl.int64), h1[None, :], t_ok, valid,
                  pid_t, pid_h, tl.num_programs(1),
-                 a_u, a_seed, a_srp, a_gs, a_codes, a_scales, a_dq, a_aux, H, 1, a_NPAD, a_NBLK, a_C, a_sc_o, a_sc_i,
+                 a_u, a_seed, a_srp, a_gs, a_codes, a_scales, a_dq, a_aux, a_ts, H, 1, a_NPAD, a_NBLK, a_C, a_sc_o, a_sc_i,
                  a_sc_k, a_ss_o, a_ss_i, a_ss_k, a_sd_o, a_sd_i, a_sd_k, a_su_o, a_su_i, a_su_k, a_prescale,
                  A_MODE, A_BLOCK, A_NB, A_TILE_R, A_ELEM, A_EMIN, A_EMAX, A_MBITS, A_BIAS, A_MAXN, A_SUBSCALE,
-                 A_SIGN_SHIFT, A_RCEIL, A_SR, A_U_GIVEN, A_KEYED, A_NAT, A_PRESCALE, A_WRITE_CODES, A_WRITE_DQ,
+                 A_SIGN_SHIFT, A_RCEIL, A_SR, A_U_GIVEN, A_KEYED, A_NAT, A_PRESCALE, A_TARGET, A_MARGIN,
+                 A_AMAX_OUT, A_WRITE_CODES, A_WRITE_DQ,
                  A_PACK, A_BF16_FORM)
     # === B: blocks along t (the transposed tile) -- rows r = h (o = 0, i = h), k = t
     _quant_store(tl.trans(x), h1[:, None], tl.zeros([BH, 1], dtype=tl.int64), h1[:, None], t1[None, :], h_ok,
                  tl.trans(valid), pid_h, pid_t, tl.num_programs(0),
-                 b_u, b_seed, b_srp, b_gs, b_codes, b_scales, b_dq, b_aux, T, H, b_NPAD, b_NBLK, b_C, b_sc_o, b_sc_i,
+                 b_u, b_seed, b_srp, b_gs, b_codes, b_scales, b_dq, b_aux, b_ts, T, H, b_NPAD, b_NBLK, b_C, b_sc_o, b_sc_i,
                  b_sc_k, b_ss_o, b_ss_i, b_ss_k, b_sd_o, b_sd_i, b_sd_k, b_su_o, b_su_i, b_su_k, b_prescale,
                  B_MODE, B_BLOCK, B_NB, B_TILE_R, B_ELEM, B_EMIN, B_EMAX, B_MBITS, B_BIAS, B_MAXN, B_SUBSCALE,
-                 B_SIGN_SHIFT, B_RCEIL, B_SR, B_U_GIVEN, B_KEYED, B_NAT, B_PRESCALE, B_WRITE_CODES, B_WRITE_DQ,
+                 B_SIGN_SHIFT, B_RCEIL, B_SR, B_U_GIVEN, B_KEYED, B_NAT, B_PRESCALE, B_TARGET, B_MARGIN,
+                 B_AMAX_OUT, B_WRITE_CODES, B_WRITE_DQ,
                  B_PACK, B_BF16_FORM)
 
 
@@ -794,9 +848,6 @@ def cast_transpose_triton(
     grid = (triton.cdiv(t_len, tile), triton.cdiv(h_len, tile))
     _launch(_cast_transpose_kernel, grid, (x, t_len, h_len, *x.stride(), *per[0], *per[1]),
             dict(BT=tile, BH=tile, **meta))
-    for res, args in ((row, a_args), (col, b_args)):
-        if FORMATS[res.fmt].kind == Scaling.TENSOR:  # the clip counts exist only now
-            res.num_clipped = args[9].sum(dtype=torch.int64)
     return row, col
 
 

@@ -18,6 +18,10 @@
    ``bf16`` preset through the same code (and, for context, ``torch.nn.functional.linear``); on
    CUDA also with the ``auto`` GEMM backend (FP8 / MX tensor cores where the device has them).
 4. torchao's float8 and MXFP8 training paths on the same linear, where torchao can run them.
+5. Host work per GEMM on the hardware path (Triton quantizer, operands in the GEMM's form): ATen
+   ops dispatched, how many of them launch a device kernel, and Triton launches -- counted, not
+   timed, so the same on any machine; runs wherever Triton does (CUDA, or ``TRITON_INTERPRET=1``
+   on CPU: ``TRITON_INTERPRET=1 python launch/bench_kernels.py --skip-quantizers --skip-linear``).
 
 ``--json`` is rewritten after each table (and each ``--ffn`` size), so a run cut short keeps its
 results. Times are the best of ``--repeats`` runs after warm-up (compilation happens in warm-up): on a shared
@@ -208,6 +212,98 @@ def bench_torchao(args, device, x, w, dy, ffn, t_torch) -> list[dict]:
     return out
 
 
+# ============================================================================ 5: host work per operand
+# ATen ops that only describe or allocate memory (no device kernel on a GPU); every other op is a
+# device kernel launch of its own (fill, arithmetic, reductions, copies).
+_NO_KERNEL = {"view", "_unsafe_view", "as_strided", "select", "slice", "permute", "t", "transpose", "expand",
+              "unsqueeze", "squeeze", "alias", "detach", "lift_fresh", "reshape", "movedim", "empty",
+              "empty_strided", "empty_like", "unflatten", "flatten", "_reshape_alias", "view_as", "unbind",
+              "split", "chunk", "narrow"}
+
+
+def host_work(fn) -> dict:
+    """What ``fn()`` asks of the host, counted (not timed): ATen ops dispatched (``aten``), those of
+    them that launch a device kernel (``kernels``: not a view or an allocation) and Triton kernel
+    launches (``triton``), with the ops by name. ATen ops inside a Triton launch (Triton's CPU
+    interpreter copies tensors) are not counted: on a GPU a launch dispatches none. The counts are
+    the same on any machine: the host code path does not depend on the device's speed."""
+    from collections import Counter
+    from unittest import mock
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import kernels.triton_quant as tq
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops, self.paused, self.launches = Counter(), 0, Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not self.paused:
+                self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    counter = Count()
+    real = tq._launch
+
+    def launch(kernel, grid, args, meta):
+        counter.launches[getattr(kernel, "__name__", None) or kernel.fn.__name__] += 1
+        counter.paused += 1
+        try:
+            real(kernel, grid, args, meta)
+        finally:
+            counter.paused -= 1
+
+    with mock.patch.object(tq, "_launch", launch), counter:
+        fn()
+    kernels = sum(n for op, n in counter.ops.items() if op not in _NO_KERNEL)
+    return {"aten": sum(counter.ops.values()), "kernels": kernels, "triton": sum(counter.launches.values()),
+            "ops": dict(counter.ops.most_common()), "launches": dict(counter.launches)}
+
+
+def host_work_cases(device: str) -> list[dict]:
+    """Per GEMM of one linear layer on the hardware path (Triton quantizer, operands in the form the
+    GEMM takes, the GEMM itself excluded): ``fp8`` on ``fp8_scaled_mm`` (per-tensor E4M3 / E5M2,
+    current scaling, and delayed scaling from a recorded amax), MXFP4 and ``wgrad_hadamard``'s rotated
+    Wgrad on ``bf16_mm`` (what an H200 runs)."""
+    from kernels.operand import gemm_operands
+    from kernels.scaled_mm import hw_operand
+    from precision.recipe import Gemm, parse_gemm
+
+    g = torch.Generator().manual_seed(0)
+    t, h, f = 64, 64, 32  # host work does not depend on the shape
+    x, w, dy = (torch.randn(*s, generator=g).to(device) for s in ((t, h), (f, h), (t, f)))
+    operands = {Gemm.FPROP: (x, w), Gemm.DGRAD: (dy, w), Gemm.WGRAD: (dy, x)}
+    rows = []
+
+    def scaled_mm_form(g_, spec, state):
+        ops = gemm_operands(g_, *operands[g_], parse_gemm(spec, g_), state, impl="triton", codes=True)
+        for q in (ops.a, ops.b):
+            hw = hw_operand(q, "blocked")
+            _ = hw.data, hw.scale  # what torch._scaled_mm is handed
+
+    def bf16_form(g_, spec, state):
+        gemm_operands(g_, *operands[g_], parse_gemm(spec, g_), state, impl="triton", bf16=True)
+
+    fp8 = {Gemm.FPROP: "fp8_e4m3", Gemm.DGRAD: "fp8_e5m2@fp8_e4m3", Gemm.WGRAD: "fp8_e5m2@fp8_e4m3"}
+    cases = [(f"fp8 {gm.value}", "fp8_scaled_mm", lambda gm=gm: scaled_mm_form(gm, fp8[gm], LayerQuantState(0, "l")))
+             for gm in Gemm]
+    delayed = LayerQuantState(0, "l")
+    scaled_mm_form(Gemm.FPROP, "fp8_e4m3/delayed(most_recent)", delayed)  # one step: the history has an amax
+    delayed.end_step()
+    cases.append(("fp8 fprop, delayed scaling", "fp8_scaled_mm",
+                  lambda: scaled_mm_form(Gemm.FPROP, "fp8_e4m3/delayed(most_recent)", delayed)))
+    cases += [("mxfp4 fprop", "bf16_mm", lambda: bf16_form(Gemm.FPROP, "mxfp4", LayerQuantState(0, "l"))),
+              ("wgrad_hadamard wgrad (had16)", "bf16_mm",
+               lambda: bf16_form(Gemm.WGRAD, "mxfp4+had16", LayerQuantState(0, "l")))]
+    for label, backend, fn in cases:
+        fn()  # first calls fill caches (rotation constants, compiled kernels): count the steady state
+        r = host_work(fn)
+        rows.append({"case": label, "backend": backend, "operands": 2, **r})
+    return rows
+
+
 # ============================================================================ main
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -228,6 +324,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-quantizers", action="store_true")
     p.add_argument("--skip-linear", action="store_true")
+    p.add_argument("--skip-host-work", action="store_true")
     p.add_argument("--json", default=None, help="write all results to this JSON file")
     a = p.parse_args(argv)
     cuda = a.device.startswith("cuda")
@@ -313,6 +410,17 @@ def main(argv=None) -> dict:
                      [("ffn", "ffn", "{}"), ("preset", "preset", "{}"), ("backend", "backend", "{}"),
                       ("ms", "ms", "{:.1f}"), ("vs_torch", "vs F.linear", "{:.2f}x"),
                       ("vs_bf16", "vs bf16 preset", "{:.2f}x")])
+    if not args.skip_host_work:
+        why = triton_missing_reason(probe, "fp8_e4m3")
+        if why is None:
+            results["host_work"] = [{k: v for k, v in r.items() if k != "ops"} for r in host_work_cases(device)]
+            save()
+            _print_table("host work per GEMM on the hardware path (2 operands; counted, not timed)",
+                         results["host_work"],
+                         [("case", "GEMM", "{}"), ("backend", "backend", "{}"), ("aten", "ATen ops", "{}"),
+                          ("kernels", "of them device kernels", "{}"), ("triton", "Triton launches", "{}")])
+        else:
+            print(f"\n== host work per GEMM: not measured ({why})")
     if args.json:
         save()
         print(f"\nwrote {args.json}")

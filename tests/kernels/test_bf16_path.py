@@ -168,7 +168,7 @@ def test_dispatch_simulated_sm90_and_cpu(monkeypatch):
     ran = []
     impls = {"bf16_mm": BACKENDS["bf16_mm"], "emulated": BACKENDS["reference"]}  # reference: same bits, no compile
     for name, impl in impls.items():
-        monkeypatch.setitem(BACKENDS, name, lambda g, *a, _n=name, _f=impl: ran.append((g, _n)) or _f(g, *a))
+        monkeypatch.setitem(BACKENDS, name, lambda g, *a, _n=name, _f=impl, **k: ran.append((g, _n)) or _f(g, *a, **k))
     x = torch.randn(8, 32, requires_grad=True)
     w = torch.randn(16, 32, requires_grad=True)
     policy_linear(x, w, presets.get("mxfp4"), backend="auto").sum().backward()
