@@ -27,6 +27,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from precision import blocks
 from precision.elements import round_to_grid
 from precision.formats import Scaling, get_format
+from precision.quantize import margin_amax
+from precision.recipe import OperandFormat
 from precision.rotation import rotate
 from precision.srand import SRKey, uniforms_from_params
 from precision.tensorwise import scale_from_amax
@@ -153,42 +155,34 @@ def _sr_uniforms(x: torch.Tensor, axis: int, block: int, generator) -> torch.Ten
 
 def fake_quantize(
     x: torch.Tensor,
-    fmt,
+    fmt: OperandFormat | str,
     *,
     axis: int = -1,
-    rounding: str | None = None,
-    scale_rule: str | None = None,
-    prescale: float | None = None,
-    generator: torch.Generator | None = None,
     amax: torch.Tensor | float | None = None,
+    sr: SRKey | torch.Generator | None = None,
     rotation: tuple[int, torch.Tensor | None] | None = None,
     impl: str = "auto",
-    sr: SRKey | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """(rotate ->) quantize -> dequantize ``x`` (float32 result), equal to the reference bit for bit.
 
-    ``rotation=(n, signs)`` applies ``precision.rotation.rotate(x, axis, n, signs)`` first, fused
-    into the same kernel (``x.shape[axis]`` must be a multiple of n). ``amax`` (a float or a 0-d
-    float32 tensor, no host read): the amax of the tensor-level scale -- per-tensor formats and
-    NVFP4's FP32 tensor scale -- instead of this tensor's own. ``sr``: stochastic rounding's
-    counter-based key (``precision.srand``), else ``generator``. Returns ``(values, stats)``;
-    per-tensor formats report ``amax`` (this tensor's) and ``num_clipped`` in ``stats``. ``fmt``: a
-    registered name or ``Format`` (rounding, scale rule, prescale default nearest, floor, 1), or an
-    ``OperandFormat``, which brings its own; the formats without a fused expression (FP32, BF16, HiF8) go
+    ``fmt``: an ``OperandFormat`` (rounding, scale rule, prescale, margin), or a format name for its
+    defaults (``OperandFormat(name)``). ``rotation=(n, signs)`` applies
+    ``precision.rotation.rotate(x, axis, n, signs)`` first, fused into the same kernel
+    (``x.shape[axis]`` must be a multiple of n). ``amax`` (a float or a 0-d float32 tensor, no host
+    read): the amax of the tensor-level scale -- per-tensor formats and NVFP4's FP32 tensor scale --
+    instead of this tensor's own. ``sr``: stochastic rounding's counter-based key
+    (``precision.srand.SRKey``), or a ``torch.Generator`` (eager draws in the reference's order).
+    Returns ``(values, stats)``; per-tensor formats report ``amax`` (this tensor's) and
+    ``num_clipped`` in ``stats``. The formats without a fused expression (FP32, BF16, HiF8) go
     through the reference directly.
     """
-    from precision.quantize import (  # the reference, for formats without a fused kernel
-        margin_amax,
-        quantize,
-        resolve_format,
-    )
-
-    if getattr(fmt, "margin", 0):  # an OperandFormat's margin: scale by amax * 2^margin
-        amax = margin_amax(fmt, rotate(x, axis % x.dim(), *rotation) if rotation is not None else x, amax)
-    spec, rounding, scale_rule, prescale = resolve_format(fmt, rounding, scale_rule, prescale)
+    op = fmt if isinstance(fmt, OperandFormat) else OperandFormat(get_format(fmt).name)
+    if op.margin:  # scale by amax * 2^margin
+        amax = margin_amax(op, rotate(x, axis % x.dim(), *rotation) if rotation is not None else x, amax)
+    spec, typed_rounding, prescale = op.format, op.rounding, op.prescale_factor
     fmt = spec.name
-    typed_rounding, scale_rule = spec.check(rounding, scale_rule)
-    rounding, scale_rule = str(typed_rounding), str(scale_rule)  # plain strings: kernel cache keys
+    generator, sr = (sr, None) if isinstance(sr, torch.Generator) else (None, sr)
+    rounding, scale_rule = str(typed_rounding), str(op.scale_rule)  # plain strings: kernel cache keys
     axis = axis % x.dim()
     if impl not in ("auto", "compiled", "eager"):
         raise ValueError(f"impl: unknown {impl!r}; valid: auto, compiled, eager")
@@ -197,7 +191,7 @@ def fake_quantize(
     if spec.kind == Scaling.NONE or spec.element is None:  # fp32, bf16, hif8: the reference itself
         if rot_n > 1:
             x = rotate(x, axis, rot_n, signs)
-        q = quantize(x, fmt, axis=axis, amax=amax if spec.tensor_scaled else None)
+        q = spec.quantize(x, axis=axis, amax=amax if spec.tensor_scaled else None)  # nearest: the only mode here
         stats = {"amax": q.amax, "num_clipped": q.num_clipped} if spec.kind == Scaling.TENSOR else {}
         return q.dequantize(torch.float32), stats
     stochastic = typed_rounding.stochastic

@@ -26,8 +26,8 @@ import torch
 
 from precision.enums import Rounding
 from precision.formats import QuantizedTensor, Scaling, format_names
+from precision.quantize import operand_format
 from precision.quantize import quantize as reference_quantize
-from precision.quantize import resolve_format
 from precision.recipe import OperandFormat
 from precision.rotation import rotate, rotation_size
 from precision.srand import SRKey
@@ -72,28 +72,33 @@ def quantize(
     fmt,
     *,
     axis: int = -1,
+    amax: torch.Tensor | float | None = None,
+    sr: SRKey | torch.Generator | None = None,
+    backend: str = "auto",
+    rotation: str | None = None,
+    signs: torch.Tensor | None = None,
     rounding: str | None = None,
     scale_rule: str | None = None,
-    rotation: str | None = None,
-    generator: torch.Generator | None = None,
-    backend: str = "auto",
-    signs: torch.Tensor | None = None,
     prescale: float | None = None,
-    amax: torch.Tensor | float | None = None,
-    sr: SRKey | None = None,
+    generator: torch.Generator | None = None,
 ) -> QuantizedTensor:
     """Quantize ``x`` to ``fmt`` with blocks along ``axis``; returns a ``precision.QuantizedTensor``.
 
-    ``fmt``: a format name or an ``OperandFormat`` (which brings its rounding, scale rule, prescale).
+    ``fmt``: an ``OperandFormat`` (its format, rounding, scale rule and prescale are used), or a
+    format name with the older keyword settings ``rounding`` / ``scale_rule`` / ``prescale`` (the
+    one adapter, ``precision.quantize.operand_format``). ``amax`` and ``sr`` (an ``SRKey``, or a
+    ``torch.Generator``; ``generator=`` is the older name) are as in ``precision.quantize``.
 
     ``rotation``: ``None``, ``had16``, ``had32`` or ``rht16`` (with ``signs``, the +-1 vector): the
     tensor is rotated by ``diag(signs)·H_n`` along ``axis`` first (whose length must be a multiple
-    of ``n``), and the codes are those of the rotated tensor. ``prescale`` and ``amax`` are as in
-    ``precision.quantize`` (3/4 SR pre-scale; the amax of a tensor-level scale); so is ``sr``
-    (stochastic rounding's counter-based key).
+    of ``n``), and the codes are those of the rotated tensor.
     """
-    spec, rounding, scale_rule, prescale = resolve_format(fmt, rounding, scale_rule, prescale)
-    fmt = spec.name  # (an unknown name: a one-line error listing the registry's formats)
+    op = operand_format(fmt, rounding, scale_rule, prescale)
+    op = OperandFormat(op.fmt, op.rounding, op.scale_rule, op.prescale)  # this entry point's settings
+    spec, rounding = op.format, op.rounding
+    fmt = spec.name
+    sr = generator if sr is None else sr  # an SRKey wins over a generator (the older behaviour)
+    generator, sr = (sr, None) if isinstance(sr, torch.Generator) else (None, sr)
     if backend not in QUANTIZE_BACKENDS:
         raise ValueError(f"quantize backend: unknown {backend!r}; valid: {', '.join(QUANTIZE_BACKENDS)}")
     rot = None if rotation in (None, "none") else rotation
@@ -102,28 +107,26 @@ def quantize(
         if rot.startswith("rht") and signs is None:
             raise ValueError(f"rotation {rot}: needs signs= (a +-1 vector of length {n})")
     if backend == "auto":
-        backend = "triton" if x.is_cuda and rounding.triton and triton_missing_reason(x, fmt) is None else "reference"
+        backend = "triton" if x.is_cuda and triton_missing_reason(x, op) is None else "reference"
     if backend == "reference":
         if rot is not None:
             x = rotate(x, axis % x.dim(), rotation_size(rot), signs if rot.startswith("rht") else None)
-        return reference_quantize(x, fmt, axis=axis, rounding=rounding, scale_rule=scale_rule,
-                                  generator=generator, prescale=prescale, amax=amax, sr=sr)
+        return reference_quantize(x, op, axis=axis, amax=amax, sr=sr if generator is None else generator)
 
-    why = triton_missing_reason(x, fmt)
+    why = triton_missing_reason(x, op)
     if why is not None:
         raise RuntimeError(f"kernels.quantize(backend='triton'): {why}")
-    from kernels.triton_quant import quantize_triton
+    from kernels.triton_quant import quantize_triton  # optional dependency (pip install triton)
 
     seed = None
     if rounding.stochastic and sr is None:
         dev = generator.device if generator is not None else x.device
         seed = torch.randint(0, 2**62, (1,), generator=generator, device=dev, dtype=torch.int64)
-    r = quantize_triton(x, fmt, axis=axis, rounding=rounding, scale_rule=scale_rule, rotation=rot,
-                        signs=signs if rot is not None and rot.startswith("rht") else None,
-                        seed=seed, sr=sr, prescale=prescale, amax=amax)
+    r = quantize_triton(x, op, axis=axis, rotation=rot, signs=signs if rot is not None and rot.startswith("rht") else None,
+                        seed=seed, sr=sr, amax=amax)
     kind = spec.kind
     if kind == Scaling.TENSOR:
         return QuantizedTensor(fmt, r.codes, r.scales, r.axis, num_clipped=r.num_clipped, amax=r.amax)
     if kind == Scaling.TWO_LEVEL:
         return QuantizedTensor(fmt, r.codes, r.scales, r.axis, tensor_scale=r.tensor_scale)
-    return QuantizedTensor(fmt, r.codes, r.scales, r.axis, prescale=prescale)
+    return QuantizedTensor(fmt, r.codes, r.scales, r.axis, prescale=op.prescale_factor)

@@ -267,26 +267,26 @@ class Format(abc.ABC):
                                 " apply to MX formats only)"))
         return r, s
 
-    def quantize(self, x: torch.Tensor, *, axis: int = -1, rounding=Rounding.NEAREST, scale_rule=ScaleRule.FLOOR,
-                 generator: torch.Generator | None = None, prescale: float = 1.0,
-                 amax: torch.Tensor | float | None = None, sr: SRKey | None = None,
-                 block2d: bool = False) -> QuantizedTensor:
-        """Quantize ``x`` (blocks along ``axis``; ``block2d``: 2-D ``tile`` squares); see
-        ``precision.quantize``."""
-        r, s = self.check(rounding, scale_rule)
-        if block2d and not self.tile:
-            raise ValueError(f"{self.name}: 2-D block scaling does not apply; valid with: "
-                             f"{', '.join(format_names(lambda f: f.tile))}")
+    def quantize(self, x: torch.Tensor, op=None, *, axis: int = -1, amax: torch.Tensor | float | None = None,
+                 sr: SRKey | torch.Generator | None = None) -> QuantizedTensor:
+        """Quantize ``x`` (blocks along ``axis``) as ``op`` says: a ``precision.recipe.OperandFormat``
+        of this format (rounding, scale rule, pre-scale, 2-D ``tile`` squares; validated when it was
+        made), or None for this format's defaults (nearest, floor, none, 1-D). ``sr``: an ``SRKey``
+        or a ``torch.Generator``; ``amax``: a tensor-level scale's. See ``precision.quantize`` (which
+        also applies an operand's ``margin``)."""
+        if op is not None and op.fmt != self.name:
+            raise ValueError(f"{self.name}.quantize: the operand format is {op.fmt}, not {self.name}")
+        r, s = (Rounding.NEAREST, ScaleRule.FLOOR) if op is None else (op.rounding, op.scale_rule)
+        prescale, block2d = (1.0, False) if op is None else (op.prescale_factor, op.block2d)
         if block2d and x.dim() != 2:
             raise ValueError(f"{self.name}: 2-D block scaling takes a 2-D tensor (a weight [out, in]), "
                              f"got shape {tuple(x.shape)}")
-        if prescale != 1.0 and not (self.has_scale_rules and r.stochastic):
-            raise ValueError(f"{self.name}: prescale needs an MX format with stochastic rounding")
         if x.dim() == 0:
             raise ValueError("quantize: x must have at least one dimension")
         axis = axis % x.dim()
+        generator = sr if isinstance(sr, torch.Generator) else None
         u = None
-        if r.stochastic and sr is not None:  # natural layout, blocked like x below
+        if r.stochastic and sr is not None and generator is None:  # natural layout, blocked like x below
             u = sr.uniforms(x.shape, x.device)
         if block2d:
             return self._quantize(x.float(), axis, r, s, generator, prescale, amax, u, block2d=True)
@@ -300,9 +300,9 @@ class Format(abc.ABC):
     def dequantize(self, q: QuantizedTensor) -> torch.Tensor:
         """float32 values of ``q``."""
 
-    def fake_quantize(self, x: torch.Tensor, **kw) -> torch.Tensor:
+    def fake_quantize(self, x: torch.Tensor, op=None, **kw) -> torch.Tensor:
         """quantize -> dequantize to float32 (the emulated operand)."""
-        return self.dequantize(self.quantize(x, **kw)).float()
+        return self.dequantize(self.quantize(x, op, **kw)).float()
 
     def pack(self, codes: torch.Tensor) -> torch.Tensor:
         """Packed storage along the last axis (4-bit: 2 per byte; 6-bit: 4 in 3 bytes)."""

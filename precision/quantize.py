@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from precision.enums import Rounding, ScaleRule
-from precision.formats import FORMATS, Format, QuantizedTensor, get_format
+from precision.formats import FORMATS, Format, QuantizedTensor, format_names, get_format
 from precision.recipe import OperandFormat
 from precision.srand import SRKey
 from precision.tensorwise import tensor_amax
@@ -31,6 +31,7 @@ __all__ = [
     "fake_quantize",
     "format_spec",
     "margin_amax",
+    "operand_format",
     "quantize",
     "resolve_format",
 ]
@@ -38,6 +39,7 @@ __all__ = [
 FormatSpec = Format  # the registry's format objects (kept under their older name)
 ROUNDINGS = Rounding.values()
 SCALE_RULES = ScaleRule.values()
+PRESCALE = 0.75  # OperandFormat.prescale: 3/4 before stochastic rounding (arXiv 2502.20586)
 
 
 def format_spec(name) -> Format:
@@ -45,20 +47,36 @@ def format_spec(name) -> Format:
     return get_format(name)
 
 
-def resolve_format(fmt, rounding=None, scale_rule=None, prescale=None):
-    """``(Format, Rounding, ScaleRule, prescale)`` from a format name / ``Format`` with keyword
-    settings (defaults nearest, floor, 1.0; checked against the format: ``Format.check``), or from an
-    ``OperandFormat`` that carries them itself (validated when it was made)."""
+def operand_format(fmt, rounding=None, scale_rule=None, prescale=None, block2d=None) -> OperandFormat:
+    """The one adapter of the older call forms: an ``OperandFormat`` from a format name / ``Format``
+    with keyword settings (defaults nearest, floor, no pre-scale, 1-D blocks; each checked against the
+    format with the quantizer's one-line errors), or an ``OperandFormat`` itself (which carries its
+    own settings: passing any of them too is an error). Every quantizer below the public entry points
+    (``precision.quantize``, ``kernels.quantize``) takes the ``OperandFormat`` whole."""
+    given = {k: v for k, v in (("rounding", rounding), ("scale_rule", scale_rule), ("prescale", prescale),
+                               ("block2d", block2d)) if v is not None}
     if isinstance(fmt, OperandFormat):
-        given = [k for k, v in (("rounding", rounding), ("scale_rule", scale_rule), ("prescale", prescale))
-                 if v is not None]
         if given:
-            raise ValueError(f"quantize: {fmt} is an OperandFormat, which carries its own rounding, scale rule "
-                             f"and prescale; do not also pass {', '.join(given)}")
-        return fmt.format, fmt.rounding, fmt.scale_rule, fmt.prescale_factor
+            raise ValueError(f"quantize: {fmt} is an OperandFormat, which carries its own rounding, scale rule, "
+                             f"prescale and 2-D setting; do not also pass {', '.join(given)}")
+        return fmt
     f = get_format(fmt)
     r, s = f.check(Rounding.NEAREST if rounding is None else rounding, ScaleRule.FLOOR if scale_rule is None else scale_rule)
-    return f, r, s, 1.0 if prescale is None else prescale
+    if block2d and not f.tile:
+        raise ValueError(f"{f.name}: 2-D block scaling does not apply; valid with: "
+                         f"{', '.join(format_names(lambda g: g.tile))}")
+    if prescale not in (None, 1.0, PRESCALE):
+        raise ValueError(f"{f.name}: prescale {prescale!r}: valid 1.0 (none) or {PRESCALE} (the 3/4 SR pre-scale)")
+    scaled = prescale == PRESCALE
+    if scaled and not (f.has_scale_rules and r.stochastic):
+        raise ValueError(f"{f.name}: prescale needs an MX format with stochastic rounding")
+    return OperandFormat(f.name, rounding=r, scale_rule=s, prescale=scaled, block2d=bool(block2d))
+
+
+def resolve_format(fmt, rounding=None, scale_rule=None, prescale=None):
+    """``(Format, Rounding, ScaleRule, prescale factor)`` of :func:`operand_format`'s result."""
+    op = operand_format(fmt, rounding, scale_rule, prescale)
+    return op.format, op.rounding, op.scale_rule, op.prescale_factor
 
 
 def margin_amax(fmt, x: torch.Tensor, amax):
@@ -77,40 +95,34 @@ def quantize(
     fmt,
     *,
     axis: int = -1,
+    amax: torch.Tensor | float | None = None,
+    sr: SRKey | torch.Generator | None = None,
     rounding: str | None = None,
     scale_rule: str | None = None,
-    generator: torch.Generator | None = None,
     prescale: float | None = None,
-    amax: torch.Tensor | float | None = None,
-    sr: SRKey | None = None,
     block2d: bool | None = None,
+    generator: torch.Generator | None = None,
 ) -> QuantizedTensor:
     """Quantize ``x`` to ``fmt``; block formats take their blocks along ``axis``.
 
-    ``block2d``: 2-D ``Format.tile`` squares of a 2-D ``x`` (a weight; NVFP4 16x16, MX 32x32), one
-    scale per square -- the codes are then the same along either axis (``QuantizedTensor.along``).
-    An ``OperandFormat`` brings its own (``/2d``).
+    ``fmt``: an ``OperandFormat`` (a recipe slot whole: format, rounding, scale rule, pre-scale, 2-D
+    tiles, margin), or a format name / ``Format`` with the older keyword settings (one adapter,
+    :func:`operand_format`): ``rounding`` ``nearest`` (default; ties to even, HiF8 ties away) or
+    ``stochastic``; ``scale_rule`` (MX) ``floor`` (default, OCP) or ``rceil``; ``prescale`` 0.75
+    (stochastic MX: multiply before rounding, divide after); ``block2d``: 2-D ``Format.tile`` squares
+    of a 2-D ``x`` (a weight; NVFP4 16x16, MX 32x32), one scale per square -- the codes are then the
+    same along either axis (``QuantizedTensor.along``).
 
-    ``fmt``: a format name (``FORMATS``), a ``Format``, or an ``OperandFormat`` (which brings its
-    own rounding, scale rule and prescale). ``rounding``: ``nearest`` (default; ties to even, HiF8
-    ties away) or ``stochastic``: uniforms from ``sr`` (a :class:`precision.srand.SRKey`:
-    counter-based, a function of the global element index -- what training uses) or else one
-    ``torch.rand`` draw from ``generator``. ``scale_rule``: MX scale rule, ``floor`` (default, OCP)
-    or ``rceil``. ``prescale``: multiply before rounding and divide after (0.75 for stochastic
-    MX). ``amax``: formats with a tensor-level scale (per-tensor FP8/HiF8, NVFP4's FP32 tensor
-    scale), the amax to scale by; a float or a 0-d float32 tensor; default the tensor's own. The
-    scale is ``scale_target / amax`` (``Format.scale_target``; an ``OperandFormat`` divides it by
-    2^``margin``).
+    ``sr``: stochastic rounding's uniforms -- a :class:`precision.srand.SRKey` (counter-based, a
+    function of the global element index: what training uses) or a ``torch.Generator`` (one
+    ``torch.rand`` draw; ``generator=`` is the older name). ``amax``: formats with a tensor-level
+    scale (per-tensor FP8/HiF8, NVFP4's FP32 tensor scale), the amax to scale by; a float or a 0-d
+    float32 tensor; default the tensor's own. The scale is ``scale_target / amax``
+    (``Format.scale_target``; an ``OperandFormat`` divides it by 2^``margin``).
     """
-    amax = margin_amax(fmt, x, amax)
-    f, rounding, scale_rule, prescale = resolve_format(fmt, rounding, scale_rule, prescale)
-    if isinstance(fmt, OperandFormat):
-        if block2d is not None:
-            raise ValueError(f"quantize: {fmt} is an OperandFormat, which carries its own 2-D setting; "
-                             "do not also pass block2d")
-        block2d = fmt.block2d
-    return f.quantize(x, axis=axis, rounding=rounding, scale_rule=scale_rule, generator=generator,
-                      prescale=prescale, amax=amax, sr=sr, block2d=bool(block2d))
+    op = operand_format(fmt, rounding, scale_rule, prescale, block2d)
+    sr = generator if sr is None else sr  # an SRKey wins over a generator (the older behaviour)
+    return op.format.quantize(x, op, axis=axis, amax=margin_amax(op, x, amax), sr=sr)
 
 
 def fake_quantize(x: torch.Tensor, fmt, **kw) -> torch.Tensor:

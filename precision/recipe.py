@@ -133,9 +133,6 @@ class OperandFormat:
         if self.block2d and not spec.tile:
             raise SpecError(f"{self.fmt}: 2-D block scaling (2d) does not apply; valid with: "
                             f"{', '.join(format_names(lambda f: f.tile))}")
-        if self.block2d and self.rounding.stochastic:
-            raise SpecError(f"{self.fmt}/2d: 2-D weight tiles round to nearest (one quantized weight serves "
-                            f"Fprop and Dgrad); drop {self.rounding.modifier}")
         if self.amax_algo != AmaxAlgo.CURRENT and not spec.delayed:
             raise SpecError(f"{self.fmt}: delayed scaling applies to per-tensor formats only "
                             f"({', '.join(format_names(lambda f: f.delayed))})")
@@ -209,6 +206,10 @@ class GemmRecipe:
     rotation: str = "none"
 
     def __post_init__(self):
+        for op in (self.a, self.b):  # a recipe rule: the quantizer itself tiles with SR too
+            if op.block2d and op.rounding.stochastic:
+                raise SpecError(f"{op.fmt}/2d: 2-D weight tiles round to nearest (one quantized weight serves "
+                                f"Fprop and Dgrad); drop {op.rounding.modifier}")
         if self.rotation not in ROTATIONS:
             raise SpecError(f"unknown rotation {self.rotation!r}; valid: {', '.join(ROTATIONS)}")
 

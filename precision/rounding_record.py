@@ -53,7 +53,8 @@ import torch
 
 from precision import blocks
 from precision.elements import E2M1, decode_element, element_values, encode_element, exponent_floor, fdiv
-from precision.formats import FORMATS, QuantizedTensor, Rounding, ScaleRule, get_format
+from precision.formats import FORMATS, QuantizedTensor, ScaleRule
+from precision.recipe import OperandFormat
 
 __all__ = ["RoundingRecord", "code_agreement", "record_rounding", "recordable_formats", "replay_fake_quantize",
            "replay_quantize"]
@@ -150,11 +151,11 @@ def record_rounding(x: torch.Tensor, fmt, *, axis: int = -1, scale_rule=ScaleRul
     (``scale_rule`` / ``amax``: as ``precision.quantize``). Returns ``(quantized, record)``."""
     name = _check_format(fmt)
     rule = getattr(fmt, "scale_rule", scale_rule)
-    if getattr(fmt, "rounding", Rounding.NEAREST) != Rounding.NEAREST:
+    if getattr(fmt, "rounding", None) is not None and fmt.rounding.stochastic:
         raise ValueError(f"rounding record: {fmt} rounds stochastically; only nearest rounding can be replayed")
     axis = axis % x.dim()
-    q = get_format(name).quantize(x, axis=axis, scale_rule=rule, amax=amax)
     f = FORMATS[name]
+    q = f.quantize(x, OperandFormat(name, scale_rule=rule), axis=axis, amax=amax)
     xb = blocks.to_blocks(x.float(), axis, f.block)
     v = _scaled(xb, q.scales.movedim(axis, -1), name, q.tensor_scale)
     qv = _grid_values(q, axis)

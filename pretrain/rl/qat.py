@@ -164,7 +164,7 @@ class _Replay:
         s, b, _ = x.shape
         slot, row = self._slots(s, b, x.device)
         xf = x.detach().float()
-        q_all = get_format(self.fmt.fmt).quantize(xf, axis=-1, scale_rule=self.fmt.scale_rule)  # nearest
+        q_all = self.fmt.format.quantize(xf, OperandFormat(self.fmt.fmt, scale_rule=self.fmt.scale_rule), axis=-1)  # nearest
         out = q_all.dequantize(torch.float32)
         rec = self.record
         if rec.scales.device != x.device:

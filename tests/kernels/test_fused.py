@@ -8,7 +8,7 @@ from kernels import gemm
 from kernels.fused import compile_available, fake_quantize
 from kernels.quantizer import TRITON_FORMATS
 from model.linear import policy_linear
-from precision import FORMATS, Gemm, LayerQuantState, presets, quantize
+from precision import FORMATS, Gemm, LayerQuantState, OperandFormat, presets, quantize
 
 
 def bits_equal(a, b):
@@ -41,8 +41,8 @@ def test_eager_expression_equals_reference(fmt, axis, rule, rounding):
     x = data()
     ref = quantize(x, fmt, axis=axis, scale_rule=rule, rounding=rounding,
                    generator=torch.Generator().manual_seed(5)).dequantize()
-    out, _ = fake_quantize(x, fmt, axis=axis, scale_rule=rule, rounding=rounding,
-                           generator=torch.Generator().manual_seed(5), impl="eager")
+    out, _ = fake_quantize(x, OperandFormat(fmt, rounding=rounding, scale_rule=rule), axis=axis,
+                           sr=torch.Generator().manual_seed(5), impl="eager")
     assert bits_equal(ref, out)
 
 
@@ -57,8 +57,8 @@ def test_compiled_equals_reference(fmt, axis, rule, rounding):
     x = data()
     ref = quantize(x, fmt, axis=axis, scale_rule=rule, rounding=rounding,
                    generator=torch.Generator().manual_seed(5)).dequantize()
-    out, _ = fake_quantize(x, fmt, axis=axis, scale_rule=rule, rounding=rounding,
-                           generator=torch.Generator().manual_seed(5), impl="compiled")
+    out, _ = fake_quantize(x, OperandFormat(fmt, rounding=rounding, scale_rule=rule), axis=axis,
+                           sr=torch.Generator().manual_seed(5), impl="compiled")
     assert bits_equal(ref, out)
 
 
@@ -134,7 +134,7 @@ def test_sr_key_equals_reference(fmt, axis, impl):
     x = data()
     key = SRKey(123456789, row_offset=2, global_cols=80)
     ref = quantize(x, fmt, axis=axis, rounding="stochastic", sr=key).dequantize()
-    out, _ = fake_quantize(x, fmt, axis=axis, rounding="stochastic", sr=key, impl=impl)
+    out, _ = fake_quantize(x, OperandFormat(fmt, rounding="stochastic"), axis=axis, sr=key, impl=impl)
     assert bits_equal(ref, out)
 
 
@@ -166,5 +166,6 @@ def test_mxfp6_equals_reference(fmt, axis, rule, rounding, impl):
     from precision.srand import SRKey
 
     x = data()
-    kw = dict(axis=axis, scale_rule=rule, rounding=rounding, sr=SRKey(77) if rounding == "stochastic" else None)
-    assert bits_equal(quantize(x, fmt, **kw).dequantize(), fake_quantize(x, fmt, impl=impl, **kw)[0])
+    op = OperandFormat(fmt, rounding=rounding, scale_rule=rule)
+    kw = dict(axis=axis, sr=SRKey(77) if rounding == "stochastic" else None)
+    assert bits_equal(quantize(x, op, **kw).dequantize(), fake_quantize(x, op, impl=impl, **kw)[0])

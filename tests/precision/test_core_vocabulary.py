@@ -124,3 +124,57 @@ def test_rate_classes_live_on_the_format_and_give_the_datasheet_native_tables():
     assert TARGETS["mi355x"].native == {**common, **mx}
     assert TARGETS["h200"].native == common
     assert FORMATS["hif8"].rate_class is None and FORMATS["nvfp4"].rate_class == "fp4"
+
+
+# ------------------------------------------------------------------ one quantize signature
+def test_one_quantize_signature_below_the_public_entry_points():
+    import inspect
+
+    from kernels.fused import fake_quantize
+    from precision.formats import Format
+
+    bag = {"rounding", "scale_rule", "prescale", "generator", "block2d"}
+    for fn in (Format.quantize, fake_quantize):
+        params = inspect.signature(fn).parameters
+        assert not bag & set(params), fn.__qualname__
+        assert {"axis", "amax", "sr"} <= set(params) and all(
+            params[k].kind is inspect.Parameter.KEYWORD_ONLY for k in ("axis", "amax", "sr"))
+
+
+def test_the_adapter_maps_the_older_keywords_onto_an_operand_format():
+    from precision.quantize import operand_format
+
+    assert operand_format("mxfp4", "stochastic", "rceil", 0.75) == OperandFormat("mxfp4", "stochastic", "rceil", True)
+    assert operand_format("nvfp4", block2d=True).block2d and operand_format("fp8_e4m3") == OperandFormat("fp8_e4m3")
+    op = OperandFormat("mxfp4", rounding="stochastic")
+    assert operand_format(op) is op
+    with pytest.raises(ValueError, match=r"^mxfp4: prescale 0.5: valid 1.0 \(none\) or 0.75"):
+        operand_format("mxfp4", "stochastic", prescale=0.5)
+    with pytest.raises(ValueError, match="carries its own rounding, scale rule, prescale and 2-D setting; "
+                                         "do not also pass scale_rule"):
+        operand_format(op, scale_rule="rceil")
+
+
+def test_old_and_new_call_forms_give_the_same_bits():
+    from precision import SRKey, quantize
+
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(2))
+    op = OperandFormat("mxfp4", rounding="stochastic", scale_rule="rceil", prescale=True)
+    new = quantize(x, op, axis=0, sr=SRKey(5))
+    old = quantize(x, "mxfp4", axis=0, rounding="stochastic", scale_rule="rceil", prescale=0.75, sr=SRKey(5))
+    fmt = FORMATS["mxfp4"].quantize(x, op, axis=0, sr=SRKey(5))
+    assert torch.equal(new.codes, old.codes) and torch.equal(new.scales, fmt.scales) and torch.equal(new.codes, fmt.codes)
+    g1, g2 = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    assert torch.equal(quantize(x, op, sr=g1).codes, quantize(x, "mxfp4", rounding="stochastic", scale_rule="rceil",
+                                                                  prescale=0.75, generator=g2).codes)
+    with pytest.raises(ValueError, match="mxfp4.quantize: the operand format is nvfp4"):
+        FORMATS["mxfp4"].quantize(x, OperandFormat("nvfp4"))
+
+
+def test_2d_tiles_with_sr_are_a_recipe_refusal_not_a_quantizer_one():
+    from precision import GemmRecipe, SpecError, quantize
+
+    sr_2d = OperandFormat("nvfp4", rounding="stochastic", block2d=True)  # TE's quantizer tiles with SR too
+    assert quantize(torch.randn(32, 32), sr_2d, sr=torch.Generator().manual_seed(0)).block2d
+    with pytest.raises(SpecError, match=r"^nvfp4/2d: 2-D weight tiles round to nearest .*; drop sr$"):
+        GemmRecipe(OperandFormat("nvfp4"), sr_2d)
