@@ -15,6 +15,9 @@ A sweep file (YAML)::
     seeds: [0, 1, 2]            # every grid point is run once per seed (default: one run, base seed)
     baseline: fp8               # the precision the gaps and "extra tokens" are measured against
     equivalence_margin: 0.01    # optional: a val-loss gap inside +-0.01 may be shown "equivalent" (TOST)
+    descent_steps: [8, 40]      # optional: compare during the descent (noise-free, --fixed-train-set runs)
+    contrasts: [[wgrad_hadamard, mxfp4]]   # optional, with descent_steps: a against b, in the same table
+    published: {source: arXiv 2605.09825, extra_tokens: {mxfp4: "+26-27%"}}  # printed beside it
     grid:
       presets: [bf16, fp8, mxfp4_fprop, wgrad_hadamard, {fprop_only: "base=bf16,fprop=mxfp4"}]
       lr: [6e-4, 1e-3, 2e-3]    # any other key is a pretrain flag to range over (hyper-parameters)
@@ -54,6 +57,15 @@ standard error of the gap) is reported beside it. With a hyper-parameter in the 
 table compares every precision at its own best value (lowest mean validation loss over seeds),
 since a precision's cost depends on e.g. the learning rate; its best values are chosen on the same
 seeds its intervals use, which the table says.
+
+With ``descent_steps: [first, last]`` the runs are also compared *during the descent*, on their
+unsmoothed training losses: at every step s of the window, the step at which a run first reaches the
+baseline's loss at s, in % more than s, averaged over the window, beside the mean excess loss
+(``pretrain.evaluation.extra_tokens.descent_gap``). This is the comparison of a noise-free design
+(``--fixed-train-set N`` with ``--global-batch-size N``: every step's gradient is exact), where runs
+end memorizing the set and final losses no longer tell them apart; ``contrasts`` adds paired
+comparisons between two treatments to that table, and every column's verdicts are Holm-adjusted over
+all its comparisons (``OUT/descent.csv``; ``configs/sweeps/mxfp4_fullbatch_cpu.yaml`` is one).
 
 "Extra tokens" is the study's metric (``pretrain.evaluation.extra_tokens``): how many more training
 tokens a precision needs than the baseline for the same loss, in percent, both ways -- for a worse
