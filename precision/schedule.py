@@ -30,7 +30,7 @@ replaces ``--precision``: ``pretrain.py`` refuses the two together, and ``--prec
 with ``--qat-warmup-iters`` (write the warm-up as an ``observe`` phase). A start at or beyond
 ``--train-iters`` is refused too (the phase would never run).
 
-What the switch keeps (``pretrain.train.Trainer.enter_phase``): each layer's quantization state.
+What the switch keeps (``pretrain.trainer.phases.PrecisionPhases.maybe_switch_phase``): each layer's quantization state.
 SR call counters carry on; an amax history survives a switch if the previous phase recorded it (that
 operand in delayed scaling, same rotation on its GEMM; an ``observe`` phase records for the next
 phase's plan) and is dropped otherwise, so an operand whose delayed scaling first appears in a later

@@ -5,7 +5,7 @@ grad norm and telemetry are read when the loop settles its steps (log, evaluatio
 Every device-to-host read of a tensor's data -- ``.item()``, ``float()``, ``bool()``, ``int()``
 (all ``aten._local_scalar_dense``, counted by a ``TorchDispatchMode``) and ``.tolist()`` /
 ``.numpy()`` (patched) -- is counted, with the stack that made it, outside the places that read
-by design: ``_Progress.settle``, ``Trainer.evaluate``, ``Trainer.save``, the telemetry loggers.
+by design: ``MetricsLogger.settle``, ``Validator.evaluate``, ``Checkpointer.save``, the telemetry loggers.
 torch.compile does not run under a dispatch mode, so the fused quantizers run their eager code
 here (the same operations).
 """
@@ -18,16 +18,21 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pretrain import runtime
 from pretrain import train as pretrain_train
 from pretrain.arguments import parse_args_or_raise, validate_args
+from pretrain.trainer.checkpointer import Checkpointer
+from pretrain.trainer.metrics import MetricsLogger
+from pretrain.trainer.phases import PrecisionPhases
+from pretrain.trainer.validator import Validator
 from tests.pretrain._launch import TINY
 
 READS_ALLOWED_IN = (
-    (pretrain_train._Progress, "settle"),
-    (pretrain_train.Trainer, "evaluate"),
-    (pretrain_train.Trainer, "save"),
-    (pretrain_train.Trainer, "log_delayed_scaling"),
-    (pretrain_train.Trainer, "log_numerics"),
+    (MetricsLogger, "settle"),
+    (Validator, "evaluate"),
+    (Checkpointer, "save"),
+    (PrecisionPhases, "log_delayed_scaling"),
+    (PrecisionPhases, "log_numerics"),
 )
 
 
@@ -83,7 +88,7 @@ def trainer(tmp_path, data_cache):
     signal.signal(signal.SIGTERM, before)
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
-    pretrain_train._error_group = pretrain_train._host_group = None
+    runtime.reset_groups()
     os.environ.clear()
     os.environ.update(environ)  # later tests' subprocesses must not join this (gone) world
 
@@ -116,7 +121,7 @@ def test_training_steps_read_nothing_to_the_host_between_log_intervals(trainer, 
             return _original(self, *a, **k)
 
         monkeypatch.setattr(torch.Tensor, method, counted)
-    sigterm = pretrain_train._SigtermFlag()
+    sigterm = runtime.Signals()
     with reads:
         status = pretrain_train.train(trainer, sigterm)
     assert status == 0 and trainer.iteration == 6
@@ -125,5 +130,5 @@ def test_training_steps_read_nothing_to_the_host_between_log_intervals(trainer, 
     # the steps were all logged although read only twice (iterations 3 and 6)
     from tests.pretrain._launch import scalars
 
-    assert sorted(scalars(trainer.args.tensorboard_dir, "train/loss")) == [1, 2, 3, 4, 5, 6]
-    assert sorted(scalars(trainer.args.tensorboard_dir, "train/grad_norm")) == [1, 2, 3, 4, 5, 6]
+    assert sorted(scalars(trainer.run.logging.tensorboard_dir, "train/loss")) == [1, 2, 3, 4, 5, 6]
+    assert sorted(scalars(trainer.run.logging.tensorboard_dir, "train/grad_norm")) == [1, 2, 3, 4, 5, 6]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain import train as pretrain_train
+from pretrain import runtime
 from pretrain.train import main
 from tests.pretrain._launch import TINY, load_rank_checkpoint, run_pretrain, scalars
 
@@ -45,7 +45,7 @@ def run_main(argv: list[str], capsys) -> tuple[int, str]:
             parallel_state.destroy_model_parallel()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-        pretrain_train._error_group = pretrain_train._host_group = None
+        runtime.reset_groups()
         os.environ.clear()
         os.environ.update(environ)
         signal.signal(signal.SIGTERM, handler)
