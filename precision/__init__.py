@@ -2,8 +2,10 @@
 
 Public API::
 
-    precision.quantize(x, fmt, *, axis=-1, rounding="nearest", scale_rule="floor", generator=None, sr=None)
-    precision.FORMATS (name -> Format), Rounding, ScaleRule, AmaxAlgo, Scaling, SRKey
+    precision.quantize(x, fmt, *, axis=-1, amax=None, sr=None)   # fmt: an OperandFormat, or a name
+                                                                  # (+ the older rounding=, scale_rule=, ...)
+    precision.FORMATS (name -> Format), SRKey
+    precision.Rounding, ScaleRule, AmaxAlgo, Scaling    (precision.enums: the typed vocabularies)
     precision.Gemm, OperandFormat, GemmRecipe, LinearPrecision
     precision.presets.get(name), precision.presets.names()
     precision.PrecisionPolicy, PrecisionPlan, Rule, parse_precision
