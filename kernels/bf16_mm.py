@@ -35,12 +35,12 @@ import re
 
 import torch
 
-from kernels.gemm import BACKENDS, ieee_fp32_matmul
+from kernels.gemm import BACKENDS, bf16_single_rounding, ieee_fp32_matmul
 from kernels.operand import QuantizedOperand, gemm_operands
 from precision.recipe import Gemm, GemmRecipe
 from precision.state import LayerQuantState
 
-__all__ = ["bf16_gemm", "bf16_operands_gemm", "mm_fp32_out", "refuses_out_dtype"]
+__all__ = ["bf16_gemm", "bf16_operands_gemm", "mm_bf16_out", "mm_fp32_out", "refuses_out_dtype"]
 
 log = logging.getLogger(__name__)
 
@@ -81,32 +81,49 @@ def mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a.float() @ b.float()
 
 
-def bf16_operands_gemm(a: QuantizedOperand, b: QuantizedOperand, mm=None) -> torch.Tensor:
-    """``A_k @ B_kᵀ`` of two operands in BF16 form, with their output factors applied (FP32)."""
+def mm_bf16_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a [M, K] @ b [K, N]`` of BF16 matrices, FP32 accumulation, the result rounded once to BF16:
+    on CUDA cuBLAS writes BF16 itself (FP32 reductions kept: ``kernels.gemm.bf16_single_rounding``),
+    elsewhere the FP32 result of :func:`mm_fp32_out` is rounded."""
+    if a.is_cuda:
+        with bf16_single_rounding():
+            return torch.mm(a, b)
+    return mm_fp32_out(a, b).to(torch.bfloat16)
+
+
+def bf16_operands_gemm(a: QuantizedOperand, b: QuantizedOperand, mm=None,
+                       out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``A_k @ B_kᵀ`` of two operands in BF16 form, with their output factors applied, rounded once
+    to ``out_dtype``. Where no FP32 factor follows the product (no ``out_scale``, no SR pre-scale:
+    the ``bf16`` preset, MXFP4, MXFP6) a BF16 result comes from the GEMM itself."""
+    pa, pb = a.fmt.prescale_factor, b.fmt.prescale_factor
+    if (out_dtype == torch.bfloat16 and mm is None and a.out_scale is None and b.out_scale is None
+            and pa == 1.0 and pb == 1.0):
+        return mm_bf16_out(a.bf16, b.bf16.t())
     out = (mm or mm_fp32_out)(a.bf16, b.bf16.t())
     scales = [s for s in (a.out_scale, b.out_scale) if s is not None]
     if len(scales) == 2:
         out = out * (scales[0] * scales[1])
     elif scales:
         out = out * scales[0]
-    pa, pb = a.fmt.prescale_factor, b.fmt.prescale_factor
     if pa != 1.0 or pb != 1.0:  # undo the 3/4 SR pre-scale
         out = out / (pa * pb)
-    return out
+    return out.to(out_dtype)
 
 
 def bf16_gemm(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe, state: LayerQuantState, *,
-              mm=None, quantizer: str = "auto", shared_dy=None) -> torch.Tensor:
+              mm=None, quantizer: str = "auto", shared_dy=None, out_dtype: torch.dtype = torch.float32
+              ) -> torch.Tensor:
     """GEMM ``g`` (operands in natural layouts, ``kernels.gemm``) on BF16 tensor cores.
 
     ``mm`` / ``quantizer`` let tests substitute the matrix product and the quantizer; ``shared_dy``
     as in ``kernels.gemm.gemm``."""
     ops = gemm_operands(g, a, b, recipe, state, impl=quantizer, bf16=True, shared_dy=shared_dy)
-    return bf16_operands_gemm(ops.a, ops.b, mm)
+    return bf16_operands_gemm(ops.a, ops.b, mm, out_dtype)
 
 
-def _bf16_mm(g, a, b, recipe, state, *, shared_dy=None):
-    return bf16_gemm(g, a, b, recipe, state, shared_dy=shared_dy)
+def _bf16_mm(g, a, b, recipe, state, *, shared_dy=None, out_dtype=torch.float32):
+    return bf16_gemm(g, a, b, recipe, state, shared_dy=shared_dy, out_dtype=out_dtype)
 
 
 BACKENDS.setdefault("bf16_mm", _bf16_mm)

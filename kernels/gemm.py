@@ -27,7 +27,10 @@ from kernels.operand import CONTRACTION_AXES, gemm_operands
 from precision.recipe import Gemm, GemmRecipe
 from precision.state import LayerQuantState
 
-__all__ = ["BACKENDS", "CONTRACTION_AXES", "fp32_gemm", "gemm", "ieee_fp32_matmul"]
+__all__ = ["BACKENDS", "CONTRACTION_AXES", "OUT_DTYPES", "bf16_single_rounding", "fp32_gemm", "gemm",
+           "ieee_fp32_matmul"]
+
+OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what gemm(..., out_dtype=) returns
 
 
 def _read(getter):
@@ -74,6 +77,24 @@ def ieee_fp32_matmul():
                 f.fp32_precision = b
 
 
+@contextlib.contextmanager
+def bf16_single_rounding():
+    """BF16-output cuBLAS GEMMs inside keep their reductions in FP32, so the BF16 result is one
+    rounding of the FP32 accumulator: ``allow_bf16_reduced_precision_reduction`` (on by default:
+    split-K partial sums may be reduced in BF16) is switched off, and restored after."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_bf16_reduced_precision_reduction
+    try:
+        split_k = matmul.allow_bf16_reduced_precision_reduction_split_k  # torch >= 2.12: a second flag
+    except AttributeError:
+        split_k = None
+    matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = before if split_k is None else (before, split_k)
+
+
 def fp32_gemm(g: Gemm, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """GEMM ``g`` of two float32 operands (natural layouts), IEEE FP32 accumulation."""
     with ieee_fp32_matmul():
@@ -85,24 +106,30 @@ def fp32_gemm(g: Gemm, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _emulated(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe,
-              state: LayerQuantState, impl: str = "auto", *, shared_dy=None) -> torch.Tensor:
+              state: LayerQuantState, impl: str = "auto", *, shared_dy=None,
+              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     ops = gemm_operands(g, a, b, recipe, state, impl=impl)  # (a shared dy is for hardware backends)
-    # === FP32-accumulated GEMM on exactly-representable operands ===
-    return fp32_gemm(g, ops.a.values, ops.b.values)
+    # === FP32-accumulated GEMM on exactly-representable operands; one rounding to out_dtype ===
+    return fp32_gemm(g, ops.a.values, ops.b.values).to(out_dtype)
 
 
-def _reference(g, a, b, recipe, state, *, shared_dy=None):
-    return _emulated(g, a, b, recipe, state, impl="reference")
+def _reference(g, a, b, recipe, state, *, shared_dy=None, out_dtype=torch.float32):
+    return _emulated(g, a, b, recipe, state, impl="reference", out_dtype=out_dtype)
 
 
 # emulated: fused (compiled) quantizers; reference: the eager specification. Same bits.
-# A backend is called as impl(g, a, b, recipe, state, *, shared_dy=None).
+# A backend is called as impl(g, a, b, recipe, state, *, shared_dy=None, out_dtype=torch.float32)
+# and returns the FP32-accumulated result rounded once to out_dtype.
 BACKENDS: dict[str, Callable] = {"emulated": _emulated, "reference": _reference}
 
 
 def gemm(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe, backend: str = "emulated",
-         *, state: LayerQuantState | None = None, shared_dy=None) -> torch.Tensor:
-    """Run GEMM ``g`` on 2-D operands ``a``, ``b`` under ``recipe``; returns a float32 result.
+         *, state: LayerQuantState | None = None, shared_dy=None,
+         out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Run GEMM ``g`` on 2-D operands ``a``, ``b`` under ``recipe``; returns the FP32-accumulated
+    result rounded once to ``out_dtype`` (float32 by default; the linear layers ask for their
+    activations' dtype, so a BF16 run's GEMMs write BF16 directly where the GEMM can, bit for bit
+    what rounding its FP32 result would give).
 
     ``state`` carries the layer's random streams and amax histories; without one, a fresh state
     (seed 0) is used, so stochastic rounding repeats the same draws on every call. ``shared_dy``:
@@ -119,4 +146,8 @@ def gemm(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe, backend:
         impl = BACKENDS[backend]
     except KeyError:
         raise ValueError(f"{g.value}: unknown GEMM backend {backend!r}; valid: {', '.join(BACKENDS)}") from None
-    return impl(g, a, b, recipe, state if state is not None else LayerQuantState(), shared_dy=shared_dy)
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"{g.value}: out_dtype {out_dtype} is not supported; valid: "
+                         + ", ".join(str(d).removeprefix("torch.") for d in OUT_DTYPES))
+    return impl(g, a, b, recipe, state if state is not None else LayerQuantState(), shared_dy=shared_dy,
+                out_dtype=out_dtype)

@@ -136,12 +136,19 @@ _OUT_DTYPE_REFUSAL = re.compile(r"(output|out_dtype)[^\n]*(bfloat16|bf16)|(bfloa
                                 re.IGNORECASE)
 
 
-def torch_scaled_mm(a: HwOperand, b: HwOperand) -> torch.Tensor:
-    """``A_k @ B_k.t()`` through ``torch._scaled_mm`` (FP32 output where the library allows it).
+def torch_scaled_mm(a: HwOperand, b: HwOperand, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``A_k @ B_k.t()`` through ``torch._scaled_mm``, rounded once to ``out_dtype``.
 
-    A refusal of FP32 output (and only that) is retried with BF16 output; that choice is cached per
-    format pair and logged once. Any other error propagates.
+    ``out_dtype=torch.bfloat16`` where no FP32 factor follows the product (per-tensor FP8, whose
+    scales the GEMM applies itself, and MX without the SR pre-scale): the GEMM writes BF16 directly,
+    bit for bit its FP32 result rounded to BF16. Otherwise (NVFP4's tensor scales, the pre-scale) the
+    GEMM writes FP32 where the library allows it: a refusal of FP32 output (and only that) is retried
+    with BF16 output; that choice is cached per format pair and logged once. Any other error
+    propagates.
     """
+    if (out_dtype == torch.bfloat16 and FORMATS[a.fmt].kind != Scaling.TWO_LEVEL and a.prescale == 1.0
+            and b.prescale == 1.0):
+        return _call_scaled_mm(a, b, torch.bfloat16)
     key = (a.fmt, b.fmt)
     dt = _OUT_DTYPE.get(key, torch.float32)
     try:
@@ -159,7 +166,7 @@ def torch_scaled_mm(a: HwOperand, b: HwOperand) -> torch.Tensor:
         out = out * ((1.0 / a.tensor_scale) * (1.0 / b.tensor_scale))
     if a.prescale != 1.0 or b.prescale != 1.0:  # undo the 3/4 SR pre-scale
         out = out / (a.prescale * b.prescale)
-    return out
+    return out.to(out_dtype)
 
 
 def _call_scaled_mm(a: HwOperand, b: HwOperand, out_dtype: torch.dtype) -> torch.Tensor:
@@ -183,8 +190,10 @@ def emulated_scaled_mm(a: HwOperand, b: HwOperand) -> torch.Tensor:
 
 # ============================================================================ the backends
 def hw_gemm(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe, state: LayerQuantState, *,
-            backend: str, capability="device", mm=None, quantizer: str = "auto", shared_dy=None) -> torch.Tensor:
-    """GEMM ``g`` on a hardware backend; ``capability``/``mm``/``quantizer`` let tests simulate one."""
+            backend: str, capability="device", mm=None, quantizer: str = "auto", shared_dy=None,
+            out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """GEMM ``g`` on a hardware backend, rounded once to ``out_dtype``; ``capability`` / ``mm`` /
+    ``quantizer`` let tests simulate one (a substitute ``mm`` returns FP32, rounded here)."""
     cap = device_capability(a.device) if capability == "device" else capability
     hw, why = recipe_backend(recipe, cap)
     if backend not in device_backends(cap):
@@ -196,24 +205,26 @@ def hw_gemm(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe, state
     m, n = a.shape[1 - a_axis], b.shape[1 - b_axis]
     ops = gemm_operands(g, a, b, recipe, state, impl=quantizer, codes=True, shared_dy=shared_dy)
     if ops.high_precision:  # QAT warm-up: the BF16 GEMM the emulated backend runs
-        return fp32_gemm(g, ops.a.values, ops.b.values)
+        return fp32_gemm(g, ops.a.values, ops.b.values).to(out_dtype)
     layout = "row_major" if cap == "gfx950" else "blocked"
-    out = (mm or torch_scaled_mm)(hw_operand(ops.a, layout), hw_operand(ops.b, layout))
-    return out[:m, :n].float()
+    hw_a, hw_b = hw_operand(ops.a, layout), hw_operand(ops.b, layout)
+    out = torch_scaled_mm(hw_a, hw_b, out_dtype) if mm is None else mm(hw_a, hw_b).float()
+    return out[:m, :n].to(out_dtype)
 
 
-def _fp8_scaled_mm(g, a, b, recipe, state, *, shared_dy=None):
-    return hw_gemm(g, a, b, recipe, state, backend="fp8_scaled_mm", shared_dy=shared_dy)
+def _fp8_scaled_mm(g, a, b, recipe, state, *, shared_dy=None, out_dtype=torch.float32):
+    return hw_gemm(g, a, b, recipe, state, backend="fp8_scaled_mm", shared_dy=shared_dy, out_dtype=out_dtype)
 
 
-def _mx_scaled_mm(g, a, b, recipe, state, *, shared_dy=None):
-    return hw_gemm(g, a, b, recipe, state, backend="mx_scaled_mm", shared_dy=shared_dy)
+def _mx_scaled_mm(g, a, b, recipe, state, *, shared_dy=None, out_dtype=torch.float32):
+    return hw_gemm(g, a, b, recipe, state, backend="mx_scaled_mm", shared_dy=shared_dy, out_dtype=out_dtype)
 
 
-def _auto(g, a, b, recipe, state, *, shared_dy=None):
+def _auto(g, a, b, recipe, state, *, shared_dy=None, out_dtype=torch.float32):
     from kernels.backends import select_backend
 
-    return BACKENDS[select_backend(recipe, a.device, gemm=g)](g, a, b, recipe, state, shared_dy=shared_dy)
+    return BACKENDS[select_backend(recipe, a.device, gemm=g)](g, a, b, recipe, state, shared_dy=shared_dy,
+                                                               out_dtype=out_dtype)
 
 
 BACKENDS.setdefault("fp8_scaled_mm", _fp8_scaled_mm)

@@ -14,6 +14,11 @@ API                                             used by, and what happens where 
 ``fp32_precision`` flags                        ``kernels.gemm.ieee_fp32_matmul``: only flags that
                                                 exist are switched (the legacy ones always are)
 ``scaled_dot_product_attention(enable_gqa=)``   ``model.attention``: grouped-query attention
+``torch._scaled_mm(..., out_dtype=bfloat16)``   BF16 output written by the FP8 GEMM itself (in every
+                                                torch with ``_scaled_mm``)
+``matmul.allow_bf16_reduced_precision_reduction``  ``kernels.gemm.bf16_single_rounding``: a BF16-output
+  (``..._split_k``: torch 2.12 and later)       cuBLAS GEMM keeps FP32 reductions; the split-K flag
+                                                is restored only where it exists
 ==============================================  ===================================================
 
 The enum members have been spelled two ways across torch releases (``BlockWise1x32`` /
@@ -28,7 +33,8 @@ import inspect
 
 import torch
 
-__all__ = ["api_report", "has_fp32_precision_flags", "has_scaled_mm", "scaled_mm_enums", "sdpa_has_enable_gqa"]
+__all__ = ["api_report", "has_bf16_reduction_flag", "has_fp32_precision_flags", "has_scaled_mm", "scaled_mm_enums",
+           "sdpa_has_enable_gqa"]
 
 _SPELLINGS = {  # member -> the names it has had
     "block16": ("BlockWise1x16", "Blockwise_1x16"),
@@ -74,6 +80,10 @@ def _mm_has_out_dtype() -> bool:
     return False
 
 
+def has_bf16_reduction_flag() -> bool:
+    return hasattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction")
+
+
 def sdpa_has_enable_gqa() -> bool:
     try:
         return "enable_gqa" in inspect.signature(torch.nn.functional.scaled_dot_product_attention).parameters
@@ -90,6 +100,8 @@ def api_report() -> list[str]:
         ("F.scaled_mm + ScalingType/SwizzleType", enums is not None, "positional torch._scaled_mm call"),
         ("fp32_precision flags", has_fp32_precision_flags(), "legacy TF32 flags only"),
         ("SDPA enable_gqa", sdpa_has_enable_gqa(), "grouped-query attention unavailable"),
+        ("allow_bf16_reduced_precision_reduction", has_bf16_reduction_flag(),
+         "BF16-output GEMMs may reduce split-K partial sums in BF16"),
     ]
     return [f"torch {torch.__version__}"] + [
         f"  {name}: {'yes' if ok else 'MISSING -> ' + fallback}" for name, ok, fallback in rows]

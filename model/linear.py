@@ -54,7 +54,7 @@ from collections.abc import Callable
 import torch
 
 from kernels.cast_transpose import share_dy
-from kernels.gemm import gemm
+from kernels.gemm import OUT_DTYPES, gemm
 from kernels.operand import CONTRACTION_AXES, quantize_operand
 from precision.recipe import Gemm, LinearPrecision
 from precision.state import LayerQuantState
@@ -81,6 +81,11 @@ def fprop_quantized(x2d: torch.Tensor, w: torch.Tensor, precision: LinearPrecisi
     return qx, qw
 
 
+def _out_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a GEMM writes for a result wanted in ``dtype`` (any other is cast from FP32)."""
+    return dtype if dtype in OUT_DTYPES else torch.float32
+
+
 class _PolicyLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_hp, w_hp, bias, precision: LinearPrecision, state: LayerQuantState, backend: str,
@@ -90,7 +95,9 @@ class _PolicyLinearFn(torch.autograd.Function):
         x2d = x_hp.reshape(-1, in_features)
         x_fprop = x2d if fprop_x is None else fprop_x(x_hp).reshape(-1, in_features)
         # === FPROP: y = x @ w.T ===  [T, in] x [out, in] -> [T, out]
-        y = gemm(Gemm.FPROP, x_fprop, w_hp, precision.fprop, backend, state=state)
+        # the GEMM rounds its FP32 result to the activations' dtype itself (FP32 when a bias follows)
+        y = gemm(Gemm.FPROP, x_fprop, w_hp, precision.fprop, backend, state=state,
+                 out_dtype=_out_dtype(x_hp.dtype) if bias is None else torch.float32)
         if bias is not None:
             y = y + bias.float()
         if backward == "ste" and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
@@ -112,11 +119,13 @@ class _PolicyLinearFn(torch.autograd.Function):
         shared = share_dy(dy2d, p, state, backend)  # on CUDA: dy's two layouts from one read, same bits
         if ctx.needs_input_grad[0]:
             # === DGRAD: dx = dy @ w ===  [T, out] x [out, in] -> [T, in]
-            dx = gemm(Gemm.DGRAD, dy2d, w_hp, p.dgrad, backend, state=state, shared_dy=shared)
+            dx = gemm(Gemm.DGRAD, dy2d, w_hp, p.dgrad, backend, state=state, shared_dy=shared,
+                      out_dtype=_out_dtype(ctx.dtypes[0]))
             dx = dx.to(ctx.dtypes[0]).reshape(*ctx.lead, w_hp.shape[1])
         if ctx.needs_input_grad[1]:
             # === WGRAD: dw = dy.T @ x ===  [T, out] x [T, in] -> [out, in]  (contraction over tokens)
-            dw = gemm(Gemm.WGRAD, dy2d, x2d, p.wgrad, backend, state=state, shared_dy=shared).to(ctx.dtypes[1])
+            dw = gemm(Gemm.WGRAD, dy2d, x2d, p.wgrad, backend, state=state, shared_dy=shared,
+                      out_dtype=_out_dtype(ctx.dtypes[1])).to(ctx.dtypes[1])
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.float().sum(0).to(ctx.dtypes[2])
         return dx, dw, db, None, None, None, None, None

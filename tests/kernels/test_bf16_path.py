@@ -205,3 +205,25 @@ def test_bf16_mm_on_gpu(preset):
         want = gemm(g, a, b, recipe, "reference", state=LayerQuantState(2, "l"))
         got = BACKENDS["bf16_mm"](g, a, b, recipe, LayerQuantState(2, "l"))
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["bf16", "mxfp4", "wgrad_hadamard", "fp8"])
+def test_bf16_output_is_the_fp32_result_rounded_once(preset, monkeypatch):
+    """``gemm(..., out_dtype=torch.bfloat16)`` on ``bf16_mm``: where no FP32 factor follows the
+    product (``bf16``, MXFP4) cuBLAS writes BF16 itself with FP32 reductions, bit for bit the FP32
+    result rounded to BF16; elsewhere (FP8's 1/scale on the output) the FP32 result is rounded. On
+    CPU (no BF16-output GEMM there) the same through the FP32 fallback, the device answering sm_90."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu":
+        monkeypatch.setattr(kb, "device_capability", lambda device: SM90)
+    g_ = torch.Generator().manual_seed(0)
+    x, w, dy = (torch.randn(*s, generator=g_).to(dev) for s in ((128, 256), (192, 256), (128, 192)))
+    flag = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    for g, (a, b) in ((Gemm.FPROP, (x, w)), (Gemm.DGRAD, (dy, w)), (Gemm.WGRAD, (dy, x))):
+        recipe = presets.get(preset).recipe(g)
+        f32, b16 = (gemm(g, a, b, recipe, "bf16_mm", state=LayerQuantState(2, "l"), out_dtype=dt)
+                    for dt in (torch.float32, torch.bfloat16))
+        assert b16.dtype == torch.bfloat16
+        assert torch.equal(b16.view(torch.int16), f32.to(torch.bfloat16).view(torch.int16)), (preset, g.value)
+    assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction == flag  # the switch is restored

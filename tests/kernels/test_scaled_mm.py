@@ -14,20 +14,20 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (see conftest.py)
 
-import math  # noqa: E402
+import math
 
-import pytest  # noqa: E402
+import pytest
 
-from kernels.backends import BackendError, device_capability  # noqa: E402
-from kernels.gemm import CONTRACTION_AXES, gemm  # noqa: E402
-from kernels.operand import _pad_axis  # noqa: E402
-from kernels.layouts import blocked_offsets, from_blocked, pack_fp4, to_blocked, unpack_fp4  # noqa: E402
-from kernels.scaled_mm import HwOperand, emulated_scaled_mm, hw_gemm  # noqa: E402
-from precision import Gemm, LayerQuantState, quantize  # noqa: E402
-from precision.quantize import FORMATS  # noqa: E402
-from precision.recipe import parse_gemm  # noqa: E402
-from precision.rotation import rotate, rotation_size  # noqa: E402
-from precision.srand import SRKey  # noqa: E402
+from kernels.backends import BackendError, device_capability
+from kernels.gemm import CONTRACTION_AXES, gemm
+from kernels.operand import _pad_axis
+from kernels.layouts import blocked_offsets, from_blocked, pack_fp4, to_blocked, unpack_fp4
+from kernels.scaled_mm import HwOperand, emulated_scaled_mm, hw_gemm
+from precision import Gemm, LayerQuantState, quantize
+from precision.quantize import FORMATS
+from precision.recipe import parse_gemm
+from precision.rotation import rotate, rotation_size
+from precision.srand import SRKey
 
 
 def _triton_problem() -> str | None:
@@ -220,3 +220,38 @@ def test_mx_scaled_mm_on_gpu(spec, g):
     ref = gemm(g, a, b, recipe, "emulated", state=LayerQuantState(3, "l"))
     out = gemm(g, a, b, recipe, "mx_scaled_mm", state=LayerQuantState(3, "l"))
     torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+
+
+# ------------------------------------------------------------------ BF16 output from the GEMM itself
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", ["fp8", "fp8+had16"])
+@pytest.mark.parametrize("g", list(Gemm))
+def test_scaled_mm_bf16_output_is_its_fp32_result_rounded_once(spec, g):
+    """``out_dtype=torch.bfloat16``: ``torch._scaled_mm`` writes BF16 itself (per-tensor FP8 applies
+    its scales inside the GEMM), bit for bit its FP32 output rounded to BF16. Without a GPU this is
+    torch's CPU ``_scaled_mm`` kernel (the device answering as an sm_90); on a GPU, cuBLAS."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        _needs("fp8_scaled_mm")
+    dev, cap = ("cuda", "device") if cuda else ("cpu", (9, 0))
+    a, b = (t.to(dev) for t in (operands(t=256, n_in=256, n_out=128) if cuda else operands(t=64, n_in=64, n_out=32))[g])
+    recipe = parse_gemm(spec, g)
+    quantizer = "auto" if cuda else "reference"
+    run = {dt: hw_gemm(g, a, b, recipe, LayerQuantState(3, "l"), backend="fp8_scaled_mm", capability=cap,
+                       quantizer=quantizer, out_dtype=dt) for dt in (torch.float32, torch.bfloat16)}
+    assert run[torch.float32].dtype == torch.float32 and run[torch.bfloat16].dtype == torch.bfloat16
+    assert torch.equal(run[torch.bfloat16].view(torch.int16), run[torch.float32].to(torch.bfloat16).view(torch.int16))
+    # and through the one entry point, as a BF16 linear layer asks for it
+    if cuda:
+        out = gemm(g, a, b, recipe, "fp8_scaled_mm", state=LayerQuantState(3, "l"), out_dtype=torch.bfloat16)
+        assert torch.equal(out.view(torch.int16), run[torch.bfloat16].view(torch.int16))
+
+
+def test_gemm_out_dtype_is_one_rounding_of_the_spec_and_refuses_others():
+    a, b = operands()[Gemm.FPROP]
+    recipe = parse_gemm("mxfp4", Gemm.FPROP)
+    f32 = gemm(Gemm.FPROP, a, b, recipe, "reference", state=LayerQuantState(3, "l"))
+    b16 = gemm(Gemm.FPROP, a, b, recipe, "reference", state=LayerQuantState(3, "l"), out_dtype=torch.bfloat16)
+    assert b16.dtype == torch.bfloat16 and torch.equal(b16, f32.to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"^fprop: out_dtype torch.int8 is not supported; valid: float32, bfloat16"):
+        gemm(Gemm.FPROP, a, b, recipe, "reference", out_dtype=torch.int8)
