@@ -3,7 +3,7 @@
 
     # one H200 (issue 3's check): ~350M Llama, TP=1, a fixed number of iterations per recipe
     python launch/bench_pretrain.py --model-size 350m --precisions bf16,fp8,wgrad_hadamard \\
-        --train-iters 40 --out runs/bench_350m -- --global-batch-size 32 --micro-batch-size 4
+        --train-iters 40 --out runs/bench_350m -- --global-batch-size 32   # micro-batch 8 on CUDA
     # CPU: every recipe against bf16, with FP32 and with BF16 parameters/activations (--bf16)
     python launch/bench_pretrain.py --model-size tiny --precisions bf16,fp8,mxfp4,wgrad_hadamard \
         --bf16-modes off,on --train-iters 6 --out /tmp/bench_tiny
@@ -343,6 +343,12 @@ def child(stats_path: str, argv: list[str]) -> int:
     return rc
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == [CHILD_FLAG]:
@@ -360,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bf16-modes", default="default",
                    help="comma-separated: on (--bf16), off (--no-bf16), default (pretrain's: BF16 on CUDA, "
                    "FP32 on CPU); every recipe runs in each mode")
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="given to every run unless the flags after -- set it (default: 8 on CUDA -- at 1 or 2 a "
+                   "quantized step measures Python overhead, not the GEMMs -- and pretrain's own on CPU)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--dry-run", action="store_true", help="print each run's command and exit")
     p.add_argument("--goals", action="store_true", help="check issue 13's GPU goals under the table")
@@ -370,6 +379,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--bf16-modes: unknown {', '.join(bad)}; valid: {', '.join(MODES)}")
     if args.skip >= args.train_iters:
         args.skip = max(0, args.train_iters - 2)
+    if args.micro_batch_size is not None and args.micro_batch_size < 1:
+        p.error(f"--micro-batch-size: must be >= 1, got {args.micro_batch_size}")
+    mbs = args.micro_batch_size or (8 if _cuda() else None)
+    if mbs and "--micro-batch-size" not in extra:
+        extra = ["--micro-batch-size", str(mbs), *extra]
     runs = [(precision, mode) for mode in modes for precision in args.precisions.split(",")]
     if args.dry_run:
         for precision, mode in runs:

@@ -77,3 +77,19 @@ def test_environment_step_runs_on_cpu(tmp_path):
     assert "| torch " in env and "torch.mm(out_dtype=): yes" in env and "SDPA enable_gqa" in env
     assert "fp8: GEMMs per backend: emulated 3" in env
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["environment.txt"]
+
+
+def test_bench_pretrain_gives_every_run_its_micro_batch(tmp_path):
+    """bench_pretrain --micro-batch-size N reaches every run (8 by default on CUDA: at 1 or 2 a
+    quantized step measures host overhead); one given after -- wins; a bad value is one line."""
+    base = [sys.executable, str(REPO / "launch" / "bench_pretrain.py"), "--model-size", "tiny", "--precisions",
+            "bf16,fp8", "--train-iters", "3", "--out", str(tmp_path), "--dry-run", "--micro-batch-size", "8"]
+    out = subprocess.run(base, cwd=REPO, capture_output=True, text=True, timeout=120, check=True).stdout
+    runs = [ln for ln in out.splitlines() if "--child-stats" in ln]
+    assert len(runs) == 2 and all(ln.count("--micro-batch-size 8") == 1 for ln in runs), out
+    out = subprocess.run(base + ["--", "--micro-batch-size", "2"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    runs = [ln for ln in out.splitlines() if "--child-stats" in ln]
+    assert all("--micro-batch-size 2" in ln and "--micro-batch-size 8" not in ln for ln in runs), out
+    bad = subprocess.run(base[:-1] + ["0"], cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert bad.returncode == 2 and "--micro-batch-size: must be >= 1, got 0" in bad.stderr
