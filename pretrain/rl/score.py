@@ -33,7 +33,7 @@ layout; the positions and visible tokens the engine had), this rank's vocabulary
 temperature, megatron's vocabulary padding masked out (the engine never samples it), and
 megatron's ``vocab_parallel_cross_entropy`` -- differentiable and exact under TP. The kept set and
 the entropy need the whole vocabulary: the logits are all-gathered over TP for them (with the
-gradient, megatron's gather, when ``--entropy-coeff`` is set).
+gradient, each rank's slice of it, when ``--entropy-coeff`` is set).
 """
 
 from __future__ import annotations
@@ -82,10 +82,7 @@ def policy_logprobs(model, tokens: torch.Tensor, valid: torch.Tensor, slot: torc
     ``slot`` under the sampling distribution (module docstring): ``keep`` given, the support it
     names; else the top-k / top-p set of these logits (None: the full distribution)."""
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import (
-        gather_from_tensor_model_parallel_region,
-        vocab_parallel_cross_entropy,
-    )
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     from model.generate import attention_mask
 
@@ -103,7 +100,8 @@ def policy_logprobs(model, tokens: torch.Tensor, valid: torch.Tensor, slot: torc
     if truncating or entropy:
         tp = parallel_state.get_tensor_model_parallel_world_size()
         src = logits if entropy_grad else logits.detach()
-        full = (gather_from_tensor_model_parallel_region(src) if tp > 1 else src)[..., :vocab_size]
+        full = (_GatherVocab.apply(src, parallel_state.get_tensor_model_parallel_group()) if tp > 1
+                else src)[..., :vocab_size]
     if keep is None and truncating:
         keep = support_mask(full.detach(), top_k, top_p)
     ent = None
@@ -117,6 +115,22 @@ def policy_logprobs(model, tokens: torch.Tensor, valid: torch.Tensor, slot: torc
         logits = logits.masked_fill(~mine, float("-inf"))
     lp = -vocab_parallel_cross_entropy(logits.clone() if entropy_grad else logits, response_ids)
     return lp, ent, keep
+
+
+class _GatherVocab(torch.autograd.Function):
+    """All-gather of vocabulary shards along the last dim, on any device (megatron's gather allocates
+    on CUDA); backward: this rank's slice (every TP rank computes the same loss of the whole)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        parts = [torch.empty_like(x) for _ in range(group.size())]
+        torch.distributed.all_gather(parts, x.contiguous(), group=group)
+        ctx.rank, ctx.width = torch.distributed.get_rank(group), x.shape[-1]
+        return torch.cat(parts, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[..., ctx.rank * ctx.width:(ctx.rank + 1) * ctx.width].contiguous(), None
 
 
 def _in_support(keep: torch.Tensor | None, response_ids: torch.Tensor) -> torch.Tensor:

@@ -342,3 +342,22 @@ def test_verl_knobs(world_of_one, tokenizer):
     assert b["rl/truncated_fraction"] > 0 and "rl/entropy_loss" in b and "rl/entropy_loss" not in a
     if b["rl/truncated_fraction"] == 1.0:  # every response filtered: no loss, no update
         assert b["rl/pg_loss"] == 0.0
+
+
+def test_entropy_bonus_is_differentiable_over_the_sampled_support(world_of_one, tokenizer):
+    """--entropy-coeff's entropy (of the top-k distribution here) carries a gradient to the weights,
+    and it equals the entropy the step logs."""
+    from pretrain.rl.score import policy_logprobs, score
+
+    t = _trainer(base(tokenizer, "--top-k", "5", "--entropy-coeff", "1.0"))
+    problems, gen, _ = t.generate(0)
+    s = score(t, problems, gen)
+    t.optimizer.zero_grad(set_to_none=True)
+    _, ent, _ = policy_logprobs(t.model, s.tokens, s.valid, s.slot, s.response_ids, vocab_size=t.vocab_size,
+                                keep=s.keep, entropy=True, entropy_grad=True)
+    m = s.loss_mask
+    assert float(ent[m].max()) <= math.log(5) + 1e-5  # at most 5 tokens to choose from
+    assert float((ent * m).sum() / m.sum()) == pytest.approx(s.scalars["rl/entropy"], rel=1e-5)
+    (ent * m).sum().backward()
+    grads = [p.grad for p in t.model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads) and max(float(g.abs().max()) for g in grads) > 0
