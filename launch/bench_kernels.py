@@ -381,6 +381,17 @@ def main(argv=None) -> dict:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(results, indent=2))
 
+    if not args.skip_host_work:  # first: small, and what a run cut by its budget should still have
+        why = triton_missing_reason(probe, "fp8_e4m3")
+        if why is None:
+            results["host_work"] = [{k: v for k, v in r.items() if k != "ops"} for r in host_work_cases(device)]
+            save()
+            _print_table("host work per GEMM on the hardware path (2 operands; counted, not timed)",
+                         results["host_work"],
+                         [("case", "GEMM", "{}"), ("backend", "backend", "{}"), ("aten", "ATen ops", "{}"),
+                          ("kernels", "of them device kernels", "{}"), ("triton", "Triton launches", "{}")])
+        else:
+            print(f"\n== host work per GEMM: not measured ({why})")
     if not args.skip_quantizers:
         x = torch.randn(args.size, args.size, device=device)
         copy = bench_copy(x, args.repeats * 3)
@@ -410,17 +421,6 @@ def main(argv=None) -> dict:
                      [("ffn", "ffn", "{}"), ("preset", "preset", "{}"), ("backend", "backend", "{}"),
                       ("ms", "ms", "{:.1f}"), ("vs_torch", "vs F.linear", "{:.2f}x"),
                       ("vs_bf16", "vs bf16 preset", "{:.2f}x")])
-    if not args.skip_host_work:
-        why = triton_missing_reason(probe, "fp8_e4m3")
-        if why is None:
-            results["host_work"] = [{k: v for k, v in r.items() if k != "ops"} for r in host_work_cases(device)]
-            save()
-            _print_table("host work per GEMM on the hardware path (2 operands; counted, not timed)",
-                         results["host_work"],
-                         [("case", "GEMM", "{}"), ("backend", "backend", "{}"), ("aten", "ATen ops", "{}"),
-                          ("kernels", "of them device kernels", "{}"), ("triton", "Triton launches", "{}")])
-        else:
-            print(f"\n== host work per GEMM: not measured ({why})")
     if args.json:
         save()
         print(f"\nwrote {args.json}")
