@@ -18,7 +18,9 @@ scales, SR streams, amax histories, telemetry, QAT warm-up), and runs::
 ``mm`` is ``torch.mm(a, b, out_dtype=torch.float32)`` on CUDA (cuBLAS BF16 GEMM with FP32
 output; torch 2.13 has it for CUDA only), else an IEEE FP32 GEMM of the upcast operands -- the
 same products, exact, with FP32 accumulation -- which is what CPU tests of this backend run. For
-the ``bf16`` preset it is a plain cuBLAS BF16 GEMM of the BF16 activations and weights.
+the ``bf16`` preset it is a plain cuBLAS BF16 GEMM of the BF16 activations and weights. Asked for
+a BF16 result (``out_dtype``) with no FP32 factor after the product (``bf16``, MXFP4, MXFP6), cuBLAS
+writes BF16 itself with FP32 reductions (``mm_bf16_out``): its FP32 result rounded once.
 
 Results differ from the ``emulated`` backend's only in accumulation order and, where a tensor
 factor moved to the output, in where that factor is rounded in (per-tensor FP8/HiF8, NVFP4, the SR

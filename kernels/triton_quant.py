@@ -4,9 +4,12 @@ Formats: every registry entry with a sign-exponent-mantissa element (``Format.tr
 MX ``mxfp8_*``, ``mxfp6_*``, ``mxfp4`` (32-blocks, E8M0 scales, FLOOR or RCEIL), ``nvfp4`` (16-blocks,
 E4M3 scales, FP32 tensor scale) and per-tensor ``fp8_e4m3`` / ``fp8_e5m2``; the element's constants
 (bias, mantissa bits, sign position, which non-finite codes exist) come from its ``ElementSpec``.
-Formats with a tensor-wide number (NVFP4's tensor scale, FP8's amax) take two launches: an amax
-kernel (atomic max of the finite ``|x|``, rotated first if asked), a few 0-d torch ops that compute
-the scale exactly as ``precision`` does (no host sync), then the quantize kernel.
+Formats with a tensor-wide number (NVFP4's tensor scale, FP8's scale) computed from this tensor's
+own amax take two launches: an amax kernel (atomic max of the finite ``|x|``, rotated first if
+asked), then the quantize kernel, which computes the scale (and its reciprocal) from that amax with
+``precision``'s expressions -- no torch ops between the two, no host sync. With a given amax
+(delayed scaling, a TP-reduced amax) the quantize kernel is the only launch; for FP8 it also finds
+this tensor's amax as it goes (telemetry, the delayed-scaling history).
 
 Layout -- blocks run along ``axis`` (a GEMM operand's contraction axis), for any axis, without a
 transposed copy. The input is addressed as ``[outer, n, inner]`` (``n`` the block axis) with its own
