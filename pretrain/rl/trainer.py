@@ -92,6 +92,7 @@ class RLTrainer:
     tokenizer: object
     device: torch.device
     vocab_size: int  # the tokenizer's
+    train_engine: object = None  # pretrain.engine.TorchEngine: the optimizer step shared with pretraining
     flags: dict = field(default_factory=dict)  # every flag's value, as checkpoints and rl_summary.json record them
     fallback: object = None  # pretrain.rl.fallback.RolloutFallback
     ref_state: dict | None = None  # the reference policy's parameters (--kl-coef)
@@ -289,7 +290,8 @@ def setup(args, cfg) -> RLTrainer:
     from megatron.core import parallel_state
 
     from pretrain.data import load_tokenizer
-    from pretrain.optim import LRSchedule, MainParams, build_optimizer
+    from pretrain.engine import TorchEngine
+    from pretrain.optim import LRSchedule
     from pretrain.rl.task import load_task
 
     if parallel_state.model_parallel_is_initialized():  # in-process use (tests, notebooks): seeds only
@@ -324,13 +326,13 @@ def setup(args, cfg) -> RLTrainer:
 
         for _, module in policy_linears(model):
             module.gemm_backend = "emulated"
-    main = MainParams(model) if args.bf16 else None
-    optimizer = build_optimizer(model, args, main)
+    engine = TorchEngine(model, args, device)  # FP32 mains with --bf16, AdamW, the non-finite policy
+    main, optimizer = engine.main, engine.optimizer
     from pretrain.rl.arguments import rl_run
 
     trainer = RLTrainer(rl_run(args), cfg, load_task(cfg.task), model, main, optimizer,
                         LRSchedule.from_args(optimizer, args), plan, model_config(args, vocab), tokenizer, device,
-                        tokenizer.vocab_size, flags=dict(vars(args)))
+                        tokenizer.vocab_size, train_engine=engine, flags=dict(vars(args)))
     if cfg.reward_function:
         trainer.reward_fn = load_reward_function(cfg.reward_function)
     if cfg.rollout_fallback:
@@ -413,13 +415,14 @@ def _refuse(message: str, status: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``launch/rl.py``: parse, validate, set up, train; exit status 0 done, 2 bad input, 4 a
+    """``launch/rl.py``: parse, validate, set up, train; exit status 0 done, 2 bad input, 3 diverged, 4 a
     checkpoint could not be written (``pretrain.status``)."""
     import pretrain.train as pt
     from pretrain import runtime
     from pretrain.checkpointing import CheckpointError, CheckpointSaveError
     from pretrain.rl.arguments import PROG, parse_rl_args
-    from pretrain.status import EXIT_BAD_INPUT, EXIT_SAVE_FAILED
+    from pretrain.rl.update import RLDiverged
+    from pretrain.status import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_SAVE_FAILED
 
     runtime.start(PROG)  # (launch/rl.py already did, before megatron was imported)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -439,10 +442,11 @@ def main(argv: list[str] | None = None) -> int:
         status = train(trainer, sigterm)
     except (ConfigError, CheckpointError) as e:
         _refuse(str(e), EXIT_BAD_INPUT)
-    except CheckpointSaveError as e:
+    except (CheckpointSaveError, RLDiverged) as e:
         if trainer is not None and trainer.tb is not None:
             trainer.tb.close()
-        _refuse(str(e), EXIT_SAVE_FAILED)
+        _refuse(("diverged: " if isinstance(e, RLDiverged) else "") + str(e),
+                EXIT_DIVERGED if isinstance(e, RLDiverged) else EXIT_SAVE_FAILED)
     if trainer.tb is not None:
         trainer.tb.close()
     torch.distributed.barrier()

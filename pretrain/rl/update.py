@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["optimizer_step", "update"]
+__all__ = ["RLDiverged", "optimizer_step", "update"]
 
 
 def _dp_sum_(t: torch.Tensor) -> torch.Tensor:
@@ -31,29 +31,23 @@ def _dp_sum_(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+class RLDiverged(RuntimeError):
+    """A non-finite step the run's non-finite policy does not skip (``--skip-nonfinite-steps``)."""
+
+
 def optimizer_step(t) -> tuple[float, float]:
-    """One optimizer step on the gradients of this rank's share of the loss: summed over
-    data-parallel ranks, TP-partial gradients summed, clipped by the global norm (``--clip-grad``),
-    the lr from the schedule, AdamW (FP32 mains copied back with --bf16), and every policy
-    linear's delayed-scaling history takes this step's amax. Returns (grad norm, lr)."""
-    from megatron.core import parallel_state
-
-    from model.gpt import allreduce_tp_partial_grads, policy_linears
-    from pretrain.optim import clip_grad_norm
-
-    params = t.parameters()
-    for p in params:  # each rank's loss is its share of the global one
-        if p.grad is not None:
-            _dp_sum_(p.grad)
-    allreduce_tp_partial_grads(t.main if t.main is not None else t.model)
-    norm = float(clip_grad_norm(params, t.run.clip_grad, parallel_state.get_tensor_model_parallel_group()))
-    lr = t.schedule.step()
-    t.optimizer.step()
-    if t.main is not None:
-        t.main.copy_to_model()
-    for _, lin in policy_linears(t.model):
-        lin.quant_state.end_step()
-    return norm, lr
+    """Pretraining's one optimizer step (``pretrain.engine``: ``TorchEngine.optimizer_step``) on the
+    gradients of this rank's share of the loss: summed over data-parallel ranks, TP-partial
+    gradients summed, clipped by the global norm (``--clip-grad``), the lr from the schedule, AdamW
+    (FP32 mains copied back with --bf16), every policy linear's delayed-scaling history takes this
+    step's amax, and the non-finite policy (``--skip-nonfinite-steps``: a non-finite step rolled
+    back; one beyond them, :class:`RLDiverged`). Returns (grad norm, lr)."""
+    result = t.train_engine.optimizer_step(t.schedule)
+    if result.outcome == "diverged":
+        raise RLDiverged(f"non-finite gradient norm {float(result.grad_norm)} at RL iteration {t.iteration + 1} "
+                         f"(non-finite steps so far: {t.train_engine.nonfinite.count}; --skip-nonfinite-steps "
+                         f"skips that many)")
+    return float(result.grad_norm), result.lr
 
 
 def update(t, s) -> dict[str, float]:
@@ -74,7 +68,7 @@ def update(t, s) -> dict[str, float]:
             counts = _dp_sum_(torch.tensor([float(mb_mask.sum()), float(len(rows))], dtype=torch.float64))
             norm_kw = {"global_tokens": counts[0].item(), "global_seqs": counts[1].item(),
                        "norm_length": c.max_new_tokens}
-            t.optimizer.zero_grad(set_to_none=True)
+            t.train_engine.begin_step()  # zero the gradients; note what a skipped step restores
             with t.qat_forward(s.batch.records, rows):
                 lp, ent, _ = policy_logprobs(t.model, s.tokens[idx], s.valid[idx], s.slot[idx], s.response_ids[idx],
                                              keep=None if s.keep is None else s.keep[idx],

@@ -361,3 +361,20 @@ def test_entropy_bonus_is_differentiable_over_the_sampled_support(world_of_one, 
     (ent * m).sum().backward()
     grads = [p.grad for p in t.model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads) and max(float(g.abs().max()) for g in grads) > 0
+
+
+def test_nonfinite_steps_use_pretrainings_policy(world_of_one, tokenizer, tmp_path):
+    """RL steps through pretraining's optimizer_step: with --skip-nonfinite-steps 1 a NaN update is
+    rolled back (weights unchanged), the next one is divergence (rl.py exits 3)."""
+    from pretrain.rl.update import RLDiverged
+
+    nan_reward = tmp_path / "nan_reward.py"
+    nan_reward.write_text("def nan(problem, text, spec):\n    return float('nan')\n")
+    argv = base(tokenizer, "--skip-nonfinite-steps", "1")
+    argv[argv.index("--reward-function") + 1] = f"{nan_reward}:nan"
+    t = _trainer(argv)
+    before = _weights(t)
+    t.step()
+    assert t.train_engine.nonfinite.count == 1 and all(torch.equal(before[k], v) for k, v in _weights(t).items())
+    with pytest.raises(RLDiverged, match="non-finite gradient norm nan at RL iteration 2"):
+        t.step()
