@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import operand as pipeline
+from kernels.backends import BackendError, select_backend
 from precision.enums import AmaxAlgo
 from precision.recipe import Gemm, LinearPrecision, OperandFormat
 from precision.state import LayerQuantState
@@ -98,7 +99,6 @@ class SharedDy:
 def share_dy(dy: torch.Tensor, precision: LinearPrecision, state: LayerQuantState, backend: str) -> SharedDy | None:
     """The plan by which Dgrad's and Wgrad's quantizations of ``dy`` share one read, or None where
     they cannot (pass it to both GEMMs: ``gemm(..., shared_dy=plan)``)."""
-    from kernels.backends import BackendError, select_backend
 
     dgrad, wgrad = precision.dgrad, precision.wgrad
     if (dy.dim() != 2 or dgrad.rotation != "none" or wgrad.rotation != "none" or state.observe_only

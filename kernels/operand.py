@@ -37,12 +37,15 @@ from dataclasses import dataclass
 import torch
 
 from kernels.bf16_operand import bf16_form
+from kernels.fused import fake_quantize
+from kernels.quantizer import triton_missing_reason
 from precision.enums import AmaxAlgo, Scaling
 from precision.quantize import quantize as reference_quantize
 from precision.recipe import Gemm, GemmRecipe, OperandFormat
 from precision.rotation import fixed_signs, rotate, rotation_size
 from precision.srand import SRKey
 from precision.state import LayerQuantState
+from precision.telemetry import operand_stats
 
 __all__ = [
     "CONTRACTION_AXES",
@@ -207,8 +210,6 @@ def _resolve_impl(impl: str, t: torch.Tensor, fmt: OperandFormat | str, codes: b
             raise ValueError(f"quantizer: unknown {impl!r}; valid: auto, compiled, eager, reference")
         return impl
     if impl == "auto":
-        from kernels.quantizer import triton_missing_reason
-
         return "triton" if t.is_cuda and triton_missing_reason(t, fmt) is None else "reference"
     if impl not in ("triton", "reference"):
         raise ValueError(f"quantizer: unknown {impl!r}; valid: auto, triton, reference")
@@ -257,8 +258,6 @@ def quantize_operand(
             if codes:
                 out.codes = q.codes.movedim(axis, -1)
         if state.collect_stats:
-            from precision.telemetry import operand_stats
-
             state.record(gemm, operand, **operand_stats(t, out.values, name, axis))
         return out
 
@@ -296,8 +295,6 @@ def quantize_operand(
         state.record(gemm, operand, amax=cur, num_clipped=res["num_clipped"],
                      scale_amax=cur if scale_amax is None else scale_amax, numel=t.numel())
     if state.collect_stats:
-        from precision.telemetry import operand_stats
-
         deq = res["values"]
         stats_amax = None if scale_amax is None else float(scale_amax)
         spec = fmt.format  # per-tensor: values clip beyond scale_amax * max_normal / scale_target
@@ -338,8 +335,6 @@ def _block2d_weight(t, axis, fmt, gemm, operand, state, needs_whole, codes, want
     if codes:
         out.codes, out.scales = q.codes.movedim(axis, -1), q.scales.movedim(axis, -1)
     if state.collect_stats:
-        from precision.telemetry import operand_stats
-
         state.record(gemm, operand, **operand_stats(t, out.values, fmt.fmt, axis, None, fmt.scale_rule))
     if want_bf16:
         out.bf16, out.out_scale = bf16_form(fmt, out.codes, out.scales, out.tensor_scale)
@@ -382,8 +377,6 @@ def _quantize(t, axis, fmt, impl, codes, key, amax, rotation, state, bf16=False)
             out["codes"] = q.codes.movedim(axis, -1)
             out["scales"] = q.scales.movedim(axis, -1) if spec.blocked else q.scales
         return out
-    from kernels.fused import fake_quantize
-
     values, stats = fake_quantize(t, fmt, impl=impl, rotation=rotation, **kw)
     return {"values": values, **stats}
 
