@@ -178,3 +178,10 @@ def test_2d_tiles_with_sr_are_a_recipe_refusal_not_a_quantizer_one():
     assert quantize(torch.randn(32, 32), sr_2d, sr=torch.Generator().manual_seed(0)).block2d
     with pytest.raises(SpecError, match=r"^nvfp4/2d: 2-D weight tiles round to nearest .*; drop sr$"):
         GemmRecipe(OperandFormat("nvfp4"), sr_2d)
+
+
+@pytest.mark.parametrize("module", ["operand", "cast_transpose", "quantizer", "fused"])
+def test_kernels_import_their_neighbours_at_the_top(module):
+    # only the optional Triton modules (import triton at their top) are imported where they are used
+    _, inner = _imports(ROOT / "kernels" / f"{module}.py")
+    assert [m for m in inner if m.startswith(("precision", "kernels")) and m != "kernels.triton_quant"] == []
