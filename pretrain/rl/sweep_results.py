@@ -7,6 +7,8 @@ Each run of ``launch/rl.py`` logs TensorBoard scalars (``rl/reward_mean``, ``rl/
 
 =======================  ==========================================================================
 ``final_accuracy``       the last held-out accuracy (greedy, the trainer's own numerics: the policy)
+``gain``                 ``final_accuracy`` minus the first evaluation's (iteration 0: the starting
+                         policy) -- what RL learned, with its interval over seeds
 ``reward_auc``           area under the training-reward curve: the mean of ``rl/reward_mean`` over
                          every iteration (1.0 = every response right from the first step)
 ``accuracy_auc``         the same for the held-out accuracy, over its evaluation points
@@ -36,10 +38,10 @@ from pretrain.evaluation.stats import gap_verdict, paired_interval, spread, tabl
 
 __all__ = ["RL_COLUMNS", "analyse_rl", "rl_summary_table", "summarize_rl", "write_rl_results"]
 
-RL_COLUMNS = ["run", "status", "label", "seed", "iterations", "final_accuracy", "rollout_accuracy", "accuracy_auc",
+RL_COLUMNS = ["run", "status", "label", "seed", "iterations", "final_accuracy", "gain", "rollout_accuracy", "accuracy_auc",
               "reward_auc",
               "final_reward", "k3_kl", "ess", "masked", "tokens_per_sec", "memory_bytes"]
-SUMMARY_METRICS = ["final_accuracy", "rollout_accuracy", "accuracy_auc", "reward_auc", "k3_kl", "ess", "masked", "tokens_per_sec",
+SUMMARY_METRICS = ["final_accuracy", "gain", "rollout_accuracy", "accuracy_auc", "reward_auc", "k3_kl", "ess", "masked", "tokens_per_sec",
                    "memory_bytes"]
 GAPS = ("final_accuracy", "accuracy_auc", "reward_auc")  # paired by seed against the baseline
 
@@ -64,6 +66,7 @@ def analyse_rl(name: str, scalars: dict[str, list[tuple[int, float]]], summary: 
         "run": name,
         "iterations": reward[-1][0] if reward else 0,
         "final_accuracy": acc[-1] if acc else math.nan,
+        "initial_accuracy": acc[0] if len(acc) > 1 else math.nan,
         "rollout_accuracy": rollout_acc[-1] if rollout_acc else math.nan,
         "accuracy_auc": _mean(acc),
         "reward_auc": _mean(_values(scalars, "rl/reward_mean")),
@@ -82,10 +85,12 @@ def analyse_rl(name: str, scalars: dict[str, list[tuple[int, float]]], summary: 
             "reward_auc": "reward_auc", "k3_kl": "mean_k3_kl",
             "tokens_per_sec": "rollout_tokens_per_sec", "memory_bytes": "rollout_memory_bytes",
             "iterations": "iterations"}
+    keys["initial_accuracy"] = "initial_heldout_accuracy"
     for ours, theirs in keys.items():
         v = summary.get(theirs)
         if isinstance(v, (int, float)) and math.isfinite(v):
             row[ours] = v
+    row["gain"] = row["final_accuracy"] - row["initial_accuracy"]  # NaN without an evaluation at the start
     return row
 
 
@@ -126,6 +131,7 @@ def summarize_rl(rows: list[dict], baseline: str | None, margin: float | None = 
                     continue
                 diffs.append(d)
             s["gap_" + metric] = paired_interval(diffs)
+        s["gain_interval"] = paired_interval([m["gain"] for m in members if math.isfinite(m["gain"])])
         s["is_baseline"] = run.label == baseline
         s["verdict_unadjusted"] = gap_verdict(s["gap_final_accuracy"], s["is_baseline"], higher_is_better=True,
                                               margin=margin)
@@ -147,6 +153,14 @@ def _msd(mean: float, sd: float, digits: int = 3) -> str:
     return _f(mean, digits) if math.isnan(sd) else f"{mean:.{digits}f} ± {sd:.{digits}f}"
 
 
+def _gain_text(g) -> str:
+    """The learning gain with its interval and whether it is shown (one-sample t over seeds, unadjusted)."""
+    if g.n < 2:
+        return g.text(3, seeds=True)
+    shown = "shown > 0" if g.lo > 0 else ("shown < 0" if g.hi < 0 else "not shown")
+    return f"{g.text(3)}; {shown}"
+
+
 def rl_summary_table(summary: list[dict], hyper: list[str]) -> list[str]:
     k = sum(1 for s in summary if not s["is_baseline"] and s["gap_final_accuracy"].n >= 2
             and not s["gap_final_accuracy"].excluded)
@@ -154,7 +168,7 @@ def rl_summary_table(summary: list[dict], hyper: list[str]) -> list[str]:
             "acc under rollout plan",
             "held-out acc AUC gap (95% CI)", "reward AUC",
             "reward AUC gap (95% CI)", "mean k3_kl (BF16 floor)", "raw ESS", "masked", "rollout tok/s (emulated)",
-            "rollout memory (MiB)", f"verdict (Holm over {k})"]
+            "rollout memory (MiB)", "gain over start (95% CI)", f"final acc gap: verdict (Holm over {k})"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     floor = next((s["k3_kl"] for s in summary if s["is_baseline"]), math.nan)  # the BF16-rollout baseline's
     for s in summary:
@@ -164,7 +178,8 @@ def rl_summary_table(summary: list[dict], hyper: list[str]) -> list[str]:
                  _msd(s["final_accuracy"], s["final_accuracy_sd"]), s["gap_final_accuracy"].text(3, seeds=True),
                  _msd(s["rollout_accuracy"], s["rollout_accuracy_sd"]), s["gap_accuracy_auc"].text(3),
                  _msd(s["reward_auc"], s["reward_auc_sd"]), s["gap_reward_auc"].text(3),
-                 f"{_f(s['k3_kl'], 5)} ({_f(floor, 5)})", _f(s["ess"]), _f(s["masked"]), _f(s["tokens_per_sec"], 1), _f(mib, 2), verdict]
+                 f"{_f(s['k3_kl'], 5)} ({_f(floor, 5)})", _f(s["ess"]), _f(s["masked"]), _f(s["tokens_per_sec"], 1), _f(mib, 2),
+                 _gain_text(s["gain_interval"]), verdict]
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return lines
 
@@ -202,6 +217,9 @@ def write_rl_results(out: Path, rows: list[dict], summary: list[dict], baseline:
     lines += ["", ("final held-out acc: greedy accuracy on the task's held-out prompts at the last evaluation, "
                    "with the trainer's own numerics (--precision): the policy, not the rollout engine (acc under "
                    "rollout plan: the same prompts generated by the engine). "
+                   "gain over start: final held-out acc minus the same policy's at iteration 0 (the starting "
+                   "policy), mean ± half-width of the 95% Student-t interval over seeds; 'shown > 0' when the "
+                   "interval excludes 0 (unadjusted). "
                    "held-out acc AUC: its mean over all evaluations (less noisy than the last one). "
                    "reward AUC: mean training reward over all iterations (of the rollouts, so under the rollout "
                    "plan's numerics). "
