@@ -55,8 +55,7 @@ def _uniforms_fn(srp, *, shape, axis, block):
     return blocks.to_blocks(u, axis, block) if block else u
 
 
-def _mx_fn(x, u, signs, *, fmt, axis, scale_rule, rounding, prescale, rot_n):
-    spec = get_format(fmt)
+def _mx_fn(x, u, signs, *, spec, axis, scale_rule, rounding, prescale, rot_n):
     x = _rotated(x, signs, axis, rot_n)
     n = x.shape[axis]
     xb = _to_blocks_padded(x, axis, spec.block)
@@ -64,8 +63,8 @@ def _mx_fn(x, u, signs, *, fmt, axis, scale_rule, rounding, prescale, rot_n):
     return blocks.from_blocks(q, axis, n).contiguous()
 
 
-def _nvfp4_fn(x, u, signs, amax_used, *, fmt, axis, scale_rule, rounding, prescale, rot_n):
-    block = get_format(fmt).block
+def _nvfp4_fn(x, u, signs, amax_used, *, spec, axis, scale_rule, rounding, prescale, rot_n):
+    block = spec.block
     x = _rotated(x, signs, axis, rot_n)
     n = x.shape[axis]
     amax_cur = torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x)).amax()
@@ -76,9 +75,8 @@ def _nvfp4_fn(x, u, signs, amax_used, *, fmt, axis, scale_rule, rounding, presca
     return blocks.from_blocks(q, axis, n).contiguous()
 
 
-def _tensor_fn(x, u, signs, amax_used, *, fmt, rounding, axis, rot_n):
+def _tensor_fn(x, u, signs, amax_used, *, spec, rounding, axis, rot_n):
     """Per-tensor FP8: returns (dequantized, current amax, number clipped)."""
-    spec = get_format(fmt)
     xf = _rotated(x, signs, axis, rot_n)
     finite = torch.isfinite(xf)
     amax_cur = torch.where(finite, xf.abs(), torch.zeros_like(xf)).amax()
@@ -180,7 +178,6 @@ def fake_quantize(
     if op.margin:  # scale by amax * 2^margin
         amax = margin_amax(op, rotate(x, axis % x.dim(), *rotation) if rotation is not None else x, amax)
     spec, typed_rounding, prescale = op.format, op.rounding, op.prescale_factor
-    fmt = spec.name
     generator, sr = (sr, None) if isinstance(sr, torch.Generator) else (None, sr)
     rounding, scale_rule = str(typed_rounding), str(op.scale_rule)  # plain strings: kernel cache keys
     axis = axis % x.dim()
@@ -206,7 +203,7 @@ def fake_quantize(
         u = torch.rand(x.shape, generator=generator, device=x.device) if draw else None
         if srp is not None:
             u = key_uniforms(x.shape, 0)
-        k = _kernel("tensor", compiled, fmt=fmt, rounding=rounding, axis=axis, rot_n=rot_n)
+        k = _kernel("tensor", compiled, spec=spec, rounding=rounding, axis=axis, rot_n=rot_n)
         out, amax_cur, clipped = k(x, u, signs, used)
         return out, {"amax": amax_cur, "num_clipped": clipped}
     u = _sr_uniforms(x, axis, spec.block, generator) if draw else None
@@ -215,7 +212,7 @@ def fake_quantize(
         padded[axis] = -(-padded[axis] // spec.block) * spec.block
         u = key_uniforms(padded, spec.block)
     kind = "nvfp4" if spec.kind == Scaling.TWO_LEVEL else "mx"
-    k = _kernel(kind, compiled, fmt=fmt, axis=axis, scale_rule=scale_rule, rounding=rounding,
+    k = _kernel(kind, compiled, spec=spec, axis=axis, scale_rule=scale_rule, rounding=rounding,
                 prescale=prescale, rot_n=rot_n)
     extra = (used,) if kind == "nvfp4" else ()
     n = x.shape[axis]
