@@ -16,7 +16,7 @@ import math
 import os
 import time
 
-from pretrain.train import is_rank0, rank0_print
+from pretrain.runtime import is_rank0, rank0_print
 
 __all__ = ["SUMMARY_FILE", "load", "model_state", "save", "summary", "write_summary"]
 

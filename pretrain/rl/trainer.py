@@ -56,9 +56,7 @@ a warm-up, left out), ``peak_memory_bytes``, ``kv_bytes_per_token``, ``packed_we
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -70,7 +68,8 @@ from pretrain.rl import rollout as rollout_side
 from pretrain.rl.checkpoint import SUMMARY_FILE
 from pretrain.rl.score import policy_logprobs, score
 from pretrain.rl.update import update
-from pretrain.train import build_model, init_distributed, is_rank0, rank0_print
+from pretrain.runtime import is_rank0, rank0_print
+from pretrain.train import build_model, init_distributed
 
 __all__ = ["SUMMARY_FILE", "RLTrainer", "policy_logprobs", "setup", "train"]
 
@@ -394,61 +393,24 @@ def train(trainer: RLTrainer, sigterm) -> int:
     return 0
 
 
-def _refuse(message: str, status: int):
-    """``rl.py: error: message`` once (rank 0), then exit with ``status`` on every rank; the ranks
-    meet first (pretraining's error group), so no exit lets torchrun kill rank 0 before its line."""
-    import pretrain.train as pt
-    from pretrain.rl.arguments import PROG
-
-    initialized = torch.distributed.is_initialized()
-    rank = torch.distributed.get_rank() if initialized else int(os.environ.get("RANK", "0"))
-    if rank == 0:
-        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
-    group = getattr(pt, "_error_group", None)
-    if initialized and torch.distributed.get_world_size() > 1 and group is not None:
-        try:
-            torch.distributed.monitored_barrier(group, timeout=datetime.timedelta(seconds=pt.ERROR_WAIT_S))
-        except RuntimeError:  # some rank never came: rank 0 may not have printed
-            if rank != 0:
-                print(f"{PROG}: error: {message} (rank {rank})", file=sys.stderr, flush=True)
-    sys.exit(status)
-
-
 def main(argv: list[str] | None = None) -> int:
-    """``launch/rl.py``: parse, validate, set up, train; exit status 0 done, 2 bad input, 3 diverged, 4 a
+    """``launch/rl.py`` on pretraining's runtime (``pretrain.runtime.run``: parse and agree, refusals
+    as one line, SIGTERM, the process group): exit status 0 done, 2 bad input, 3 diverged, 4 a
     checkpoint could not be written (``pretrain.status``)."""
-    import pretrain.train as pt
     from pretrain import runtime
-    from pretrain.checkpointing import CheckpointError, CheckpointSaveError
     from pretrain.rl.arguments import PROG, parse_rl_args
     from pretrain.rl.update import RLDiverged
-    from pretrain.status import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_SAVE_FAILED
+    from pretrain.status import EXIT_DIVERGED
 
-    runtime.start(PROG)  # (launch/rl.py already did, before megatron was imported)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    problem = None
-    try:
-        args, cfg = parse_rl_args(argv, world, torch.cuda.is_available())
-    except ConfigError as e:
-        problem = str(e)
-    if world > 1 and "RANK" in os.environ:
-        problem = pt._agree_on_input(problem)
-    if problem:
-        _refuse(problem, EXIT_BAD_INPUT)
-    sigterm = pt._SigtermFlag()
-    trainer = None
-    try:
-        trainer = setup(args, cfg)
-        status = train(trainer, sigterm)
-    except (ConfigError, CheckpointError) as e:
-        _refuse(str(e), EXIT_BAD_INPUT)
-    except (CheckpointSaveError, RLDiverged) as e:
-        if trainer is not None and trainer.tb is not None:
-            trainer.tb.close()
-        _refuse(("diverged: " if isinstance(e, RLDiverged) else "") + str(e),
-                EXIT_DIVERGED if isinstance(e, RLDiverged) else EXIT_SAVE_FAILED)
-    if trainer.tb is not None:
-        trainer.tb.close()
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    return status
+    def run_rl(parsed, signals) -> int:
+        trainer = None
+        try:
+            trainer = setup(*parsed)
+            return train(trainer, signals)
+        except RLDiverged as e:
+            runtime.refuse(f"diverged: {e}", EXIT_DIVERGED, PROG)
+        finally:
+            if trainer is not None and trainer.tb is not None:
+                trainer.tb.close()
+
+    return runtime.run(run_rl, prog=PROG, parse=lambda world, cuda: parse_rl_args(argv, world, cuda))

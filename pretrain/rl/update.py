@@ -44,9 +44,9 @@ def optimizer_step(t) -> tuple[float, float]:
     back; one beyond them, :class:`RLDiverged`). Returns (grad norm, lr)."""
     result = t.train_engine.optimizer_step(t.schedule)
     if result.outcome == "diverged":
+        policy = t.train_engine.nonfinite
         raise RLDiverged(f"non-finite gradient norm {float(result.grad_norm)} at RL iteration {t.iteration + 1} "
-                         f"(non-finite steps so far: {t.train_engine.nonfinite.count}; --skip-nonfinite-steps "
-                         f"skips that many)")
+                         f"({policy.count} non-finite steps, more than --skip-nonfinite-steps {policy.max_skips})")
     return float(result.grad_norm), result.lr
 
 
