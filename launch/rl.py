@@ -9,8 +9,10 @@
 (exact resume); a ``--save`` that already holds an RL checkpoint is resumed from. Exit status of
 every rank (``pretrain/status.py``), each failure one line on stderr, ``rl.py: error: ...``:
 0 done or stopped cleanly (SIGTERM: the iteration finishes, a checkpoint is saved); 2 bad input;
-4 a checkpoint could not be written. At the end ``--save/rl_summary.json`` holds the run's results.
-The loop lives in ``pretrain/rl/trainer.py``, the flags in ``pretrain/rl/arguments.py``.
+3 diverged (a non-finite step beyond --skip-nonfinite-steps); 4 a checkpoint could not be written.
+At the end ``--save/rl_summary.json`` holds the run's results. The loop lives in
+``pretrain/rl/trainer.py`` (rollout.py, score.py, update.py, checkpoint.py beside it), the flags in
+``pretrain/rl/arguments.py``.
 """
 
 import os
