@@ -30,8 +30,8 @@ from precision.elements import ELEMENTS
 ELEM = {e.name: dict(ELEM=tq._NONFINITE[e.nonfinite], EMIN=e.emin, EMAX=e.emax, MBITS=e.mbits, BIAS=e.bias,
                      MAXN=e.max_normal, SUBSCALE=2.0 ** (e.mbits - e.emin), SIGN_SHIFT=e.sign_shift)
         for e in ELEMENTS.values()}
-PTRS = {"x_ptr": "*bf16", "seed_ptr": "*i64", "srp_ptr": "*i64", "codes_ptr": "*u8", "scales_ptr": "*u8", "aux_ptr": "*i32",
-        "amax_ptr": "*i32"}
+PTRS = {"x_ptr": "*bf16", "seed_ptr": "*i64", "srp_ptr": "*i64", "codes_ptr": "*u8", "scales_ptr": "*u8", "aux_ptr": "*i64",
+        "amax_ptr": "*i64"}
 
 def build(fn, constexprs, arch, ptrs=PTRS):
     sig = {n: "constexpr" if n in constexprs else ptrs.get(n, "*fp32") if n.endswith("_ptr")
@@ -40,25 +40,26 @@ def build(fn, constexprs, arch, ptrs=PTRS):
                           target=GPUTarget("cuda", arch, 32), options={"enable_fp_fusion": False})
 
 # (mode, block, elem, rot, sr, u_given, pack, rceil, prescale, keyed SR uniforms, natural-layout mode,
-#  BF16 form: the BF16 operand written to dq_ptr)
-VARIANTS = [(0, 32, "e2m1", 16, True, False, True, True, True, True, 0, False),
-            (0, 32, "e4m3", 32, False, True, False, False, False, False, 0, False),
-            (1, 16, "e2m1", 16, True, True, True, False, False, False, 0, False),
-            (2, 64, "e5m2", 0, True, False, False, False, False, False, 0, False),
-            (1, 16, "e2m1", 0, True, False, False, False, False, True, 1, True),
-            (2, 64, "e4m3", 0, True, False, False, False, False, True, 2, True),
-            (0, 32, "e2m3", 0, True, False, False, True, True, True, 0, True)]
+#  BF16 form: the BF16 operand written to dq_ptr, AMAX_OUT: per-tensor amax found while quantizing)
+VARIANTS = [(0, 32, "e2m1", 16, True, False, True, True, True, True, 0, False, False),
+            (0, 32, "e4m3", 32, False, True, False, False, False, False, 0, False, False),
+            (1, 16, "e2m1", 16, True, True, True, False, False, False, 0, False, False),
+            (2, 64, "e5m2", 0, True, False, False, False, False, False, 0, False, True),
+            (1, 16, "e2m1", 0, True, False, False, False, False, True, 1, True, False),
+            (2, 64, "e4m3", 16, True, False, False, False, False, True, 2, True, False),
+            (0, 32, "e2m3", 0, True, False, False, True, True, True, 0, True, False)]
 for arch in (90, 100):
-    for mode, block, elem, rot, sr, ug, pack, rceil, pre, keyed, nat, bf16 in VARIANTS:
+    for mode, block, elem, rot, sr, ug, pack, rceil, pre, keyed, nat, bf16, amax_out in VARIANTS:
         tk = max(block, rot, 2)
         c = dict(MODE=mode, BLOCK=block, NB=tk // block, TILE_R=64, ROT=rot, LOG_ROT=rot.bit_length() - 1 if rot else 0,
                  ROT_C=0.25 if rot == 16 else 0.17677669529663687, HAS_SIGNS=rot == 16, RCEIL=rceil, SR=sr,
-                 U_GIVEN=ug, KEYED=keyed, NAT=nat, PRESCALE=pre, WRITE_CODES=not bf16, WRITE_DQ=True, PACK=pack,
-                 BF16_FORM=bf16, **ELEM[elem])
+                 U_GIVEN=ug, KEYED=keyed, NAT=nat, PRESCALE=pre, TARGET=ELEM[elem]["MAXN"] if mode == 2 else 1.0,
+                 MARGIN=2.0 if mode == 2 else 1.0, AMAX_OUT=amax_out, WRITE_CODES=not bf16, WRITE_DQ=True,
+                 PACK=pack, BF16_FORM=bf16, **ELEM[elem])
         ptx = build(tq._quant_kernel, c, arch, {**PTRS, "dq_ptr": "*bf16"} if bf16 else PTRS).asm["ptx"]
         assert "div.full" not in ptx and "div.approx.f32" not in ptx, "approximate division"
         assert not re.search(r"fma\.rn\.f32", ptx), "FMA contraction"
-        if rceil or pre or mode == 1:
+        if rceil or pre or mode in (1, 2):  # the tensor-level scales are IEEE divisions too
             assert "div.rn.f32" in ptx
     build(tq._amax_kernel, dict(TILE_R=64, TK=32, ROT=32, LOG_ROT=5, ROT_C=0.17677669529663687,
                                 HAS_SIGNS=False), arch)
@@ -66,14 +67,15 @@ for arch in (90, 100):
     ct = {"BT": 64, "BH": 64}
     for tag, mode, block, elem, sr, rceil in (("A_", 0, 32, "e2m1", True, True), ("B_", 1, 16, "e2m1", False, False)):
         ct.update({tag + k: v for k, v in dict(MODE=mode, BLOCK=block, NB=64 // block, TILE_R=64, RCEIL=rceil, SR=sr,
-                   U_GIVEN=False, KEYED=sr, NAT=0 if tag == "A_" else 1, PRESCALE=False, WRITE_CODES=False,
+                   U_GIVEN=False, KEYED=sr, NAT=0 if tag == "A_" else 1, PRESCALE=False, TARGET=1.0, MARGIN=1.0,
+                   AMAX_OUT=False, WRITE_CODES=False,
                    WRITE_DQ=True, PACK=False, BF16_FORM=True, **ELEM[elem]).items()})
     ptrs = {n: t for n, t in (("x_ptr", "*bf16"), ("a_dq", "*bf16"), ("b_dq", "*bf16"), ("a_scales", "*u8"),
                               ("b_scales", "*u8"), ("a_codes", "*u8"), ("b_codes", "*u8"), ("a_srp", "*i64"),
-                              ("b_srp", "*i64"), ("a_seed", "*i64"), ("b_seed", "*i64"), ("a_aux", "*i32"),
-                              ("b_aux", "*i32"))}
+                              ("b_srp", "*i64"), ("a_seed", "*i64"), ("b_seed", "*i64"), ("a_aux", "*i64"),
+                              ("b_aux", "*i64"))}
     fn = tq._cast_transpose_kernel
-    sig = {n: "constexpr" if n in ct else ptrs.get(n, "*fp32" if n[2:] in ("u", "gs") else "i64")
+    sig = {n: "constexpr" if n in ct else ptrs.get(n, "*fp32" if n[2:] in ("u", "gs", "ts") else "i64")
            for n in fn.arg_names}
     sig.update({n: "fp32" for n in ("a_prescale", "b_prescale")})
     ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=ct), target=GPUTarget("cuda", arch, 32),
