@@ -258,7 +258,8 @@ def run(args) -> dict:
             args.out, session.loaded.model, batch, vocab_size=session.loaded.cfg.vocab_size,
             rollout=args.rollout_precision, rollout_rules=args.rollout_precision_rule, trainer_precision=None,
             trainer_label=label, temperature=args.temperature if args.temperature > 0 else 1.0,
-            truncated=args.temperature > 0 and (args.top_k > 0 or args.top_p < 1.0), attribution=args.attribution)
+            truncated=args.temperature > 0 and (args.top_k > 0 or args.top_p < 1.0), attribution=args.attribution,
+            top_k=args.top_k if args.temperature > 0 else 0, top_p=args.top_p if args.temperature > 0 else 1.0)
         summary["mismatch"] = {k: mm["overall"][k] for k in ("rollout_corr/kl", "rollout_corr/k3_kl",
                                                               "rollout_corr/log_ppl_abs_diff")}
     if batch.response_mask.any() and session.engine.recorded:  # the trainer against the rollout's codes

@@ -11,9 +11,11 @@ calls :func:`write_generation_mismatch`, which
   3. appends the attribution of the rollout's own mismatch to weights / activations / KV-cache
      (``pretrain.rl.attribution``; ``attribution.png``), unless ``attribution=False``.
 
-The trainer scores at the sampling ``temperature`` (as verl's recompute does); a rollout sampled
-with top-k / top-p has log-probs of the truncated distribution, which no trainer recomputes, so
-those runs' metrics include the truncation (say so with ``truncated=True``; the report notes it).
+The trainer scores at the sampling ``temperature`` and, given the sampling's ``top_k`` / ``top_p``,
+the same truncated, renormalised distribution the engine's log-probs are of (``pretrain.rl.score``;
+a sampled token outside the trainer's own kept set leaves the metrics, its fraction noted). Without
+them (``truncated=True`` alone) the trainer scores the full distribution and the report says that
+the metrics include the truncation.
 
     info = write_generation_mismatch("out/", model, generation.rollout_batch(), vocab_size=V,
                                      rollout="mxfp4", trainer_precision="bf16")
@@ -66,26 +68,52 @@ def trainer_precision(model, precision: str | None, rules: Sequence[str] = (), k
 
 
 def trainer_logprobs(model, batch: RolloutBatch, *, vocab_size: int, precision: str | None = "bf16",
-                     rules: Sequence[str] = (), kv_quant: str | None = None, temperature: float = 1.0) -> torch.Tensor:
+                     rules: Sequence[str] = (), kv_quant: str | None = None, temperature: float = 1.0,
+                     top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """The trainer's recomputed log-probs ``[b, R]`` of the batch's response tokens (``precision``
-    None: under the model's own plan)."""
+    None: under the model's own plan), of the sampling distribution (``top_k`` / ``top_p``: its
+    truncation; ``-inf`` for a token outside the trainer's kept set)."""
     with trainer_precision(model, precision, rules, kv_quant):
-        return score_logprobs(model, batch, vocab_size=vocab_size, temperature=temperature)
+        if not (top_k or top_p < 1):
+            return score_logprobs(model, batch, vocab_size=vocab_size, temperature=temperature)
+        from pretrain.rl.attribution import sequences
+        from pretrain.rl.score import policy_logprobs
+
+        device = next(model.parameters()).device
+        tokens, valid, slot = (x.to(device) for x in sequences(batch))
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                lp, _, _ = policy_logprobs(model, tokens, valid, slot, batch.response_ids.to(device),
+                                           vocab_size=vocab_size, temperature=temperature, top_k=top_k, top_p=top_p)
+        finally:
+            model.train(was_training)
+        return lp.cpu().masked_fill(~batch.response_mask, 0.0)
 
 
 def write_generation_mismatch(out_dir: str, model, batch: RolloutBatch, *, vocab_size: int, rollout: str,
                               rollout_rules: Sequence[str] = (), trainer_precision: str | None = "bf16",
                               trainer_rules: Sequence[str] = (), trainer_label: str | None = None,
                               kv_quant: str | None = None, temperature: float = 1.0, truncated: bool = False,
+                              top_k: int = 0, top_p: float = 1.0,
                               attribution: bool = True, groups: dict[str, list[int]] | None = None) -> dict:
     """Write ``out_dir/mismatch.md`` (+ plots) for ``batch`` sampled under ``rollout``; returns
     ``{"overall", "by_position", "md", "plot", "attribution"}`` (module docstring).
     ``trainer_precision`` None: the trainer is the model under the plan it already has (say which
     in ``trainer_label``)."""
     train_lp = trainer_logprobs(model, batch, vocab_size=vocab_size, precision=trainer_precision,
-                                rules=trainer_rules, kv_quant=kv_quant, temperature=temperature)
+                                rules=trainer_rules, kv_quant=kv_quant, temperature=temperature, top_k=top_k,
+                                top_p=top_p)
     extra, attr = [], None
-    if truncated:
+    mask = batch.response_mask & torch.isfinite(train_lp)
+    if top_k or top_p < 1:
+        outside = int((batch.response_mask & ~mask).sum())
+        extra.append(f"The rollout sampled with top-k {top_k} / top-p {top_p:g}; the trainer scored the same "
+                     f"truncated distribution ({outside} of {int(batch.response_mask.sum())} sampled tokens outside "
+                     f"the trainer's own kept set, left out).")
+        train_lp = train_lp.masked_fill(~mask, 0.0)
+    elif truncated:
         extra.append("Note: the rollout sampled with top-k / top-p; its log-probs are of the truncated "
                      "distribution, the trainer's of the full one, so the metrics include the truncation.")
     if attribution:
@@ -96,6 +124,6 @@ def write_generation_mismatch(out_dir: str, model, batch: RolloutBatch, *, vocab
                   "![attribution](attribution.png)"]
     trainer = (trainer_label or trainer_precision or "the model's own plan") + (
         f" (+{', '.join(trainer_rules)})" if trainer_rules else "") + (f", --kv-quant {kv_quant}" if kv_quant else "")
-    out = write_mismatch_report(out_dir, train_lp, batch.rollout_logprobs, batch.response_mask,
+    out = write_mismatch_report(out_dir, train_lp, batch.rollout_logprobs, mask,
                                 rollout=rollout, trainer=trainer, extra="\n".join(extra))
     return {**out, "attribution": attr}

@@ -64,3 +64,21 @@ def test_generate_cli_writes_mismatch_md(model, tmp_path):  # noqa: F811
     text = (tmp_path / "out" / "mismatch.md").read_text()
     assert "rollout mxfp4_w4a16 vs trainer --precision bf16" in text and "2 sequences, 8 response tokens" in text
     assert "Where the rollout's mismatch comes from" not in text  # --attribution not given
+
+
+@pytest.mark.parametrize("top_k, top_p", [(5, 1.0), (0, 0.8)])
+def test_truncated_sampling_is_scored_as_sampled(model, top_k, top_p, tmp_path):  # noqa: F811
+    """Top-k / top-p samples: the trainer under the rollout's own plan gives the engine's log-probs of
+    the truncated distribution (the full distribution's would differ by the truncation)."""
+    engine = Engine(model, vocab_size=V, rollout=RolloutModel(model, _plan(model, "mxfp4_w4a16", ())))
+    batch = engine.generate(PROMPTS, SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, max_new_tokens=8,
+                                                    seed=2)).rollout_batch()
+    kw = {"vocab_size": V, "precision": "base=bf16,fprop=bf16@mxfp4", "kv_quant": "bf16"}
+    m = batch.response_mask
+    same = trainer_logprobs(model, batch, top_k=top_k, top_p=top_p, **kw)
+    assert (same - batch.rollout_logprobs)[m].abs().max() < 1e-4
+    assert (trainer_logprobs(model, batch, **kw) - batch.rollout_logprobs)[m].abs().max() > 1e-2
+    write_generation_mismatch(str(tmp_path), model, batch, vocab_size=V, rollout="mxfp4_w4a16",
+                              trainer_precision="base=bf16,fprop=bf16@mxfp4", kv_quant="bf16", top_k=top_k,
+                              top_p=top_p, attribution=False)
+    assert "the trainer scored the same truncated distribution" in (tmp_path / "mismatch.md").read_text()
