@@ -67,7 +67,7 @@ from pretrain.rl import checkpoint as rl_checkpoint
 from pretrain.rl import rollout as rollout_side
 from pretrain.rl.checkpoint import SUMMARY_FILE
 from pretrain.rl.score import policy_logprobs, score
-from pretrain.rl.update import update
+from pretrain.rl.update import _dp_group, _dp_sum_, update
 from pretrain.runtime import is_rank0, rank0_print
 from pretrain.train import build_model, init_distributed
 
@@ -242,19 +242,6 @@ class RLTrainer:
             )
             if self.tb is not None:
                 self.tb.flush()
-
-
-def _dp_group():
-    from megatron.core import parallel_state
-
-    return parallel_state.get_data_parallel_group()
-
-
-def _dp_sum_(t: torch.Tensor) -> torch.Tensor:
-    group = _dp_group()
-    if group.size() > 1:
-        torch.distributed.all_reduce(t, group=group)
-    return t
 
 
 # ================================================================================================
