@@ -61,3 +61,19 @@ def test_the_model_flags_map_to_the_model_config_and_back():
         assert getattr(run.model, name) == v, name
     assert flag_name("num_query_groups") == "--num-query-groups"
     assert isinstance(run.model, ModelArgs)
+
+
+def test_the_training_loop_and_its_components_read_no_namespace():
+    import pretrain.train
+    import pretrain.trainer.checkpointer
+    import pretrain.trainer.metrics
+    import pretrain.trainer.phases
+    import pretrain.trainer.validator
+
+    for module in (pretrain.train, pretrain.trainer.checkpointer, pretrain.trainer.metrics, pretrain.trainer.phases,
+                   pretrain.trainer.validator):
+        tree = ast.parse(inspect.getsource(module))
+        reads = [f"{module.__name__}:{n.lineno}" for n in ast.walk(tree)
+                 if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and n.value.attr == "args"
+                 or isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "args"]
+        assert reads == []
