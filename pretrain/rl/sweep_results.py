@@ -105,23 +105,27 @@ def summarize_rl(rows: list[dict], baseline: str | None, margin: float | None = 
     """One row per grid point (treatment x hyper-parameters): means and spreads over seeds, and the
     accuracy and reward-AUC gaps to the baseline at the same hyper-parameters, paired by seed; the
     verdict Holm-adjusted over the rows (``margin``: the sweep's ``equivalence_margin``, an accuracy
-    gap). A diverged seed's gap is kept as NaN (the verdict reports it); a run with no result yet
-    (failed, pending) is no pair."""
+    gap). A diverged seed's gap is kept as NaN (the verdict reports it); a run with no final result
+    (failed, pending, or still running: its TensorBoard holds a partial curve) is no pair, and the
+    row says how many of each."""
+    finished = ("done", "diverged")
     groups: dict[str, list[dict]] = {}
     for row in rows:
         groups.setdefault(row["_run"].group, []).append(row)
     out = []
-    for group, members in groups.items():
-        run = members[0]["_run"]
+    for group, every in groups.items():
+        run = every[0]["_run"]
+        members = [m for m in every if m["status"] in finished]
         s = {"point": group, "label": run.label, **run.point, "seeds": len(members),
-             "failed": sum(1 for m in members if m["status"] not in ("done", "running"))}
+             "failed": sum(1 for m in every if m["status"] == "failed"),
+             "unfinished": sum(1 for m in every if m["status"] in ("pending", "running"))}
         for metric in SUMMARY_METRICS:
             s[metric], s[metric + "_sd"] = spread([m[metric] for m in members])
         for metric in GAPS:
             diffs = []
             for m in members:
                 b = next((r for r in rows if r["_run"].label == baseline and r["_run"].seed == m["_run"].seed
-                          and r["_run"].point == m["_run"].point), None)
+                          and r["_run"].point == m["_run"].point and r["status"] in finished), None)
                 if b is None or (b["status"] == "diverged" and b is not m):
                     continue
                 d = m[metric] - b[metric]
@@ -173,7 +177,8 @@ def rl_summary_table(summary: list[dict], hyper: list[str]) -> list[str]:
     floor = next((s["k3_kl"] for s in summary if s["is_baseline"]), math.nan)  # the BF16-rollout baseline's
     for s in summary:
         mib = s["memory_bytes"] / 2**20 if math.isfinite(s["memory_bytes"]) else math.nan
-        verdict = s["verdict"] + (f"; {s['failed']} failed" if s["failed"] else "")
+        verdict = (s["verdict"] + (f"; {s['failed']} failed" if s["failed"] else "")
+                   + (f"; {s['unfinished']} not finished" if s.get("unfinished") else ""))
         cells = [s["label"], *(str(s.get(h)) for h in hyper), str(s["seeds"]),
                  _msd(s["final_accuracy"], s["final_accuracy_sd"]), s["gap_final_accuracy"].text(3, seeds=True),
                  _msd(s["rollout_accuracy"], s["rollout_accuracy_sd"]), s["gap_accuracy_auc"].text(3),

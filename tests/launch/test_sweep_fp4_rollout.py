@@ -82,3 +82,24 @@ def test_smoke_sweep_of_the_sweep_files_treatments(tmp_path):
     for label in ("bf16", "nvfp4", "nvfp4_kvlast_fp8"):
         assert f"| {label} | 1 |" in md
     assert "; 1 failed" not in md
+
+
+def test_unfinished_runs_are_no_pair_and_are_reported(tmp_path):
+    """A resumable sweep stopped midway: a running run's partial curve and a pending run give no pair
+    (before: the running run's last evaluation entered the gap and a pending run read "failed")."""
+    out = tmp_path / "sweep"
+    runs = [sweep.Run(f"{label}__seed-{s}", "", [], label, {}, s, "", "rl")
+            for label in ("bf16", "fp4") for s in (0, 1, 2, 3)]
+    finals = {"bf16": [0.50, 0.60, 0.55, 0.50], "fp4": [0.40, 0.52, 0.44, 0.90]}
+    for r in runs:
+        if r.label == "fp4" and r.seed == 3:
+            continue  # pending: nothing written
+        _write_rl_run(out, r, [0.2, 0.4, 0.6], [0.3, finals[r.label][r.seed]], 1e-6)
+    running = next(r for r in runs if r.label == "fp4" and r.seed == 2)
+    sweep.write_status(out / "runs" / running.name, state="running")
+    rows = sweep.collect(out, runs, "bf16")
+    fp4 = {s["label"]: s for s in summarize_rl(rows, "bf16")}["fp4"]
+    assert fp4["seeds"] == 2 and fp4["gap_final_accuracy"].n == 2 and fp4["failed"] == 0 and fp4["unfinished"] == 2
+    assert fp4["gap_final_accuracy"].mean == pytest.approx(-0.09)  # seeds 0 and 1 only: -0.10, -0.08
+    md = (out / "results.md").read_text()
+    assert "; 2 not finished |" in md and "failed" not in md.split("## Runs")[0]
