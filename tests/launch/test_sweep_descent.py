@@ -119,3 +119,13 @@ def test_the_noise_free_sweep_files_expand():
         assert len(runs) == n and s["baseline"] == baseline and s["descent_steps"]
         flags = runs[0].flags
         assert flags[flags.index("--fixed-train-set") + 1] == flags[flags.index("--global-batch-size") + 1]
+
+
+def test_the_study_sweep_files_are_valid_pretrain_runs():
+    """Every run of the noise-free and long-horizon sweep files passes pretrain.py's own validation."""
+    from pretrain.arguments import parse_args, validate_args
+
+    for name in ("mxfp4_fullbatch_cpu", "mxfp4_ladder_fullbatch_cpu", "mxfp4_longhorizon_cpu"):
+        path = str(ROOT / "configs" / "sweeps" / f"{name}.yaml")
+        for r in sweep.expand_runs(sweep.load_sweep(path), path):
+            validate_args(parse_args([*r.flags, "--precision", r.precision]), world_size=1, cuda=False)
