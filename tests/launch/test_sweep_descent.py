@@ -2,7 +2,6 @@
 during the descent, excess loss, Holm-adjusted verdicts and the published figures beside them."""
 
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +9,8 @@ import pytest
 from torch.utils.tensorboard import SummaryWriter
 
 from pretrain.evaluation.extra_tokens import descent_gap, interpolate
+
+from .test_sweep_report import assert_refused_in_one_line
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "launch"))
@@ -102,13 +103,7 @@ def test_sweep_prints_the_descent_table_with_holm_verdicts_and_published_figures
     ("contrasts: [[fp8, mxfp4]]\ngrid:\n  presets: [fp8, mxfp4]\n", "give descent_steps too"),
 ])
 def test_bad_descent_and_published_keys_fail_with_one_line(tmp_path, text, message):
-    f = tmp_path / "bad.yaml"
-    f.write_text(text)
-    r = subprocess.run([sys.executable, str(ROOT / "launch/sweep.py"), str(f), "--out", str(tmp_path / "o")],
-                       check=False, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2
-    err = r.stderr.strip().splitlines()
-    assert len(err) == 1 and message in err[0]
+    assert_refused_in_one_line(tmp_path, text, message)
 
 
 def test_the_noise_free_sweep_files_expand():

@@ -55,6 +55,11 @@ def test_matrix_grid_expands_every_combination(tmp_path):
     ("grid:\n  lr: [0.1]\n", "the grid names no precision"),
 ])
 def test_bad_sweep_files_fail_with_one_line(tmp_path, text, message):
+    assert_refused_in_one_line(tmp_path, text, message)
+
+
+def assert_refused_in_one_line(tmp_path, text: str, message: str) -> None:
+    """launch/sweep.py on a sweep file of ``text``: exit 2 and one stderr line containing ``message``."""
     f = tmp_path / "bad.yaml"
     f.write_text(text)
     r = subprocess.run([sys.executable, str(ROOT / "launch/sweep.py"), str(f), "--out", str(tmp_path / "o")],
