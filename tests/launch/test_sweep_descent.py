@@ -107,7 +107,9 @@ def test_bad_descent_and_published_keys_fail_with_one_line(tmp_path, text, messa
 
 
 def test_the_noise_free_sweep_files_expand():
-    for name, baseline, n in (("mxfp4_fullbatch_cpu", "wgrad_exact", 36), ("mxfp4_ladder_fullbatch_cpu", "fp8", 21)):
+    for name, baseline, n in (("mxfp4_fullbatch_cpu", "wgrad_exact", 36), ("mxfp4_ladder_fullbatch_cpu", "fp8", 21),
+                              ("mxfp4_dgrad_fullbatch_cpu", "dgrad_exact", 18),
+                              ("mxfp4_fprop_fullbatch_cpu", "fprop_exact", 18)):
         path = str(ROOT / "configs" / "sweeps" / f"{name}.yaml")
         s = sweep.load_sweep(path)
         runs = sweep.expand_runs(s, path)
@@ -120,7 +122,29 @@ def test_the_study_sweep_files_are_valid_pretrain_runs():
     """Every run of the noise-free and long-horizon sweep files passes pretrain.py's own validation."""
     from pretrain.arguments import parse_args, validate_args
 
-    for name in ("mxfp4_fullbatch_cpu", "mxfp4_ladder_fullbatch_cpu", "mxfp4_longhorizon_cpu"):
+    for name in ("mxfp4_fullbatch_cpu", "mxfp4_ladder_fullbatch_cpu", "mxfp4_longhorizon_cpu",
+                 "mxfp4_dgrad_fullbatch_cpu", "mxfp4_fprop_fullbatch_cpu"):
         path = str(ROOT / "configs" / "sweeps" / f"{name}.yaml")
         for r in sweep.expand_runs(sweep.load_sweep(path), path):
             validate_args(parse_args([*r.flags, "--precision", r.precision]), world_size=1, cuda=False)
+
+
+@pytest.mark.parametrize("gemm", ["wgrad", "dgrad", "fprop"])
+def test_the_gemm_isolated_sweep_files_change_only_their_gemm(gemm):
+    """In each GEMM-isolated study every treatment's plan equals the baseline's in the other two GEMMs
+    (MXFP4) and differs from it in its own GEMM; the treatments are the study's six roundings."""
+    from precision.recipe import Gemm, LinearPrecision
+
+    name = "mxfp4_fullbatch_cpu" if gemm == "wgrad" else f"mxfp4_{gemm}_fullbatch_cpu"
+    path = str(ROOT / "configs" / "sweeps" / f"{name}.yaml")
+    s = sweep.load_sweep(path)
+    plans = {r.label: LinearPrecision.parse(r.precision) for r in sweep.expand_runs(s, path)}
+    base = plans[s["baseline"]]
+    assert {label.split("_", 1)[1] for label in plans} == {"exact", "fp8", "mxfp4", "had16", "rht16", "sr"}
+    mxfp4 = LinearPrecision.parse("base=mxfp4")
+    for label, plan in plans.items():
+        for g in Gemm:
+            if g.value == gemm:
+                assert (getattr(plan, g.value) == getattr(base, g.value)) == (label == s["baseline"]), label
+            else:
+                assert getattr(plan, g.value) == getattr(base, g.value) == getattr(mxfp4, g.value), (label, g)
