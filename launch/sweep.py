@@ -16,7 +16,7 @@ A sweep file (YAML)::
     baseline: fp8               # the precision the gaps and "extra tokens" are measured against
     equivalence_margin: 0.01    # optional: a val-loss gap inside +-0.01 may be shown "equivalent" (TOST)
     descent_steps: [8, 40]      # optional: compare during the descent (noise-free, --fixed-train-set runs)
-    contrasts: [[wgrad_hadamard, mxfp4]]   # optional, with descent_steps: a against b, in the same table
+    contrasts: [[wgrad_hadamard, mxfp4]]   # optional: a against b, paired by seed, in the same tables
     published: {source: arXiv 2605.09825, extra_tokens: {mxfp4: "+26-27%"}}  # printed beside it
     grid:
       presets: [bf16, fp8, mxfp4_fprop, wgrad_hadamard, {fprop_only: "base=bf16,fprop=mxfp4"}]
@@ -65,7 +65,11 @@ baseline's loss at s, in % more than s, averaged over the window, beside the mea
 (``--fixed-train-set N`` with ``--global-batch-size N``: every step's gradient is exact), where runs
 end memorizing the set and final losses no longer tell them apart; ``contrasts`` adds paired
 comparisons between two treatments to that table, and every column's verdicts are Holm-adjusted over
-all its comparisons (``OUT/descent.csv``; ``configs/sweeps/mxfp4_fullbatch_cpu.yaml`` is one).
+all its comparisons (``OUT/descent.csv``; ``configs/sweeps/mxfp4_fullbatch_cpu.yaml`` is one). With
+or without ``descent_steps``, ``contrasts`` also add rows ``a vs b`` to the end-of-run table (final
+validation loss gap, extra tokens; same seed and hyper-parameters), inside its Holm adjustment
+(``configs/sweeps/mxfp4_longhorizon_cpu.yaml`` asks whether the Hadamard recovers MXFP4 Wgrad's cost
+this way).
 
 "Extra tokens" is the study's metric (``pretrain.evaluation.extra_tokens``): how many more training
 tokens a precision needs than the baseline for the same loss, in percent, both ways -- for a worse

@@ -36,7 +36,8 @@ def collect(out: Path, runs: list[Run], baseline: str | None, window: int = 10,
     rows. ``margin``: the sweep's ``equivalence_margin`` (none: no equivalence verdicts);
     ``descent``: its ``descent_steps`` (the runs compared during the descent, ``descent.csv`` and a
     table first in results.md); ``published``: its ``published`` figures, printed beside that table;
-    ``contrasts``: its ``[a, b]`` pairs, compared in that table too (``a`` against ``b``)."""
+    ``contrasts``: its ``[a, b]`` pairs, compared in the end-of-run table (and the descent's) too
+    (``a`` against ``b``), inside the same Holm adjustment."""
     if runs and runs[0].script == "rl":
         return collect_rl(out, runs, baseline, margin)
     rows = []
@@ -65,18 +66,19 @@ def collect(out: Path, runs: list[Run], baseline: str | None, window: int = 10,
         row["descent_extra_pct"] = d.extra.pct if d else float("nan")
         row["descent_extra_censored"] = d.extra.censored if d else False
         row["descent_excess_loss"] = d.excess_loss if d else float("nan")
-    summary = summarize(rows, baseline, margin=margin)
+    summary = summarize(rows, baseline, margin=margin, contrasts=contrasts)
+    grid_summary = [s for s in summary if s["against"] == baseline]
     descent_rows = summarize_descent(rows, baseline, descent, contrasts) if descent else []
     tuned = []
     hyper = sorted({k for r in runs for k in r.point})
     if hyper:
-        best = best_points(summary)
+        best = best_points(grid_summary)
         if baseline in best:
             base_runs = {m["_run"].seed: m for m in rows if m["_run"].group == best[baseline]["point"]}
             groups = [best[p]["point"] for p in dict.fromkeys(r.label for r in runs) if p in best]
             tuned = summarize(rows, baseline, groups, base_runs, margin=margin)
     write_tables(out, rows, summary, tuned, baseline, hyper, descent_rows, published)
-    write_plots(out, rows, summary, tuned or summary, baseline, base_runs if tuned else None)
+    write_plots(out, rows, grid_summary, tuned or grid_summary, baseline, base_runs if tuned else None)
     return rows
 
 
@@ -211,9 +213,12 @@ def write_tables(out: Path, rows: list[dict], summary: list[dict], tuned: list[d
         for s in summary:
             w.writerow(_summary_csv_row(s, hyper))
     seeds = max((s["seeds"] for s in summary), default=0)
-    lines = [(f"# Sweep results ({len(rows)} runs, {len(summary)} grid points x {seeds} seed(s), "
+    points = sum(1 for s in summary if s["against"] == baseline)
+    lines = [(f"# Sweep results ({len(rows)} runs, {points} grid points x {seeds} seed(s), "
               f"baseline: {baseline or 'none'})"), "",
-             "## Per grid point (gaps paired by seed against the baseline at the same hyper-parameters)", ""]
+             ("## Per grid point (gaps paired by seed against the baseline at the same hyper-parameters"
+              + (", then each contrast 'a vs b' (a against b)" if any(s["against"] != baseline for s in summary)
+                 else "") + ")"), ""]
     if descent:
         first, last = descent[0]["window"]
         at = next((s["baseline_loss_at"] for s in descent if s["is_baseline"]), [float("nan")] * 2)
@@ -230,7 +235,8 @@ def write_tables(out: Path, rows: list[dict], summary: list[dict], tuned: list[d
                        "column's comparisons. Published figures are the end-of-training extra tokens of the "
                        "source, not a descent measurement."),
                   "", ("## Per grid point at the end (gaps paired by seed against the baseline at the same "
-                       "hyper-parameters)"), ""]
+                       "hyper-parameters" + (", then each contrast 'a vs b' (a against b)" if any(
+                           s["against"] != baseline for s in summary) else "") + ")"), ""]
     lines += summary_table(summary, hyper)
     if tuned:
         lines += ["", (f"## Each precision at its own best {', '.join(hyper)} (lowest mean val loss), "

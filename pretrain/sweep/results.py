@@ -161,9 +161,13 @@ def pair_numbers(row: dict, base: dict) -> dict:
 
 
 def summarize(rows: list[dict], baseline: str | None, groups: list[str] | None = None,
-              base_group: dict[int | None, dict] | None = None, margin: float | None = None) -> list[dict]:
+              base_group: dict[int | None, dict] | None = None, margin: float | None = None,
+              contrasts: list[list[str]] | None = None) -> list[dict]:
     """One row per grid point: mean and spread over seeds, paired gaps with 95% intervals, verdicts
-    Holm-adjusted over the rows (``margin``: the sweep's ``equivalence_margin``).
+    Holm-adjusted over the rows (``margin``: the sweep's ``equivalence_margin``); then one row per
+    contrast ``[a, b]`` of the sweep (``a`` against ``b``, same seed and hyper-parameters), whose
+    comparisons count in the same Holm adjustment. Each row's ``against`` names what it is compared
+    with.
 
     ``base_group`` maps a seed to the baseline run that seed's runs are paired with (default: the
     baseline at the same hyper-parameters). A diverged seed's gap is NaN and kept (the verdict
@@ -171,53 +175,65 @@ def summarize(rows: list[dict], baseline: str | None, groups: list[str] | None =
     by_group: dict[str, list[dict]] = {}
     for row in rows:
         by_group.setdefault(row["_run"].group, []).append(row)
-    out = []
-    for group in groups or list(by_group):
-        members = by_group[group]
-        run = members[0]["_run"]
-        val_mean, val_sd = spread([m["final_val_loss"] for m in members])
-        train_mean, train_sd = spread([m["final_train_loss"] for m in members])
-        gaps, extras, fits, ses = [], [], [], []
-        for m in members:
-            if base_group is not None:
-                b = base_group.get(m["_run"].seed)
-            else:
-                b = next((r for r in rows if r["_run"].label == baseline and r["_run"].seed == m["_run"].seed
-                          and r["_run"].point == m["_run"].point), None)
-            if b is None or (_diverged(b) and b is not m):
-                continue
-            p = pair_numbers(m, b)
-            if not _diverged(m) and not math.isfinite(p["gap_val_loss"]):
-                continue  # no validation loss yet (a pending or failed run): no pair
-            gaps.append(p["gap_val_loss"])
-            extras.append(p["_extra"])
-            fits.append(p["_extra_fit"])
-            ses.append(p["gap_val_batch_se"])
-        gap = paired_interval(gaps)
-        n_diverged = sum(1 for m in members if _diverged(m))
-        extra = summarize_extra(extras, n_diverged)
-        fit = summarize_extra(fits, n_diverged)
-        ses = [s for s in ses if math.isfinite(s)]
-        out.append({
-            "point": group, "precision": run.label, **{k: v for k, v in run.point.items()},
-            "seeds": len(members),
-            "val_loss_mean": val_mean, "val_loss_sd": val_sd,
-            "train_loss_mean": train_mean, "train_loss_sd": train_sd,
-            "val_loss_sem": spread([m["val_loss_sem"] for m in members])[0],
-            "gap_val": gap,
-            "gap_val_batch_se": sum(ses) / len(ses) if ses else float("nan"),
-            "extra_tokens": extra.interval, "_extra": extra,
-            "extra_not_reached": extra.censored,
-            "extra_tokens_fit": fit.interval, "_extra_fit": fit,
-            "extra_tokens_fit_extrapolated": fit.extrapolated,
-            "diverged": n_diverged,
-            "is_baseline": run.label == baseline,
-            "verdict_unadjusted": verdict(gap, run.label == baseline, margin),
-        })
+    out = [_summary_row(group, by_group[group], rows, baseline, baseline, base_group, margin)
+           for group in groups or list(by_group)]
+    for a, b in contrasts or []:
+        out += [_summary_row(group, members, rows, b, baseline, None, margin)
+                for group, members in by_group.items() if members[0]["_run"].label == a]
     for s, v in zip(out, table_verdicts([s["gap_val"] for s in out], [s["is_baseline"] for s in out],
                                         margin=margin)):
         s["verdict"] = v
     return out
+
+
+def _summary_row(group: str, members: list[dict], rows: list[dict], against: str | None, baseline: str | None,
+                 base_group: dict[int | None, dict] | None, margin: float | None) -> dict:
+    """One grid point's runs paired by seed with ``against``'s runs (``base_group``'s, when given)."""
+    run = members[0]["_run"]
+    val_mean, val_sd = spread([m["final_val_loss"] for m in members])
+    train_mean, train_sd = spread([m["final_train_loss"] for m in members])
+    gaps, extras, fits, ses = [], [], [], []
+    for m in members:
+        if base_group is not None:
+            b = base_group.get(m["_run"].seed)
+        else:
+            b = next((r for r in rows if r["_run"].label == against and r["_run"].seed == m["_run"].seed
+                      and r["_run"].point == m["_run"].point), None)
+        if b is None or (_diverged(b) and b is not m):
+            continue
+        p = pair_numbers(m, b)
+        if not _diverged(m) and not math.isfinite(p["gap_val_loss"]):
+            continue  # no validation loss yet (a pending or failed run): no pair
+        gaps.append(p["gap_val_loss"])
+        extras.append(p["_extra"])
+        fits.append(p["_extra_fit"])
+        ses.append(p["gap_val_batch_se"])
+    gap = paired_interval(gaps)
+    n_diverged = sum(1 for m in members if _diverged(m))
+    extra = summarize_extra(extras, n_diverged)
+    fit = summarize_extra(fits, n_diverged)
+    ses = [s for s in ses if math.isfinite(s)]
+    is_base = run.label == against
+    contrast = against != baseline
+    return {
+        "point": f"{group} vs {against}" if contrast else group,
+        "precision": f"{run.label} vs {against}" if contrast else run.label,
+        **{k: v for k, v in run.point.items()},
+        "against": against,
+        "seeds": len(members),
+        "val_loss_mean": val_mean, "val_loss_sd": val_sd,
+        "train_loss_mean": train_mean, "train_loss_sd": train_sd,
+        "val_loss_sem": spread([m["val_loss_sem"] for m in members])[0],
+        "gap_val": gap,
+        "gap_val_batch_se": sum(ses) / len(ses) if ses else float("nan"),
+        "extra_tokens": extra.interval, "_extra": extra,
+        "extra_not_reached": extra.censored,
+        "extra_tokens_fit": fit.interval, "_extra_fit": fit,
+        "extra_tokens_fit_extrapolated": fit.extrapolated,
+        "diverged": n_diverged,
+        "is_baseline": is_base,
+        "verdict_unadjusted": verdict(gap, is_base, margin),
+    }
 
 
 def descent_numbers(row: dict, base: dict, window: list[int]) -> DescentGap:
