@@ -13,6 +13,8 @@ A sweep file (YAML)::
       train-iters: 300
     nproc-per-node: 2           # processes per run (torchrun); default 1
     seeds: [0, 1, 2]            # every grid point is run once per seed (default: one run, base seed)
+                                # ('{seed}' in a base or grid value becomes the run's seed, e.g. a
+                                #  per-seed pretrained-checkpoint: runs/start/runs/start__seed-{seed}/checkpoints)
     baseline: fp8               # the precision the gaps and "extra tokens" are measured against
     equivalence_margin: 0.01    # optional: a val-loss gap inside +-0.01 may be shown "equivalent" (TOST)
     descent_steps: [8, 40]      # optional: compare during the descent (noise-free, --fixed-train-set runs)
@@ -91,8 +93,8 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a script: the repository root first on sys.path (launch/_paths.py)
+    import _paths  # noqa: F401
 
 # The sweep's names stay importable from here (``import sweep`` with launch/ on the path).
 from pretrain.sweep.plots import paired_gap_curve, write_plots

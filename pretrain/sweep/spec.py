@@ -143,6 +143,20 @@ def _flag(k: str, v) -> list[str]:
     return [f"--{k}", str(v)]
 
 
+def _per_seed(flags: list[str], seed: int | None, path: str) -> list[str]:
+    """``{seed}`` in a flag's value becomes the run's seed, e.g. a per-seed starting checkpoint
+    (``pretrained-checkpoint: runs/start/runs/start__seed-{seed}/checkpoints``)."""
+    if not any(SEED_FIELD in f for f in flags):
+        return flags
+    if seed is None:
+        bad = next(f for f in flags if SEED_FIELD in f)
+        raise SweepError(f"sweep file {path}: {bad!r} uses {SEED_FIELD}, which needs seeds: [...] in the sweep file")
+    return [f.replace(SEED_FIELD, str(seed)) for f in flags]
+
+
+SEED_FIELD = "{seed}"
+
+
 def _pretrain_options() -> set[str]:
     """Every long option ``launch/pretrain.py`` accepts, without the leading ``--``."""
     from pretrain.arguments import build_parser
@@ -297,7 +311,8 @@ def expand_runs(sweep: dict, path: str = "sweep") -> list[Run]:
             flags = base + point_flags + [x for k, v in point.items() for x in _flag(k, v)]
             for seed in seeds:
                 name = _point_name(label, point) + ("" if seed is None else f"__seed-{seed}")
-                runs.append(Run(name, precision, flags + ([] if seed is None else ["--seed", str(seed)]),
+                runs.append(Run(name, precision, _per_seed(flags, seed, path)
+                                + ([] if seed is None else ["--seed", str(seed)]),
                                 label, dict(point), seed, precision_flag, script))
     names = [r.name for r in runs]
     if len(set(names)) != len(names):

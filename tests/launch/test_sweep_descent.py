@@ -114,6 +114,20 @@ def test_contrasts_compare_at_the_end_without_a_descent_window(tmp_path):
     assert len(csv) == 5 and csv[4].startswith("had16 vs mxfp4,had16 vs mxfp4,3,")
 
 
+def test_seed_field_gives_each_seed_its_own_starting_checkpoint(tmp_path):
+    f = tmp_path / "s.yaml"
+    f.write_text("seeds: [3, 7]\nbase: {pretrained-checkpoint: 'start/s{seed}/checkpoints', lr: 1.0e-3}\n"
+                 "grid:\n  presets: [fp8, mxfp4]\n")
+    runs = sweep.expand_runs(sweep.load_sweep(str(f)), str(f))
+    for r in runs:
+        flags = r.flags
+        assert flags[flags.index("--pretrained-checkpoint") + 1] == f"start/s{r.seed}/checkpoints"
+        assert flags[flags.index("--seed") + 1] == str(r.seed) and "{seed}" not in " ".join(flags)
+    f.write_text("base: {pretrained-checkpoint: 'start/s{seed}'}\ngrid:\n  presets: [fp8]\n")
+    with pytest.raises(sweep.SweepError, match=r"uses \{seed\}, which needs seeds"):
+        sweep.expand_runs(sweep.load_sweep(str(f)), str(f))
+
+
 @pytest.mark.parametrize("text,message", [
     ("descent_steps: [40, 8]\ngrid:\n  presets: [fp8]\n", "descent_steps must be [first, last] training steps"),
     ("descent_steps: 8\ngrid:\n  presets: [fp8]\n", "descent_steps must be [first, last] training steps"),
@@ -132,13 +146,21 @@ def test_bad_descent_and_published_keys_fail_with_one_line(tmp_path, text, messa
 def test_the_noise_free_sweep_files_expand():
     for name, baseline, n in (("mxfp4_fullbatch_cpu", "wgrad_exact", 36), ("mxfp4_ladder_fullbatch_cpu", "fp8", 21),
                               ("mxfp4_dgrad_fullbatch_cpu", "dgrad_exact", 18),
-                              ("mxfp4_fprop_fullbatch_cpu", "fprop_exact", 18)):
+                              ("mxfp4_fprop_fullbatch_cpu", "fprop_exact", 18),
+                              ("mxfp4_continuation_cpu", "wgrad_exact", 24)):
         path = str(ROOT / "configs" / "sweeps" / f"{name}.yaml")
         s = sweep.load_sweep(path)
         runs = sweep.expand_runs(s, path)
         assert len(runs) == n and s["baseline"] == baseline and s["descent_steps"]
         flags = runs[0].flags
         assert flags[flags.index("--fixed-train-set") + 1] == flags[flags.index("--global-batch-size") + 1]
+    # the continuation's runs start from their own seed's stage-1 checkpoint, a run of the stage-1 sweep
+    path = str(ROOT / "configs" / "sweeps" / "mxfp4_continuation_start_cpu.yaml")
+    starts = {r.seed: r.name for r in sweep.expand_runs(sweep.load_sweep(path), path)}
+    path = str(ROOT / "configs" / "sweeps" / "mxfp4_continuation_cpu.yaml")
+    for r in sweep.expand_runs(sweep.load_sweep(path), path):
+        ckpt = r.flags[r.flags.index("--pretrained-checkpoint") + 1]
+        assert ckpt == f"runs/mxfp4_continuation_start_cpu/runs/{starts[r.seed]}/checkpoints"
 
 
 def test_the_study_sweep_files_are_valid_pretrain_runs():
@@ -152,13 +174,13 @@ def test_the_study_sweep_files_are_valid_pretrain_runs():
             validate_args(parse_args([*r.flags, "--precision", r.precision]), world_size=1, cuda=False)
 
 
-@pytest.mark.parametrize("gemm", ["wgrad", "dgrad", "fprop"])
-def test_the_gemm_isolated_sweep_files_change_only_their_gemm(gemm):
+@pytest.mark.parametrize("name,gemm", [("mxfp4_fullbatch_cpu", "wgrad"), ("mxfp4_dgrad_fullbatch_cpu", "dgrad"),
+                                       ("mxfp4_fprop_fullbatch_cpu", "fprop"), ("mxfp4_continuation_cpu", "wgrad")])
+def test_the_gemm_isolated_sweep_files_change_only_their_gemm(name, gemm):
     """In each GEMM-isolated study every treatment's plan equals the baseline's in the other two GEMMs
     (MXFP4) and differs from it in its own GEMM; the treatments are the study's six roundings."""
     from precision.recipe import Gemm, LinearPrecision
 
-    name = "mxfp4_fullbatch_cpu" if gemm == "wgrad" else f"mxfp4_{gemm}_fullbatch_cpu"
     path = str(ROOT / "configs" / "sweeps" / f"{name}.yaml")
     s = sweep.load_sweep(path)
     plans = {r.label: LinearPrecision.parse(r.precision) for r in sweep.expand_runs(s, path)}
