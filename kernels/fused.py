@@ -29,7 +29,7 @@ from precision.elements import round_to_grid
 from precision.formats import Scaling, get_format
 from precision.quantize import margin_amax
 from precision.recipe import OperandFormat
-from precision.rotation import rotate
+from precision.rotation import rotate, rotation_size
 from precision.srand import SRKey, uniforms_from_params
 from precision.tensorwise import scale_from_amax
 
@@ -158,15 +158,16 @@ def fake_quantize(
     axis: int = -1,
     amax: torch.Tensor | float | None = None,
     sr: SRKey | torch.Generator | None = None,
-    rotation: tuple[int, torch.Tensor | None] | None = None,
+    rotation: str = "none",
+    signs: torch.Tensor | None = None,
     impl: str = "auto",
 ) -> tuple[torch.Tensor, dict]:
     """(rotate ->) quantize -> dequantize ``x`` (float32 result), equal to the reference bit for bit.
 
     ``fmt``: an ``OperandFormat`` (rounding, scale rule, prescale, margin), or a format name for its
-    defaults (``OperandFormat(name)``). ``rotation=(n, signs)`` applies
-    ``precision.rotation.rotate(x, axis, n, signs)`` first, fused into the same kernel
-    (``x.shape[axis]`` must be a multiple of n). ``amax`` (a float or a 0-d float32 tensor, no host
+    defaults (``OperandFormat(name)``). ``rotation``: a ``GemmRecipe``'s rotation name, applied
+    first as ``precision.rotation.rotate(x, axis, n, signs)`` (``n`` its size, ``signs`` the +-1
+    vector of ``rht*``), fused into the same kernel (``x.shape[axis]`` must be a multiple of n). ``amax`` (a float or a 0-d float32 tensor, no host
     read): the amax of the tensor-level scale -- per-tensor formats and NVFP4's FP32 tensor scale --
     instead of this tensor's own. ``sr``: stochastic rounding's counter-based key
     (``precision.srand.SRKey``), or a ``torch.Generator`` (eager draws in the reference's order).
@@ -175,8 +176,9 @@ def fake_quantize(
     through the reference directly.
     """
     op = fmt if isinstance(fmt, OperandFormat) else OperandFormat(get_format(fmt).name)
+    rot_n = rotation_size(rotation)  # 1: no rotation
     if op.margin:  # scale by amax * 2^margin
-        amax = margin_amax(op, rotate(x, axis % x.dim(), *rotation) if rotation is not None else x, amax)
+        amax = margin_amax(op, rotate(x, axis % x.dim(), rot_n, signs) if rot_n > 1 else x, amax)
     spec, typed_rounding, prescale = op.format, op.rounding, op.prescale_factor
     generator, sr = (sr, None) if isinstance(sr, torch.Generator) else (None, sr)
     rounding, scale_rule = str(typed_rounding), str(op.scale_rule)  # plain strings: kernel cache keys
@@ -184,7 +186,6 @@ def fake_quantize(
     if impl not in ("auto", "compiled", "eager"):
         raise ValueError(f"impl: unknown {impl!r}; valid: auto, compiled, eager")
     compiled = impl == "compiled" or (impl == "auto" and compile_available())
-    rot_n, signs = rotation if rotation is not None else (1, None)
     if spec.kind == Scaling.NONE or spec.element is None:  # fp32, bf16, hif8: the reference itself
         if rot_n > 1:
             x = rotate(x, axis, rot_n, signs)

@@ -138,10 +138,10 @@ def _pad_axis(t: torch.Tensor, axis: int, multiple: int) -> torch.Tensor:
 
 def pad_and_rotation(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe, state: LayerQuantState,
                      call: int):
-    """``(a, b, rotation)``: with a rotation, both operands zero-padded along the contraction axis
-    to whole rotation groups *and* blocks (zeros change neither a block's amax nor the product) and
-    ``rotation = (n, signs)``; otherwise the operands unchanged and None. The only place padding
-    for rotations happens."""
+    """``(a, b, signs)``: with a rotation (``recipe.rotation``), both operands zero-padded along the
+    contraction axis to whole rotation groups *and* blocks (zeros change neither a block's amax nor
+    the product) and ``signs`` the +-1 vector of an ``rht*`` rotation (None for ``had*``);
+    otherwise the operands unchanged and None. The only place padding for rotations happens."""
     if recipe.rotation == "none":
         return a, b, None
     n = rotation_size(recipe.rotation)
@@ -151,7 +151,7 @@ def pad_and_rotation(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmReci
     signs = fixed_signs(recipe.rotation, a.device)  # rht16_te: TransformerEngine's constant
     if signs is None and recipe.rotation.startswith("rht"):
         signs = state.rotation_signs(g, n, call if recipe.rotation.endswith("resample") else None)
-    return a, b, (n, signs)
+    return a, b, signs
 
 
 def gemm_operands(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe, state: LayerQuantState, *,
@@ -169,10 +169,10 @@ def gemm_operands(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe,
     names = g.operands
     a_axis, b_axis = CONTRACTION_AXES[g]
     if state.observe_only:  # === QAT warm-up: a BF16 GEMM; delayed-scaling operands record their amax
-        pa, pb, rot = pad_and_rotation(g, a, b, recipe, state, call)
+        pa, pb, signs = pad_and_rotation(g, a, b, recipe, state, call)
         for t, axis, fmt, name in ((pa, a_axis, recipe.a, names[0]), (pb, b_axis, recipe.b, names[1])):
             if fmt.amax_algo != AmaxAlgo.CURRENT:
-                tr = rotate(t, axis, *rot) if rot is not None else t
+                tr = t if recipe.rotation == "none" else rotate(t, axis, rotation_size(recipe.rotation), signs)
                 state.observe_amax(g, name, fmt, whole_tensor_amax(tr, state, name))
         fmt_bf16 = OperandFormat("bf16")
         qa, qb = (QuantizedOperand(fmt_bf16, axis, values=t.to(torch.bfloat16).float()) for t, axis in
@@ -180,8 +180,9 @@ def gemm_operands(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe,
         if bf16:
             qa.bf16, qb.bf16 = a.to(torch.bfloat16).movedim(a_axis, -1), b.to(torch.bfloat16).movedim(b_axis, -1)
         return GemmOperands(qa, qb, call, True)
-    a, b, rot = pad_and_rotation(g, a, b, recipe, state, call)
-    kw = {"impl": impl, "rotation": rot, "codes": codes, "bf16": bf16, "shared_dy": shared_dy}
+    a, b, signs = pad_and_rotation(g, a, b, recipe, state, call)
+    kw = {"impl": impl, "rotation": recipe.rotation, "signs": signs, "codes": codes, "bf16": bf16,
+          "shared_dy": shared_dy}
     qa = quantize_operand(a, a_axis, recipe.a, g, names[0], state, call, **kw)
     qb = quantize_operand(b, b_axis, recipe.b, g, names[1], state, call, **kw)
     return GemmOperands(qa, qb, call)
@@ -218,12 +219,13 @@ def _resolve_impl(impl: str, t: torch.Tensor, fmt: OperandFormat | str, codes: b
 
 def quantize_operand(
     t: torch.Tensor, axis: int, fmt: OperandFormat, gemm: Gemm, operand: str, state: LayerQuantState,
-    call: int, *, impl: str = "auto", rotation: tuple[int, torch.Tensor | None] | None = None,
+    call: int, *, impl: str = "auto", rotation: str = "none", signs: torch.Tensor | None = None,
     codes: bool = False, bf16: bool = False, shared_dy=None,
 ) -> QuantizedOperand:
     """Steps 1-5 of the module docstring for one operand ``t`` (2-D, natural layout) along ``axis``.
 
-    ``rotation=(n, signs)``: rotate first (``t`` already padded by :func:`pad_and_rotation`); the
+    ``rotation`` (the recipe's, with ``signs`` from :func:`pad_and_rotation`, which padded ``t``
+    already): rotate first; the
     fused and Triton quantizers rotate inside their kernels (the same bits as ``rotate``) unless
     the rotated tensor is needed here (its amax under TP, the eager reference, a 2-D weight or
     telemetry). ``bf16=True``: quantized as
@@ -238,9 +240,9 @@ def quantize_operand(
     piece_axis, keys = _sr_keys(state, gemm, operand, call, t.shape) if sr else (None, [(0, None, None)])
     sharded = state.amax_group is not None and state.tp.shard_axis(operand) is not None
     needs_whole = _tensor_level(fmt) and (sharded or len(keys) > 1)  # one tensor-level amax for all runs
-    rotated = rotation is not None  # this GEMM's own rotated copy of t (a 2-D weight then is not kept)
-    if rotation is not None and (impl == "reference" or _no_rounding(fmt) or state.collect_stats or needs_whole):
-        t, rotation = rotate(t, axis, *rotation), None
+    rotated = rotation != "none"  # this GEMM's own rotated copy of t (a 2-D weight then is not kept)
+    if rotated and (impl == "reference" or _no_rounding(fmt) or state.collect_stats or needs_whole):
+        t, rotation, signs = rotate(t, axis, rotation_size(rotation), signs), "none", None
 
     # === 1. no rounding: fp32 / bf16
     if _no_rounding(fmt):
@@ -263,8 +265,8 @@ def quantize_operand(
 
     # === 2-D weight tiles: quantized once, the same codes serve Fprop and Dgrad (_block2d_weight)
     if fmt.block2d:
-        if rotation is not None:  # a rotation along this GEMM's contraction axis: this GEMM's own weight
-            t = rotate(t, axis, *rotation)
+        if rotation != "none":  # a rotation along this GEMM's contraction axis: this GEMM's own weight
+            t = rotate(t, axis, rotation_size(rotation), signs)
         return _block2d_weight(t, axis, fmt, gemm, operand, state, needs_whole, codes, want_bf16,
                                cacheable=not rotated)
 
@@ -284,7 +286,8 @@ def quantize_operand(
         parts = []
         for start, length, key in keys:
             piece = t if length is None or piece_axis is None else t.narrow(piece_axis, start, length)
-            parts.append(_quantize(piece, axis, fmt, impl, codes, key, scale_amax, rotation, state, bf16=want_bf16))
+            parts.append(_quantize(piece, axis, fmt, impl, codes, key, scale_amax, rotation, signs, state,
+                                   bf16=want_bf16))
         res = parts[0] if len(parts) == 1 else _concat(parts, piece_axis, axis)
 
     # === 5. telemetry (device tensors; numerics only on telemetry steps)
@@ -343,7 +346,7 @@ def _block2d_weight(t, axis, fmt, gemm, operand, state, needs_whole, codes, want
     return out
 
 
-def _quantize(t, axis, fmt, impl, codes, key, amax, rotation, state, bf16=False) -> dict:
+def _quantize(t, axis, fmt, impl, codes, key, amax, rotation, signs, state, bf16=False) -> dict:
     """One quantizer call. Returns values (natural layout; None unless asked or telemetry), and in
     hardware form codes/scales (contraction-last; FP4 packed two per byte unless ``bf16``), plus
     tensor_scale, amax, num_clipped. ``bf16`` on Triton: the kernel writes the BF16 form itself
@@ -356,9 +359,8 @@ def _quantize(t, axis, fmt, impl, codes, key, amax, rotation, state, bf16=False)
     if impl == "triton":
         from kernels.triton_quant import quantize_triton
 
-        if rotation is not None:  # fused into the kernel: diag(signs)·H_n in rotate()'s order
-            n, signs = rotation  # signed rotations are the 16-point rht16* (precision.rotation)
-            kw.update(rotation="rht16" if signs is not None else f"had{n}", signs=signs)
+        if rotation != "none":  # fused into the kernel: diag(signs)·H_n in rotate()'s order
+            kw.update(rotation=rotation, signs=signs)
         if bf16 and not spec.bf16_shift and not state.collect_stats:  # === BF16 operand, one pass
             r = quantize_triton(t, fmt, layout="contraction_last", codes=False, bf16_form=True, **kw)
             return {"bf16": r.bf16, "out_scale": r.out_scale, "scales": r.scales, "tensor_scale": r.tensor_scale,
@@ -377,7 +379,7 @@ def _quantize(t, axis, fmt, impl, codes, key, amax, rotation, state, bf16=False)
             out["codes"] = q.codes.movedim(axis, -1)
             out["scales"] = q.scales.movedim(axis, -1) if spec.blocked else q.scales
         return out
-    values, stats = fake_quantize(t, fmt, impl=impl, rotation=rotation, **kw)
+    values, stats = fake_quantize(t, fmt, impl=impl, rotation=rotation, signs=signs, **kw)
     return {"values": values, **stats}
 
 

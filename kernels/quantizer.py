@@ -75,7 +75,7 @@ def quantize(
     amax: torch.Tensor | float | None = None,
     sr: SRKey | torch.Generator | None = None,
     backend: str = "auto",
-    rotation: str | None = None,
+    rotation: str = "none",
     signs: torch.Tensor | None = None,
     rounding: str | None = None,
     scale_rule: str | None = None,
@@ -89,42 +89,35 @@ def quantize(
     one adapter, ``precision.quantize.operand_format``). ``amax`` and ``sr`` (an ``SRKey``, or a
     ``torch.Generator``; ``generator=`` is the older name) are as in ``precision.quantize``.
 
-    ``rotation``: ``None``, ``had16``, ``had32`` or ``rht16`` (with ``signs``, the +-1 vector): the
-    tensor is rotated by ``diag(signs)·H_n`` along ``axis`` first (whose length must be a multiple
-    of ``n``), and the codes are those of the rotated tensor.
+    ``rotation``: a ``GemmRecipe``'s rotation name (``none``, ``had16``, ``had32``, ``rht16*``; the
+    ``rht*`` ones with ``signs``, the +-1 vector): the tensor is rotated by ``diag(signs)·H_n``
+    along ``axis`` first (whose length must be a multiple of ``n``), and the codes are those of the
+    rotated tensor.
     """
     op = operand_format(fmt, rounding, scale_rule, prescale)
     op = OperandFormat(op.fmt, op.rounding, op.scale_rule, op.prescale)  # this entry point's settings
-    spec, rounding = op.format, op.rounding
-    fmt = spec.name
+    spec = op.format
     sr = generator if sr is None else sr  # an SRKey wins over a generator (the older behaviour)
-    generator, sr = (sr, None) if isinstance(sr, torch.Generator) else (None, sr)
     if backend not in QUANTIZE_BACKENDS:
         raise ValueError(f"quantize backend: unknown {backend!r}; valid: {', '.join(QUANTIZE_BACKENDS)}")
-    rot = None if rotation in (None, "none") else rotation
-    if rot is not None:
-        n = rotation_size(rot)
-        if rot.startswith("rht") and signs is None:
-            raise ValueError(f"rotation {rot}: needs signs= (a +-1 vector of length {n})")
+    n = rotation_size(rotation)
+    signs = signs if rotation.startswith("rht") else None
+    if rotation.startswith("rht") and signs is None:
+        raise ValueError(f"rotation {rotation}: needs signs= (a +-1 vector of length {n})")
     if backend == "auto":
         backend = "triton" if x.is_cuda and triton_missing_reason(x, op) is None else "reference"
     if backend == "reference":
-        if rot is not None:
-            x = rotate(x, axis % x.dim(), rotation_size(rot), signs if rot.startswith("rht") else None)
-        return reference_quantize(x, op, axis=axis, amax=amax, sr=sr if generator is None else generator)
+        if rotation != "none":
+            x = rotate(x, axis % x.dim(), n, signs)
+        return reference_quantize(x, op, axis=axis, amax=amax, sr=sr)
 
     why = triton_missing_reason(x, op)
     if why is not None:
         raise RuntimeError(f"kernels.quantize(backend='triton'): {why}")
     from kernels.triton_quant import quantize_triton  # optional dependency (pip install triton)
 
-    seed = None
-    if rounding.stochastic and sr is None:
-        dev = generator.device if generator is not None else x.device
-        seed = torch.randint(0, 2**62, (1,), generator=generator, device=dev, dtype=torch.int64)
-    r = quantize_triton(x, op, axis=axis, rotation=rot, signs=signs if rot is not None and rot.startswith("rht") else None,
-                        seed=seed, sr=sr, amax=amax)
-    kind = spec.kind
+    r = quantize_triton(x, op, axis=axis, amax=amax, sr=sr, rotation=rotation, signs=signs)
+    kind, fmt = spec.kind, spec.name
     if kind == Scaling.TENSOR:
         return QuantizedTensor(fmt, r.codes, r.scales, r.axis, num_clipped=r.num_clipped, amax=r.amax)
     if kind == Scaling.TWO_LEVEL:

@@ -35,10 +35,11 @@ twice.
 Stochastic rounding: ``u`` from ``tl.rand(seed, r * n_pad + k)`` inside the kernel (reproducible from
 the seed on this backend; a different stream from the reference's ``torch.rand``), or -- for hardware
 GEMM backends that must reproduce the emulated operands bit for bit -- uniforms drawn by the caller
-in the reference's order (``uniforms=``).
+in the reference's order (``sr=`` a tensor of them).
 
-Rotation (``rotation="had16" | "had32" | "rht16"``): ``diag(signs)·H_n`` applied to consecutive groups
-of ``n`` along the block axis before quantization, fused into the same pass, in the order of the
+Rotation (``rotation``: a ``GemmRecipe``'s rotation name, ``had16``, ``had32`` or ``rht16*``):
+``diag(signs)·H_n`` applied to consecutive groups of ``n`` along the block axis before quantization,
+fused into the same pass, in the order of the
 specification ``precision.rotation.rotate``: the signs (exact), the top-bit-first Walsh-Hadamard
 butterflies ``(a, b) -> (a + b, a - b)`` (pairs ``(i, i + n/2)`` first), then one multiplication by
 ``fl(1/sqrt(n))``. Every step is one IEEE float32 operation in the same order on CPU, in the
@@ -59,7 +60,8 @@ import triton
 import triton.language as tl
 
 from precision.formats import FORMATS, Rounding, ScaleRule, Scaling, format_names
-from precision.quantize import resolve_format
+from precision.quantize import operand_format
+from precision.recipe import OperandFormat
 from precision.rotation import hadamard_matrix, rotation_size
 from precision.srand import SRKey
 
@@ -530,18 +532,13 @@ _TILE_R_GPU = 64
 
 def quantize_triton(
     x: torch.Tensor,
-    fmt,
+    fmt: OperandFormat | str,
     *,
     axis: int = -1,
-    rounding: str | None = None,
-    scale_rule: str | None = None,
-    rotation: str | None = None,
-    signs: torch.Tensor | None = None,
-    seed: int | torch.Tensor | None = None,
-    uniforms: torch.Tensor | None = None,
-    sr: SRKey | None = None,
-    prescale: float | None = None,
     amax: torch.Tensor | float | None = None,
+    sr: SRKey | torch.Generator | torch.Tensor | None = None,
+    rotation: str = "none",
+    signs: torch.Tensor | None = None,
     codes: bool = True,
     dequantize: bool = False,
     layout: str = "input",
@@ -553,18 +550,19 @@ def quantize_triton(
 ) -> TritonQuantResult:
     """Quantize ``x`` to ``fmt`` in one fused pass (two for per-tensor formats and NVFP4).
 
-    ``fmt``: a format name / ``Format`` with ``rounding`` (nearest), ``scale_rule`` (floor) and
-    ``prescale`` (1), or an ``OperandFormat``, which brings its own.
+    ``fmt``: an ``OperandFormat`` (its rounding, scale rule, pre-scale and margin), or a format name
+    for its defaults (``OperandFormat(name)``). ``amax`` (a float or a 0-d float32 tensor): the amax
+    of the tensor-level scale (per-tensor formats; NVFP4's FP32 tensor scale) instead of this
+    tensor's own. ``sr``, stochastic rounding's uniforms: a ``precision.srand.SRKey`` (the
+    counter-based uniforms, generated in-kernel, bit-identical to the reference's
+    ``quantize(..., sr=)``); a float32 tensor of uniforms drawn in the reference's ``generator``
+    order (bit-identical to it); a ``torch.Generator``, or None for torch's default one (one seed
+    drawn from it for ``tl.rand``: reproducible, its own stream).
 
-    ``rotation``: ``None``/"none", ``had16``, ``had32`` or ``rht16`` (``signs``: the +-1 vector,
-    required for ``rht*``). Stochastic rounding's uniforms, one of: ``sr`` (a
-    ``precision.srand.SRKey``: the counter-based uniforms, generated in-kernel, bit-identical to the
-    reference's ``quantize(..., sr=)``); ``uniforms`` (draws in the reference's ``generator`` order,
-    bit-identical to it); ``seed`` (int or 1-element int64 tensor: ``tl.rand``, its own stream).
-    ``amax`` (a float or a 0-d float32 tensor): the amax of the tensor-level scale (per-tensor
-    formats; NVFP4's FP32 tensor scale) instead of this tensor's own. ``codes``/``dequantize``: which outputs to write. ``layout``: ``input`` or
-    ``contraction_last``; ``pack``: FP4 codes two per byte along the block axis
-    (``contraction_last`` only). ``bf16_form``: write the BF16 operand of ``kernels.bf16_mm``
+    ``rotation``: a ``precision.rotation.ROTATIONS`` name, as a ``GemmRecipe`` holds it (``signs``:
+    the +-1 vector, required for ``rht*``). ``codes``/``dequantize``: which outputs to write.
+    ``layout``: ``input`` or ``contraction_last``; ``pack``: FP4 codes two per byte along the block
+    axis (``contraction_last`` only). ``bf16_form``: write the BF16 operand of ``kernels.bf16_mm``
     directly (in ``layout``), in place of ``dequantize`` -- element x power-of-two block scale (MX),
     x E4M3 block scale (NVFP4), the element itself (per-tensor), with ``out_scale`` the factor the
     GEMM output takes; formats with a ``Format.bf16_shift`` (MXFP8) need the whole tensor's largest
@@ -573,10 +571,10 @@ def quantize_triton(
     if getattr(fmt, "fmt", getattr(fmt, "name", fmt)) not in TRITON_FORMATS:  # OperandFormat, Format or name
         raise ValueError(f"triton quantizer: no kernel for format {fmt!r}; "
                          f"valid: {', '.join(TRITON_FORMATS)}")
-    margin = getattr(fmt, "margin", 0)  # an OperandFormat's: scale = scale_target / amax / 2^margin
-    spec, rounding, scale_rule, prescale = resolve_format(fmt, rounding, scale_rule, prescale)
+    op = operand_format(fmt)  # a name: its defaults
+    spec, rounding, scale_rule, prescale = op.format, op.rounding, op.scale_rule, op.prescale_factor
+    margin = op.margin  # scale = scale_target / amax / 2^margin
     fmt = spec.name
-    rounding, scale_rule = spec.check(rounding, scale_rule)
     if layout not in ("input", "contraction_last"):
         raise ValueError(f"layout: unknown {layout!r}; valid: input, contraction_last")
     if x.dim() == 0:
@@ -594,12 +592,12 @@ def quantize_triton(
     if not rounding.triton:
         raise ValueError(f"triton quantizer: no kernel for {rounding} rounding; valid: "
                          f"{', '.join(r for r in Rounding if r.triton)} (the reference quantizer has every mode)")
-    sr_key, sr = sr, rounding.stochastic
-    rot = 0 if rotation in (None, "none") else rotation_size(rotation)
+    stochastic = rounding.stochastic
+    rot = 0 if rotation == "none" else rotation_size(rotation)
     if rot and n % rot:
         raise ValueError(f"rotation {rotation}: axis {axis} has length {n}, not a multiple of {rot}; "
                          "zero-pad both GEMM operands first")
-    if rotation is not None and rotation.startswith("rht") and signs is None:
+    if rotation.startswith("rht") and signs is None:
         raise ValueError(f"rotation {rotation}: needs signs= (the +-1 vector of length {rot})")
     if pack and (spec.bits != 4 or layout != "contraction_last" or n % 2):
         raise ValueError("pack=True: 4-bit formats "
@@ -608,9 +606,14 @@ def quantize_triton(
     if bf16_form and (dequantize or not spec.bf16_exact or spec.bf16_shift):
         raise ValueError(f"bf16_form: {spec.name} needs " + ("dequantize=False" if dequantize else
                          "a format with Format.bf16_exact and no bf16_shift") + " (see kernels.bf16_operand)")
-    key = sr_key if sr else None
-    if sr and uniforms is None and seed is None and key is None:
-        raise ValueError("stochastic rounding: give sr= (an SRKey), uniforms= or seed=")
+    key = uniforms = seed = None  # stochastic rounding: exactly one of them
+    if stochastic and isinstance(sr, SRKey):
+        key = sr
+    elif stochastic and isinstance(sr, torch.Tensor):
+        uniforms = sr
+    elif stochastic:  # a torch.Generator, or None: torch's default generator of x's device
+        dev_g = sr.device if sr is not None else x.device
+        seed = torch.randint(0, 2**62, (1,), generator=sr, device=dev_g, dtype=torch.int64)
 
     dev = x.device
     ois = _ois(x, axis)
@@ -655,7 +658,7 @@ def quantize_triton(
                 *(codes_o.strides if codes_o is not None else none),
                 *(scales_o.strides if scales_o is not None else none),
                 *(dq_o.strides if dq_o is not None else none), *_strides(u_t, axis), float(prescale))
-        meta = dict(MODE=mode, RCEIL=scale_rule == ScaleRule.RCEIL, SR=sr, U_GIVEN=uniforms is not None,
+        meta = dict(MODE=mode, RCEIL=scale_rule == ScaleRule.RCEIL, SR=stochastic, U_GIVEN=uniforms is not None,
                     KEYED=uniforms is None and key is not None, NAT=nat, PRESCALE=prescale != 1.0,
                     TARGET=float(spec.scale_target) if per_tensor else 1.0,
                     MARGIN=2.0**margin if per_tensor else 1.0, AMAX_OUT=amax_out,
@@ -672,15 +675,12 @@ def quantize_triton(
 
     # ---- SR random numbers ---------------------------------------------------------------------
     u_t = seed_t = srp_t = None
-    if sr:
-        if uniforms is None and key is not None:
-            srp_t = key.params(x.shape, dev)
-        elif uniforms is not None:
-            u_t = _uniforms_view(uniforms.to(dev, torch.float32), x.shape, axis, npad,
-                                 spec.blocked)
-        else:
-            seed_t = (seed.reshape(1).to(device=dev, dtype=torch.int64) if isinstance(seed, torch.Tensor)
-                      else torch.tensor([int(seed)], dtype=torch.int64, device=dev))
+    if key is not None:
+        srp_t = key.params(x.shape, dev)
+    elif uniforms is not None:
+        u_t = _uniforms_view(uniforms.to(dev, torch.float32), x.shape, axis, npad, spec.blocked)
+    elif seed is not None:
+        seed_t = seed.reshape(1).to(device=dev, dtype=torch.int64)
 
     # ---- outputs, allocated in the layout handed back (the kernel gets their strides) -----------
     shape = list(x.shape)
@@ -800,8 +800,8 @@ _CT_TILE = 64  # cast-transpose tile: [64 tokens, 64 features], whole MX (32) an
 
 def cast_transpose_triton(
     x: torch.Tensor,
-    fmt_row,
-    fmt_col,
+    fmt_row: OperandFormat | str,
+    fmt_col: OperandFormat | str,
     *,
     sr_row: SRKey | None = None,
     sr_col: SRKey | None = None,
@@ -813,9 +813,9 @@ def cast_transpose_triton(
     """Both quantized layouts of a 2-D ``x [T, H]`` from one read of it (a fused cast-transpose).
 
     ``fmt_row``: blocks along axis 1 (``x`` as Dgrad's ``dy`` or Fprop's ``x`` consume it);
-    ``fmt_col``: blocks along axis 0, the token axis (``x`` or ``dy`` for Wgrad). Each is a format
-    name / ``Format`` / ``OperandFormat`` with its own rounding, scale rule, SR key (``sr_row`` /
-    ``sr_col``) and scale amax (``amax_*``: delayed or TP-reduced; None: this tensor's own, found by
+    ``fmt_col``: blocks along axis 0, the token axis (``x`` or ``dy`` for Wgrad). Each is an
+    ``OperandFormat`` (or a format name for its defaults), as :func:`quantize_triton` takes it, with
+    its own SR key (``sr_row`` / ``sr_col``) and scale amax (``amax_*``: delayed or TP-reduced; None: this tensor's own, found by
     one amax pass shared by both). Results are those of ``quantize_triton(x, fmt, axis=1 / 0,
     layout="contraction_last", ...)`` bit for bit -- ``[T, H]`` and ``[H, T]`` -- so they equal the
     reference quantizer's for each layout. No rotation (a rotated operand is another tensor) and no
@@ -823,7 +823,7 @@ def cast_transpose_triton(
     """
     if x.dim() != 2:
         raise ValueError(f"cast_transpose: x must be 2-D [T, H], got shape {tuple(x.shape)}")
-    specs = [resolve_format(f, None, None, None)[0] for f in (fmt_row, fmt_col)]
+    specs = [operand_format(f).format for f in (fmt_row, fmt_col)]
     blocks_ = [sp.block if sp.blocked else _CT_TILE for sp in specs]
     tile = _CT_TILE  # = the per-tensor kernels' tile width: their clip-count grids match this one's
     t_len, h_len = x.shape

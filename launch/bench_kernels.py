@@ -89,14 +89,13 @@ def _out_bytes(fmt: str, numel: int, codes: bool, dq: bool) -> int:
     return b
 
 
-def quantizer_cases(x: torch.Tensor, fmt: str, axis: int, rotation: str | None, triton_ok: bool):
+def quantizer_cases(x: torch.Tensor, fmt: str, axis: int, rotation: str, triton_ok: bool):
     """(impl, callable, bytes written) for one format x layout x rotation."""
-    rot = (16, None) if rotation == "had16" else None
-    cases = [("fused", lambda: fake_quantize(x, fmt, axis=axis, rotation=rot),
+    cases = [("fused", lambda: fake_quantize(x, fmt, axis=axis, rotation=rotation),
               _out_bytes(fmt, x.numel(), False, True))]
 
     def ref():
-        t = rotate(x, axis % x.dim(), 16) if rotation else x
+        t = rotate(x, axis % x.dim(), 16) if rotation != "none" else x
         return quantize(t, fmt, axis=axis)
 
     cases.append(("reference", ref, _out_bytes(fmt, x.numel(), True, False)))
@@ -113,7 +112,7 @@ def quantizer_cases(x: torch.Tensor, fmt: str, axis: int, rotation: str | None, 
             cases.append(("triton_bf16", lambda: quantize_triton(x, fmt, axis=axis, rotation=rotation, codes=False,
                                                                  bf16_form=True, layout="contraction_last"),
                           x.numel() * 2 + (x.numel() // spec.block if spec.blocked else 0)))
-            if rotation is None and axis == 0:  # both layouts from one read (Dgrad's and Wgrad's dy)
+            if rotation == "none" and axis == 0:  # both layouts from one read (Dgrad's and Wgrad's dy)
                 from kernels.triton_quant import cast_transpose_triton
 
                 cases.append(("cast_transpose_bf16", lambda: cast_transpose_triton(x, fmt, fmt, codes=False,
@@ -127,14 +126,14 @@ def bench_quantizers(args, device: str, copy_gbps: float, triton_ok: bool) -> li
     rows = []
     for fmt in args.formats:
         for layout, axis in (("rowwise", -1), ("colwise", 0)):
-            for rotation in (None, "had16"):
+            for rotation in ("none", "had16"):
                 for impl, fn, out_b in quantizer_cases(x, fmt, axis, rotation, triton_ok):
                     if impl not in args.impls:
                         continue
                     reps = args.repeats if impl != "reference" else max(1, args.repeats // 2)
                     t = timeit(fn, device, reps)
                     gbps = (x.numel() * 4 + out_b) / t / 1e9
-                    rows.append({"format": fmt, "layout": layout, "rotation": rotation or "none",
+                    rows.append({"format": fmt, "layout": layout, "rotation": rotation,
                                  "impl": impl,
                                  "ms": t * 1e3, "gbps": gbps, "frac_copy": gbps / copy_gbps})
     return rows

@@ -92,8 +92,9 @@ class PackedWeight:
         impl = "reference" if backend == "reference" else "auto"
         with state.read_only():
             call = state.next_call(Gemm.FPROP)
-            xp, _, rot = pad_and_rotation(Gemm.FPROP, x2d, _no_weight(x2d), self.recipe, state, call)
-            qx = quantize_operand(xp, 1, self.recipe.a, Gemm.FPROP, "x", state, call, impl=impl, rotation=rot)
+            xp, _, signs = pad_and_rotation(Gemm.FPROP, x2d, _no_weight(x2d), self.recipe, state, call)
+            qx = quantize_operand(xp, 1, self.recipe.a, Gemm.FPROP, "x", state, call, impl=impl,
+                                  rotation=self.recipe.rotation, signs=signs)
         # === FPROP: y = x @ w.T ===  [T, in] x [out, in] -> [T, out], FP32 accumulation
         y = fp32_gemm(Gemm.FPROP, qx.values, self.values())
         if bias is not None:
@@ -108,9 +109,9 @@ def pack_weight(w: torch.Tensor, recipe: GemmRecipe, state: LayerQuantState) -> 
     w = w.detach()
     with state.read_only():
         call = state.next_call(Gemm.FPROP)
-        _, wp, rot = pad_and_rotation(Gemm.FPROP, _no_weight(w), w, recipe, state, call)
-        q = quantize_operand(wp, 1, recipe.b, Gemm.FPROP, "w", state, call, impl="reference", rotation=rot,
-                             codes=True)
+        _, wp, signs = pad_and_rotation(Gemm.FPROP, _no_weight(w), w, recipe, state, call)
+        q = quantize_operand(wp, 1, recipe.b, Gemm.FPROP, "w", state, call, impl="reference",
+                             rotation=recipe.rotation, signs=signs, codes=True)
     f = get_format(recipe.b.fmt)
     codes = f.pack(q.codes) if f.packable else q.codes
     scales = q.scales[:: f.tile].contiguous() if recipe.b.block2d else q.scales  # 2-D: one byte per square

@@ -33,7 +33,6 @@ __all__ = [
     "margin_amax",
     "operand_format",
     "quantize",
-    "resolve_format",
 ]
 
 FormatSpec = Format  # the registry's format objects (kept under their older name)
@@ -71,12 +70,6 @@ def operand_format(fmt, rounding=None, scale_rule=None, prescale=None, block2d=N
     if scaled and not (f.has_scale_rules and r.stochastic):
         raise ValueError(f"{f.name}: prescale needs an MX format with stochastic rounding")
     return OperandFormat(f.name, rounding=r, scale_rule=s, prescale=scaled, block2d=bool(block2d))
-
-
-def resolve_format(fmt, rounding=None, scale_rule=None, prescale=None):
-    """``(Format, Rounding, ScaleRule, prescale factor)`` of :func:`operand_format`'s result."""
-    op = operand_format(fmt, rounding, scale_rule, prescale)
-    return op.format, op.rounding, op.scale_rule, op.prescale_factor
 
 
 def margin_amax(fmt, x: torch.Tensor, amax):

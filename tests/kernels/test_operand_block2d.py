@@ -10,7 +10,7 @@ from kernels.scaled_mm import hw_operand
 from model.linear import policy_linear
 from precision import formats, presets
 from precision.recipe import Gemm, LinearPrecision, parse_gemm
-from precision.rotation import TE_SIGNS
+from precision.rotation import TE_SIGNS, rotation_size
 from precision.state import LayerQuantState
 
 ONE_D = "fprop=nvfp4,dgrad=nvfp4/sr@nvfp4,wgrad=nvfp4/sr@nvfp4+rht16_te"
@@ -133,10 +133,10 @@ def test_transpose_tiled_refuses_odd_rows():
 def test_wgrad_rotation_uses_te_signs():
     _w, x, dy = _weight_and_inputs()
     recipe = presets.get("nvfp4").wgrad
-    _, _, rot = pad_and_rotation(Gemm.WGRAD, dy, x.detach(), recipe, LayerQuantState(seed=5), 0)
-    assert rot[0] == 16 and torch.equal(rot[1], torch.tensor(TE_SIGNS, dtype=torch.float32))
-    _, _, rot7 = pad_and_rotation(Gemm.WGRAD, dy, x.detach(), recipe, LayerQuantState(seed=7), 3)
-    assert torch.equal(rot7[1], rot[1])  # the same constant in every layer and call
+    _, _, signs = pad_and_rotation(Gemm.WGRAD, dy, x.detach(), recipe, LayerQuantState(seed=5), 0)
+    assert rotation_size(recipe.rotation) == 16 and torch.equal(signs, torch.tensor(TE_SIGNS, dtype=torch.float32))
+    _, _, signs7 = pad_and_rotation(Gemm.WGRAD, dy, x.detach(), recipe, LayerQuantState(seed=7), 3)
+    assert torch.equal(signs7, signs)  # the same constant in every layer and call
 
 
 def test_packed_rollout_weight_keeps_one_scale_per_square():

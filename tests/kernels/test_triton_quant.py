@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 import kernels
 from kernels.fused import _sr_uniforms
 from kernels.triton_quant import interpreter_problem, interpreting, quantize_triton
-from precision import FORMATS, quantize
+from precision import FORMATS, OperandFormat, quantize
 from precision.rotation import random_signs, rotate
 
 if not torch.cuda.is_available() and not interpreting():
@@ -76,7 +76,7 @@ CASES = [(f, axis, str(rule)) for f in ALL_FORMATS for axis in (0, 1) for rule i
 def test_nearest_bit_exact(fmt, axis, rule):
     x = data()
     ref = ref_quantize(x, fmt, axis=axis, scale_rule=rule)
-    out = quantize_triton(x, fmt, axis=axis, scale_rule=rule, dequantize=True)
+    out = quantize_triton(x, OperandFormat(fmt, scale_rule=rule), axis=axis, dequantize=True)
     assert_same(ref, out)
     if fmt.startswith("fp8"):
         assert torch.equal(ref.amax.cpu(), out.amax.cpu())
@@ -193,17 +193,18 @@ def test_sr_with_reference_draws_bit_exact(fmt, axis):
         u = _sr_uniforms(x, axis, spec_block, gen)
     else:
         u = torch.rand(x.shape, generator=gen, device=DEV)
-    out = quantize_triton(x, fmt, axis=axis, rounding="stochastic", uniforms=u, prescale=prescale,
-                          dequantize=True)
+    out = quantize_triton(x, OperandFormat(fmt, rounding="stochastic", prescale=prescale == 0.75), axis=axis,
+                          sr=u, dequantize=True)
     assert_same(ref, out)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8_e5m2"])
 def test_in_kernel_sr_reproducible_and_seeded(fmt):
     x = smooth()
-    a = quantize_triton(x, fmt, axis=0, rounding="stochastic", seed=11)
-    b = quantize_triton(x, fmt, axis=0, rounding="stochastic", seed=11)
-    c = quantize_triton(x, fmt, axis=0, rounding="stochastic", seed=12)
+    op = OperandFormat(fmt, rounding="stochastic")
+    a = quantize_triton(x, op, axis=0, sr=torch.Generator(DEV).manual_seed(11))
+    b = quantize_triton(x, op, axis=0, sr=torch.Generator(DEV).manual_seed(11))
+    c = quantize_triton(x, op, axis=0, sr=torch.Generator(DEV).manual_seed(12))
     assert torch.equal(a.codes, b.codes)
     assert not torch.equal(a.codes, c.codes)
 
@@ -221,7 +222,8 @@ def test_in_kernel_sr_unbiased(fmt, lo, hi, axis):
     x = x.to(DEV)
     if axis == 0:
         x = x.t().contiguous()
-    out = quantize_triton(x, fmt, axis=axis, rounding="stochastic", seed=7, dequantize=True).dequantized.cpu()
+    out = quantize_triton(x, OperandFormat(fmt, rounding="stochastic"), axis=axis,
+                          sr=torch.Generator(DEV).manual_seed(7), dequantize=True).dequantized.cpu()
     vals = out[x.cpu() == v]
     assert set(vals.unique().tolist()) <= {lo, hi}
     assert abs(vals.mean().item() - v) < 0.02 * (hi - lo) * 4  # ~4 standard errors
@@ -271,7 +273,7 @@ def test_sr_key_in_kernel_equals_reference(fmt, axis):
     x = data(24, 48)
     key = SRKey(2**62 + 7, row_offset=5, col_offset=3, global_cols=100)
     ref = ref_quantize(x, fmt, axis=axis, rounding="stochastic", sr=key)
-    out = quantize_triton(x, fmt, axis=axis, rounding="stochastic", sr=key, dequantize=True)
+    out = quantize_triton(x, OperandFormat(fmt, rounding="stochastic"), axis=axis, sr=key, dequantize=True)
     assert_same(ref, out)
     assert not torch.equal(ref.codes, ref_quantize(x, fmt, axis=axis).codes)  # SR did round differently
 
@@ -282,7 +284,7 @@ def test_sr_key_3d_any_axis_equals_reference():
     x = (torch.randn(2, 40, 3, generator=torch.Generator().manual_seed(4)) * 3).to(DEV)
     for axis in (0, 1, 2):
         ref = ref_quantize(x, "mxfp4", axis=axis, rounding="stochastic", sr=SRKey(9))
-        assert_same(ref, quantize_triton(x, "mxfp4", axis=axis, rounding="stochastic", sr=SRKey(9),
+        assert_same(ref, quantize_triton(x, OperandFormat("mxfp4", rounding="stochastic"), axis=axis, sr=SRKey(9),
                                          dequantize=True))
 
 
@@ -321,10 +323,10 @@ def test_mxfp6_nearest_and_sr_key_bit_exact(fmt, axis, rule):
 
     x = data(24, 80)
     assert_same(ref_quantize(x, fmt, axis=axis, scale_rule=rule),
-                quantize_triton(x, fmt, axis=axis, scale_rule=rule, dequantize=True))
+                quantize_triton(x, OperandFormat(fmt, scale_rule=rule), axis=axis, dequantize=True))
     ref = ref_quantize(x, fmt, axis=axis, scale_rule=rule, rounding="stochastic", sr=SRKey(31))
-    assert_same(ref, quantize_triton(x, fmt, axis=axis, scale_rule=rule, rounding="stochastic", sr=SRKey(31),
-                                     dequantize=True))
+    assert_same(ref, quantize_triton(x, OperandFormat(fmt, rounding="stochastic", scale_rule=rule), axis=axis,
+                                     sr=SRKey(31), dequantize=True))
 
 
 def test_operand_format_travels_whole():
@@ -340,5 +342,5 @@ def test_operand_format_travels_whole():
     assert_same(ref, quantize_triton(x, op, axis=0, sr=SRKey(4), dequantize=True))
     assert bits_equal(ref.dequantize(), fake_quantize(x.cpu(), op, axis=0, sr=SRKey(4), impl="eager")[0])
     assert torch.equal(kernels.quantize(x, op, axis=0, sr=SRKey(4), backend="reference").codes.cpu(), ref.codes)
-    with pytest.raises(ValueError, match="carries its own rounding"):
+    with pytest.raises(TypeError, match="rounding"):  # one signature: the OperandFormat brings its settings
         quantize_triton(x, op, rounding="nearest")
