@@ -56,6 +56,9 @@ import sys
 import time
 from pathlib import Path
 
+if not __package__:  # run as a script: the repository root first on sys.path (launch/_paths.py)
+    import _paths  # noqa: F401
+
 REPO = Path(__file__).resolve().parents[1]
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "GB200": 2500.0}
 MODES = {"default": [], "on": ["--bf16"], "off": ["--no-bf16"]}
@@ -297,9 +300,6 @@ def child(stats_path: str, argv: list[str]) -> int:
     The operand pipeline calls ``kernels.operand.quantize_operand`` through its module global, so
     wrapping that name times every operand of every GEMM (all backends). On CUDA each call is
     bracketed by two events (read once, after training); on CPU by the wall clock."""
-    # run as a script, launch/ is sys.path[0], where launch/pretrain.py would shadow the package
-    here = str(Path(__file__).resolve().parent)
-    sys.path[:] = [str(REPO)] + [p for p in sys.path if p and Path(p).resolve() != Path(here)]
     import resource
     import warnings
 

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if not __package__:  # run as a script: the repository root first on sys.path (launch/_paths.py)
+    import _paths  # noqa: F401
 
 from kernels.fused import compile_available, fake_quantize  # noqa: E402
 from model.linear import policy_linear  # noqa: E402

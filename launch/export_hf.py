@@ -22,7 +22,8 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not __package__:  # run as a script: the repository root first on sys.path (launch/_paths.py)
+    import _paths  # noqa: F401
 
 _PROG = "export_hf.py"
 

@@ -50,7 +50,8 @@ import os
 import sys
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # before launch/ itself
+if not __package__:  # run as a script: the repository root first on sys.path (launch/_paths.py)
+    import _paths  # noqa: F401
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
 import torch

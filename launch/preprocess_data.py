@@ -30,6 +30,9 @@ import os
 import sys
 import time
 
+if not __package__:  # run as a script: the repository root first on sys.path (launch/_paths.py)
+    import _paths  # noqa: F401
+
 _PROG = "preprocess_data.py"
 _JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 _COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
@@ -312,5 +315,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     main()

@@ -14,10 +14,10 @@ SIGTERM: the current iteration finishes, a checkpoint is saved (with ``--save``)
 status is 0. The loop itself lives in ``pretrain/train.py``.
 """
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not __package__:  # run as a script: the repository root first on sys.path (launch/_paths.py)
+    import _paths  # noqa: F401
 from pretrain import runtime
 
 runtime.start("pretrain.py")  # before megatron is imported: its expected warnings; end with torchrun

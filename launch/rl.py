@@ -15,10 +15,10 @@ At the end ``--save/rl_summary.json`` holds the run's results. The loop lives in
 ``pretrain/rl/arguments.py``.
 """
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not __package__:  # run as a script: the repository root first on sys.path (launch/_paths.py)
+    import _paths  # noqa: F401
 from pretrain import runtime
 
 runtime.start("rl.py")  # before megatron is imported: its expected warnings; end with torchrun
