@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(flags + ["--precision", ours.reference])
     try:
-        validate_args(args, 1, False)
+        args = validate_args(args, 1, False)
         if args.tensor_model_parallel_size != 1 or args.pipeline_model_parallel_size != 1:
             raise ConfigError("gradient_error.py measures at TP=1, PP=1: drop the parallelism flags")
         trainer = setup(args)

@@ -62,7 +62,7 @@ def checkpoint_operands(flags: list[str]) -> dict[str, list[torch.Tensor]]:
     from pretrain.train import setup
 
     args = parse_args(flags + ["--precision", "bf16"])
-    validate_args(args, 1, False)
+    args = validate_args(args, 1, False)
     trainer = setup(args)
     model = trainer.model
     got: dict[str, list[torch.Tensor]] = {"x": [], "w": [], "dy": []}

@@ -2,7 +2,7 @@
 
     run = parse_run_config(argv, world_size, cuda)   # parse + validate + freeze: pretrain.config.RunConfig
     args = parse_args(argv)                   # argparse + configs/models/NAME.yaml; one-line errors
-    validate_args(args, world_size)           # everything checkable before torch.distributed / build
+    args = validate_args(args, world_size)    # everything checkable before torch.distributed / build
     cfg = model_config(args, vocab_size)      # model.gpt.ModelConfig
 
 The flags themselves (names, defaults, ``--help`` text, groups) are the fields of the typed configs in
@@ -378,14 +378,13 @@ def _check_checkpoints(args) -> None:
             raise ConfigError(f"--ckpt-step {args.ckpt_step}: no checkpoint {step_dir}")
 
 
-def _check_mixed_precision_and_memory(args, cuda: bool) -> None:
-    """``--bf16`` / ``--num-workers`` defaults by device; ``--recompute-*`` combinations."""
-    if args.bf16 is None:
-        args.bf16 = cuda
-    if args.num_workers is None:
-        args.num_workers = 2 if cuda else 0
-    if args.num_workers < 0:
-        raise ConfigError(f"--num-workers {args.num_workers}: must be >= 0")
+def _check_mixed_precision_and_memory(args, cuda: bool) -> dict:
+    """``--bf16`` / ``--num-workers`` defaults by device (returned: ``{dest: value}``); ``--recompute-*``
+    combinations."""
+    bf16 = cuda if args.bf16 is None else args.bf16
+    num_workers = (2 if cuda else 0) if args.num_workers is None else args.num_workers
+    if num_workers < 0:
+        raise ConfigError(f"--num-workers {num_workers}: must be >= 0")
     granularity, method, n = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
     if granularity != "full" and (method is not None or n is not None):
         flag = "--recompute-method" if method is not None else "--recompute-num-layers"
@@ -399,9 +398,12 @@ def _check_mixed_precision_and_memory(args, cuda: bool) -> None:
             RecomputeConfig("full", method or "uniform", 1 if n is None else n).check(layers)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    return {"bf16": bf16, "num_workers": num_workers}
 
 
-def _check_parallel(args, world_size: int, cuda: bool) -> None:
+def _check_parallel(args, world_size: int, cuda: bool) -> int:
+    """The parallel layout's flags; returns the global batch size (``--global-batch-size``, or by
+    default one micro-batch per data-parallel rank)."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world_size % (tp * pp):
         raise ConfigError(
@@ -444,19 +446,19 @@ def _check_parallel(args, world_size: int, cuda: bool) -> None:
             f"--tensor-model-parallel-size {tp}"
         )
     dp = world_size // (tp * pp)
-    if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * dp
-    if args.global_batch_size % (args.micro_batch_size * dp):
+    gbs = args.micro_batch_size * dp if args.global_batch_size is None else args.global_batch_size
+    if gbs % (args.micro_batch_size * dp):
         raise ConfigError(
-            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+            f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
             f"{args.micro_batch_size} x data-parallel size {dp} = {args.micro_batch_size * dp}"
         )
     n = getattr(args, "fixed_train_set", None)
-    if n is not None and (n < 1 or n % args.global_batch_size):
+    if n is not None and (n < 1 or n % gbs):
         raise ConfigError(
             f"--fixed-train-set {n}: must be a positive multiple of --global-batch-size "
-            f"{args.global_batch_size} (equal to it: every step trains on the whole set)"
+            f"{gbs} (equal to it: every step trains on the whole set)"
         )
+    return gbs
 
 
 def _check_lr_schedule(args: argparse.Namespace) -> None:
@@ -501,8 +503,11 @@ def _check_lr_schedule(args: argparse.Namespace) -> None:
         raise ConfigError(f"--start-weight-decay {start} / --end-weight-decay {end}: need 0 <= start <= end")
 
 
-def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> None:
-    """Raise :class:`ConfigError` (one line) for anything wrong that needs no process group or model."""
+def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argparse.Namespace:
+    """Raise :class:`ConfigError` (one line) for anything wrong that needs no process group or model;
+    return the validated values: a new Namespace, ``args`` with the defaults that depend on the
+    device and the world size filled in (``--bf16``, ``--num-workers``, ``--global-batch-size``).
+    ``args`` itself is never changed."""
     _positive(
         args,
         "num_layers",
@@ -540,8 +545,9 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> None
     if args.min_lr > args.lr:
         raise ConfigError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
     _check_lr_schedule(args)
-    _check_parallel(args, world_size, cuda)
-    _check_mixed_precision_and_memory(args, cuda)
+    global_batch_size = _check_parallel(args, world_size, cuda)
+    by_device = _check_mixed_precision_and_memory(args, cuda)
+    args = argparse.Namespace(**{**vars(args), "global_batch_size": global_batch_size, **by_device})
     _check_precision(args)
     _check_data(args)
     _check_checkpoints(args)
@@ -557,6 +563,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> None
             validate_plan_shapes(cfg, tp, plan)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    return args
 
 
 def recompute_config(args):
@@ -570,6 +577,4 @@ def recompute_config(args):
 def parse_run_config(argv: list[str] | None, world_size: int, cuda: bool) -> RunConfig:
     """Parse, validate and freeze: the run's :class:`pretrain.config.RunConfig` (:class:`ConfigError`
     on bad input, one line)."""
-    args = parse_args_or_raise(argv)
-    validate_args(args, world_size, cuda)
-    return RunConfig.from_namespace(args)
+    return RunConfig.from_namespace(validate_args(parse_args_or_raise(argv), world_size, cuda))

@@ -382,6 +382,6 @@ def parse_rl_args(argv: list[str] | None, world_size: int, cuda: bool) -> tuple[
     args.train_iters = args.rl_iters * args.ppo_epochs * args.ppo_mini_batches
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
-    validate_args(args, world_size, cuda)
+    args = validate_args(args, world_size, cuda)
     dp = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
     return args, rl_config(args, dp)

@@ -101,7 +101,7 @@ def test_kv_quant_flag(tmp_path):
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2", "--ffn-hidden-size", "128",
             "--seq-length", "16", "--train-iters", "1"]
     args = parse_args_or_raise(base + ["--kv-quant", "mxfp4"])
-    validate_args(args, 1, False)
+    args = validate_args(args, 1, False)
     assert model_config(args, 100).kv_quant == "mxfp4"
     with pytest.raises(ConfigError, match=r"--kv-quant 'int4': unknown KV-cache format; valid: .*mxfp4") as e:
         validate_args(parse_args_or_raise(base + ["--kv-quant", "int4"]), 1, False)

@@ -41,7 +41,7 @@ def test_a_validated_run_freezes_into_one_config_that_saves_as_the_namespace_did
     argv = ["--train-iters", "4", *TINY, "--precision", "mxfp4", "--precision-rule", "first:1=bf16",
             "--skip-nonfinite-steps", "2"]
     args = parse_args_or_raise(argv)
-    validate_args(args, world_size=1, cuda=False)
+    args = validate_args(args, world_size=1, cuda=False)
     run = RunConfig.from_namespace(args)
     assert run.to_dict() == vars(args)  # what checkpoints save as "args", unchanged
     assert run.training.lr == 3e-3 and run.training.global_batch_size == 4 and run.memory.bf16 is False
@@ -77,3 +77,13 @@ def test_the_training_loop_and_its_components_read_no_namespace():
                  if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and n.value.attr == "args"
                  or isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "args"]
         assert reads == []
+
+
+def test_validation_never_changes_its_input():
+    """STYLE.md pattern 11: validate_args returns the validated values (the device and world-size
+    defaults filled in) in a new Namespace; the one it was given is left as it was."""
+    args = parse_args_or_raise(["--train-iters", "4", *TINY])
+    before = dict(vars(args))
+    validated = validate_args(args, world_size=1, cuda=False)
+    assert vars(args) == before and (args.bf16, args.num_workers) == (None, None)  # defaults by device
+    assert (validated.bf16, validated.num_workers, validated.global_batch_size) == (False, 0, 4)

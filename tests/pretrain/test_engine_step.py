@@ -22,7 +22,7 @@ def _engine(max_skips: int = 0, check: bool = True):
     from pretrain.train import build_model
 
     args = parse_args(["--train-iters", "4", *TINY, "--precision", "mxfp4_sr", "--gemm-backend", "reference"])
-    validate_args(args, world_size=1, cuda=False)
+    args = validate_args(args, world_size=1, cuda=False)
     torch.manual_seed(0)
     model, _, _ = build_model(args, vocab_size=VOCAB, device=torch.device("cpu"))
     engine = TorchEngine(model, args, torch.device("cpu"), NonFinitePolicy(check=check, max_skips=max_skips))

@@ -78,7 +78,7 @@ def trainer(tmp_path, data_cache):
             "--data-cache-dir", str(data_cache), "--tensorboard-dir", str(tmp_path / "tb"),
             "--save", str(tmp_path / "ckpt")]  # fmt: skip
     args = parse_args_or_raise(argv)
-    validate_args(args, 1, False)
+    args = validate_args(args, 1, False)
     before = signal.getsignal(signal.SIGTERM)
     environ = dict(os.environ)  # setup() writes a world of one's RANK / MASTER_PORT into it
     t = pretrain_train.setup(args)

@@ -21,7 +21,7 @@ from ._launch import TINY
 def _args(*extra):
     args = parse_args_or_raise([*TINY, "--train-iters", "200", "--lr", "2e-3", "--min-lr", "2e-4",
                                 "--lr-warmup-iters", "20", *extra])
-    validate_args(args, world_size=1, cuda=False)
+    args = validate_args(args, world_size=1, cuda=False)
     return args
 
 

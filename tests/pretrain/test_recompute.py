@@ -139,8 +139,8 @@ def test_flag_defaults_follow_the_device():
 
     for cuda, bf16, workers in ((False, False, 0), (True, True, 2)):
         args = parse_args_or_raise(TINY_FLAGS)
-        validate_args(args, 1, cuda)
+        args = validate_args(args, 1, cuda)
         assert (args.bf16, args.num_workers, recompute_config(args)) == (bf16, workers, None)
     args = parse_args_or_raise([*TINY_FLAGS, "--no-bf16", "--recompute-granularity", "full"])
-    validate_args(args, 1, True)
+    args = validate_args(args, 1, True)
     assert args.bf16 is False and recompute_config(args) == RecomputeConfig("full", "uniform", 1)

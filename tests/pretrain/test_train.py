@@ -72,7 +72,7 @@ def test_plan_on_the_built_model(world_of_one):
             "reference",
         ]
     )
-    validate_args(args, world_size=1, cuda=False)
+    args = validate_args(args, world_size=1, cuda=False)
     model, plan, whole = build_model(args, vocab_size=512, device=torch.device("cpu"))
     assert whole == plan  # one pipeline stage: the whole model
     linears = {
