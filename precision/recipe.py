@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from precision.enums import AmaxAlgo, Rounding, ScaleRule, Scaling
-from precision.formats import FORMATS, Format, format_names
+from precision.formats import FORMATS, format_names
 from precision.rotation import ROTATIONS
 
 __all__ = ["PRESETS", "Gemm", "GemmRecipe", "LinearPrecision", "OperandFormat", "SpecError", "preset",
@@ -89,7 +89,11 @@ class Gemm(str, enum.Enum):
 @dataclass(frozen=True)
 class OperandFormat:
     """How one GEMM operand is quantized. String values are accepted for the enum fields (and
-    stored as the enum member, which equals and prints as the same string)."""
+    stored as the enum member, which equals and prints as the same string).
+
+    Resolved once, when it is made, and read as plain attributes: ``format``, the registry entry of
+    ``fmt`` (``precision.formats.Format``), and ``prescale_factor``, the factor before rounding
+    (0.75 with ``prescale``, else 1.0). Neither is a field: they pickle as the fields alone."""
 
     fmt: str = "bf16"
     """A registered format name (``precision.formats.FORMATS``)."""
@@ -114,8 +118,8 @@ class OperandFormat:
     def __post_init__(self):
         if self.fmt not in FORMATS:
             raise SpecError(f"unknown format {self.fmt!r}; valid: {', '.join(FORMATS)}")
-        spec = FORMATS[self.fmt]
-        object.__setattr__(self, "_format", spec)  # resolved once: code reads ``self.format``
+        self._derive()
+        spec = self.format
         for field, enum_type, what in (("rounding", Rounding, "rounding"), ("scale_rule", ScaleRule, "scale rule"),
                                        ("amax_algo", AmaxAlgo, "amax algorithm")):
             value = getattr(self, field)
@@ -147,18 +151,18 @@ class OperandFormat:
                 raise SpecError(f"{self.fmt}: margin {self.margin!r} must be an integer in [{lo}, 64] (scale target "
                                 f"{spec.scale_target:g} / 2^margin must not exceed the max normal {spec.max_normal:g})")
 
-    @property
-    def format(self) -> Format:
-        """The registry entry of ``fmt`` (resolved when this operand format was made)."""
-        return self._format
+    def _derive(self) -> None:
+        """Set the attributes derived from the fields (``format``, ``prescale_factor``), once."""
+        object.__setattr__(self, "format", FORMATS[self.fmt])
+        object.__setattr__(self, "prescale_factor", 0.75 if self.prescale else 1.0)
 
     def __getstate__(self) -> dict:  # pickles as its fields alone (the registry entry is looked up again)
-        return {k: v for k, v in self.__dict__.items() if k != "_format"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("format", "prescale_factor")}
 
     def __setstate__(self, state: dict) -> None:
         for k, v in state.items():
             object.__setattr__(self, k, v)
-        object.__setattr__(self, "_format", FORMATS[self.fmt])
+        self._derive()
 
     @property
     def is_high_precision(self) -> bool:
@@ -169,10 +173,6 @@ class OperandFormat:
         """Per-tensor formats: the value this operand's amax maps to, the format's ``scale_target``
         divided by 2^``margin``."""
         return self.format.scale_target * 2.0 ** -self.margin
-
-    @property
-    def prescale_factor(self) -> float:
-        return 0.75 if self.prescale else 1.0
 
     def modifiers(self) -> list[str]:
         mods = []
