@@ -46,6 +46,14 @@ def test_interpolation_and_an_empty_window():
     assert math.isnan(descent_gap(curve(20.0, 5), curve(20.0), 8, 40).extra.pct)
 
 
+def sweep_in(tmp_path: Path, text: str):
+    """A sweep file of ``text`` under ``tmp_path``: its spec, its runs and an output folder."""
+    f = tmp_path / "s.yaml"
+    f.write_text(text)
+    spec = sweep.load_sweep(str(f))
+    return spec, sweep.expand_runs(spec, str(f)), tmp_path / "out"
+
+
 def write_run(out: Path, run, losses):
     d = out / "runs" / run.name
     w = SummaryWriter(str(d / "tensorboard"))
@@ -57,14 +65,10 @@ def write_run(out: Path, run, losses):
 
 
 def test_sweep_prints_the_descent_table_with_holm_verdicts_and_published_figures(tmp_path):
-    f = tmp_path / "s.yaml"
-    f.write_text("seeds: [0, 1, 2]\nbaseline: fp8\ndescent_steps: [8, 40]\n"
-                 "published: {source: 'the study', extra_tokens: {mxfp4: '+26%', wgrad_hadamard: '+8%'}}\n"
-                 "contrasts: [[mxfp4, wgrad_hadamard]]\n"
-                 "grid:\n  presets: [fp8, mxfp4, wgrad_hadamard]\n")
-    spec = sweep.load_sweep(str(f))
-    runs = sweep.expand_runs(spec, str(f))
-    out = tmp_path / "out"
+    spec, runs, out = sweep_in(tmp_path, "seeds: [0, 1, 2]\nbaseline: fp8\ndescent_steps: [8, 40]\n"
+                               "published: {source: 'the study', extra_tokens: {mxfp4: '+26%', wgrad_hadamard: '+8%'}}\n"
+                               "contrasts: [[mxfp4, wgrad_hadamard]]\n"
+                               "grid:\n  presets: [fp8, mxfp4, wgrad_hadamard]\n")
     rates = {"fp8": (20.0, 20.0, 20.0), "mxfp4": (22.0, 22.2, 21.8), "wgrad_hadamard": (20.1, 19.9, 20.0)}
     for r in runs:
         write_run(out, r, curve(rates[r.label][r.seed])[1])
@@ -93,12 +97,8 @@ def test_sweep_prints_the_descent_table_with_holm_verdicts_and_published_figures
 def test_contrasts_compare_at_the_end_without_a_descent_window(tmp_path):
     """A sampled-batch sweep (no descent_steps) gets its contrasts as 'a vs b' rows of the end-of-run
     table: final validation gaps paired by seed, inside the same Holm adjustment as the baseline rows."""
-    f = tmp_path / "s.yaml"
-    f.write_text("seeds: [0, 1, 2]\nbaseline: fp8\ncontrasts: [[had16, mxfp4]]\n"
-                 "grid:\n  presets: [fp8, mxfp4, {had16: wgrad_hadamard}]\n")
-    spec = sweep.load_sweep(str(f))
-    runs = sweep.expand_runs(spec, str(f))
-    out = tmp_path / "out"
+    spec, runs, out = sweep_in(tmp_path, "seeds: [0, 1, 2]\nbaseline: fp8\ncontrasts: [[had16, mxfp4]]\n"
+                                         "grid:\n  presets: [fp8, mxfp4, {had16: wgrad_hadamard}]\n")
     final = {"fp8": (3.00, 3.01, 2.99), "mxfp4": (3.10, 3.12, 3.09), "had16": (3.05, 3.06, 3.045)}
     for r in runs:
         write_run(out, r, [8.0 - 0.05 * i for i in range(60)] + [final[r.label][r.seed]])
