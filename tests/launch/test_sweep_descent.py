@@ -148,7 +148,8 @@ def test_the_noise_free_sweep_files_expand():
                               ("mxfp4_dgrad_fullbatch_cpu", "dgrad_exact", 18),
                               ("mxfp4_fprop_fullbatch_cpu", "fprop_exact", 18),
                               ("mxfp4_continuation_cpu", "wgrad_exact", 48),
-                              ("mxfp4_ladder_continuation_cpu", "fp8", 28)):
+                              ("mxfp4_ladder_continuation_cpu", "fp8", 28),
+                              ("mxfp4_continuation_sgd_cpu", "wgrad_exact", 20)):
         path = str(ROOT / "configs" / "sweeps" / f"{name}.yaml")
         s = sweep.load_sweep(path)
         runs = sweep.expand_runs(s, path)
