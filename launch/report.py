@@ -132,7 +132,8 @@ def sweep_report(out: Path) -> int:
 
     info = json.loads((out / "sweep.json").read_text())
     runs = [Run(**r) for r in info["runs"]]
-    collect(out, runs, info["sweep"].get("baseline"), margin=info["sweep"].get("equivalence_margin"),
+    collect(out, runs, info["sweep"].get("baseline"), window=info["sweep"].get("smooth", 10),
+            margin=info["sweep"].get("equivalence_margin"),
             descent=info["sweep"].get("descent_steps"), published=info["sweep"].get("published"),
             contrasts=info["sweep"].get("contrasts"))
     print((out / "results.md").read_text().split("\n## Runs")[0])

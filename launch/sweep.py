@@ -20,6 +20,7 @@ A sweep file (YAML)::
     descent_steps: [8, 40]      # optional: compare during the descent (noise-free, --fixed-train-set runs)
     contrasts: [[wgrad_hadamard, mxfp4]]   # optional: a against b, paired by seed, in the same tables
     published: {source: arXiv 2605.09825, extra_tokens: {mxfp4: "+26-27%"}}  # printed beside it
+    smooth: 300                 # optional: the training-loss window of the extra-tokens curves (default 10)
     grid:
       presets: [bf16, fp8, mxfp4_fprop, wgrad_hadamard, {fprop_only: "base=bf16,fprop=mxfp4"}]
       lr: [6e-4, 1e-3, 2e-3]    # any other key is a pretrain flag to range over (hyper-parameters)
@@ -174,7 +175,8 @@ def main(argv=None) -> int:
     ap.add_argument("--retry-diverged", action="store_true",
                     help="run diverged runs again (by default divergence is a result and is kept)")
     ap.add_argument("--run-index", type=int, help=argparse.SUPPRESS)  # one run (SLURM array task)
-    ap.add_argument("--smooth", type=int, default=10, help="loss smoothing window in logged points")
+    ap.add_argument("--smooth", type=int, default=None,
+                    help="loss smoothing window in logged points (default: the sweep file's smooth:, else 10)")
     args = ap.parse_args(argv)
     try:
         if args.parallel < 1:
@@ -196,7 +198,8 @@ def main(argv=None) -> int:
             print(f"sweep {args.sweep}: {len(runs)} runs ({len(runs) // len(seeds or [0])} grid points x "
                   f"{len(seeds or [0])} seed(s)), {args.parallel} at a time, {nproc} process(es) each")
             failed = run_local(out, runs, nproc, args.parallel, extra, args.retry_diverged)
-        collect(out, runs, sweep.get("baseline"), args.smooth, sweep.get("equivalence_margin"),
+        window = args.smooth or sweep.get("smooth", 10)
+        collect(out, runs, sweep.get("baseline"), window, sweep.get("equivalence_margin"),
                 sweep.get("descent_steps"), sweep.get("published"), sweep.get("contrasts"))
         plots = ([out / "rl_curves.png"] if runs and runs[0].script == "rl"
                  else [out / "loss_curves.png", out / "loss_gap_curves.png", out / "gap.png"])

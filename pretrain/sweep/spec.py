@@ -18,7 +18,7 @@ __all__ = ["GEMMS", "POINT_KEYS", "RESERVED_FLAGS", "SCRIPTS", "SWEEP_KEYS", "Ru
 
 GEMMS = ("fprop", "dgrad", "wgrad")
 SWEEP_KEYS = {"base", "grid", "baseline", "nproc-per-node", "name", "description", "seeds", "script",
-              "equivalence_margin", "descent_steps", "published", "contrasts"}
+              "equivalence_margin", "descent_steps", "published", "contrasts", "smooth"}
 # What a sweep runs: pretraining (the default) or RL post-training (``script: rl``).
 SCRIPTS = {"pretrain": "pretrain.py", "rl": "rl.py"}
 # The grid keys that name the runs' precision (or, for treatments, whole flag sets).
@@ -88,6 +88,10 @@ def load_sweep(path: str) -> dict:
     if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin > 0):
         raise SweepError(f"sweep file {path}: equivalence_margin must be a positive number (a validation-loss "
                          f"gap for pretraining, an accuracy gap for script: rl), e.g. 0.01; got {margin!r}")
+    smooth = data.get("smooth")
+    if smooth is not None and (isinstance(smooth, bool) or not isinstance(smooth, int) or smooth < 1):
+        raise SweepError(f"sweep file {path}: smooth must be a positive number of logged training losses "
+                         f"to average (the extra-tokens curves), e.g. 300; got {smooth!r}")
     _check_descent(data.get("descent_steps"), path)
     _check_published(data.get("published"), path)
     contrasts = data.get("contrasts")

@@ -138,6 +138,7 @@ def test_seed_field_gives_each_seed_its_own_starting_checkpoint(tmp_path):
      "contrasts: bf16 not among the runs' labels: fp8, mxfp4"),
     ("descent_steps: [8, 40]\ncontrasts: [[fp8, fp8]]\ngrid:\n  presets: [fp8]\n",
      "contrasts must be a list of [label, against] pairs of two different labels"),
+    ("smooth: 0\ngrid:\n  presets: [fp8]\n", "smooth must be a positive number of logged training losses"),
 ])
 def test_bad_descent_and_published_keys_fail_with_one_line(tmp_path, text, message):
     assert_refused_in_one_line(tmp_path, text, message)
