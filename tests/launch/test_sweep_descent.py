@@ -151,7 +151,8 @@ def test_the_noise_free_sweep_files_expand():
                               ("mxfp4_continuation_cpu", "wgrad_exact", 48),
                               ("mxfp4_ladder_continuation_cpu", "fp8", 28),
                               ("mxfp4_continuation_sgd_cpu", "wgrad_exact", 20),
-                              ("mxfp4_fprop_continuation_cpu", "fprop_exact", 24)):
+                              ("mxfp4_fprop_continuation_cpu", "fprop_exact", 24),
+                              ("mxfp4_dgrad_continuation_cpu", "dgrad_exact", 24)):
         path = str(ROOT / "configs" / "sweeps" / f"{name}.yaml")
         s = sweep.load_sweep(path)
         runs = sweep.expand_runs(s, path)
@@ -180,7 +181,8 @@ def test_the_study_sweep_files_are_valid_pretrain_runs():
 
 @pytest.mark.parametrize("name,gemm", [("mxfp4_fullbatch_cpu", "wgrad"), ("mxfp4_dgrad_fullbatch_cpu", "dgrad"),
                                        ("mxfp4_fprop_fullbatch_cpu", "fprop"), ("mxfp4_continuation_cpu", "wgrad"),
-                                       ("mxfp4_fprop_continuation_cpu", "fprop")])
+                                       ("mxfp4_fprop_continuation_cpu", "fprop"),
+                                       ("mxfp4_dgrad_continuation_cpu", "dgrad")])
 def test_the_gemm_isolated_sweep_files_change_only_their_gemm(name, gemm):
     """In each GEMM-isolated study every treatment's plan equals the baseline's in the other two GEMMs
     (MXFP4) and differs from it in its own GEMM; the treatments are the study's six roundings."""
