@@ -214,18 +214,20 @@ def write_tables(out: Path, rows: list[dict], summary: list[dict], tuned: list[d
             w.writerow(_summary_csv_row(s, hyper))
     seeds = max((s["seeds"] for s in summary), default=0)
     points = sum(1 for s in summary if s["against"] == baseline)
+
+    def then_contrasts(table: list[dict]) -> str:
+        return ", then each contrast 'a vs b' (a against b)" if any(s["against"] != baseline for s in table) else ""
+
     lines = [(f"# Sweep results ({len(rows)} runs, {points} grid points x {seeds} seed(s), "
               f"baseline: {baseline or 'none'})"), "",
              ("## Per grid point (gaps paired by seed against the baseline at the same hyper-parameters"
-              + (", then each contrast 'a vs b' (a against b)" if any(s["against"] != baseline for s in summary)
-                 else "") + ")"), ""]
+              f"{then_contrasts(summary)})"), ""]
     if descent:
         first, last = descent[0]["window"]
         at = next((s["baseline_loss_at"] for s in descent if s["is_baseline"]), [float("nan")] * 2)
         lines[-2] = (f"## During the descent: steps {first}-{last} (the baseline's training loss "
                      f"{_fmt(at[0])} -> {_fmt(at[1])}), paired by seed against the baseline"
-                     + (", then each contrast 'a vs b' (a against b)" if any(
-                         s["against"] != baseline for s in descent) else ""))
+                     + then_contrasts(descent))
         lines += descent_table(descent, published)
         lines += ["", ("excess train loss: the run's unsmoothed training loss minus the baseline's, mean over the "
                        "baseline's logged steps in the window; extra steps: at each of those steps s, the step at "
@@ -235,8 +237,7 @@ def write_tables(out: Path, rows: list[dict], summary: list[dict], tuned: list[d
                        "column's comparisons. Published figures are the end-of-training extra tokens of the "
                        "source, not a descent measurement."),
                   "", ("## Per grid point at the end (gaps paired by seed against the baseline at the same "
-                       "hyper-parameters" + (", then each contrast 'a vs b' (a against b)" if any(
-                           s["against"] != baseline for s in summary) else "") + ")"), ""]
+                       f"hyper-parameters{then_contrasts(summary)})"), ""]
     lines += summary_table(summary, hyper)
     if tuned:
         lines += ["", (f"## Each precision at its own best {', '.join(hyper)} (lowest mean val loss), "

@@ -135,6 +135,13 @@ def paired_base(rows: list[dict], baseline: str | None, hyper_equal: bool) -> di
     return pairs
 
 
+def partner(rows: list[dict], label: str | None, row: dict) -> dict | None:
+    """The run of ``label`` that ``row`` is paired with: the same seed and hyper-parameters."""
+    run = row["_run"]
+    return next((r for r in rows if r["_run"].label == label and r["_run"].seed == run.seed
+                 and r["_run"].point == run.point), None)
+
+
 def _diverged(row: dict) -> bool:
     return bool(row["diverged"] or row["status"] == "diverged")
 
@@ -197,8 +204,7 @@ def _summary_row(group: str, members: list[dict], rows: list[dict], against: str
         if base_group is not None:
             b = base_group.get(m["_run"].seed)
         else:
-            b = next((r for r in rows if r["_run"].label == against and r["_run"].seed == m["_run"].seed
-                      and r["_run"].point == m["_run"].point), None)
+            b = partner(rows, against, m)
         if b is None or (_diverged(b) and b is not m):
             continue
         p = pair_numbers(m, b)
@@ -263,8 +269,7 @@ def summarize_descent(rows: list[dict], baseline: str | None, window: list[int],
         members = groups[group]
         extras, excess, n_diverged = [], [], 0
         for m in members:
-            b = next((r for r in rows if r["_run"].label == against and r["_run"].seed == m["_run"].seed
-                      and r["_run"].point == point), None)
+            b = partner(rows, against, m)
             unfinished = any(r.get("status", "done") not in ("done", "diverged") for r in (m, b) if r is not None)
             if b is None or unfinished or (_diverged(b) and b is not m) or not m["_raw"][0]:
                 continue  # no pair (yet): a pending, running or failed run, or a diverged baseline
