@@ -88,7 +88,7 @@ def write_corpus(spec, out: str, n_sft: int) -> dict:
 # (130-400 tokens/s instead of 2,000-6,000).
 SFT_MODEL = ("--model-size tiny --num-layers 3 --hidden-size 128 --ffn-hidden-size 512 --num-attention-heads 4 "
              "--num-query-groups 2 --seq-length 32")
-SFT_TRAINING = ("--micro-batch-size 16 --global-batch-size 16 --precision bf16 --lr 3e-3 --min-lr 3e-4 "
+SFT_TRAINING = ("--micro-batch-size 32 --global-batch-size 32 --precision bf16 --lr 3e-3 --min-lr 3e-4 "
                 "--lr-warmup-iters 30 --train-iters 3000 --eval-interval 3000 --eval-iters 4 --log-interval 100")
 
 

@@ -26,9 +26,8 @@ def test_the_sweep_file_expands_and_names_its_margin():
     labels = list(dict.fromkeys(r.label for r in runs))
     assert labels[0] == spec["baseline"] == "bf16" and spec["equivalence_margin"] == 0.03
     assert len(runs) == len(labels) * len(spec["seeds"])
-    kv_rule = next(r for r in runs if r.label == "nvfp4_kvlast_fp8")
-    i = kv_rule.flags.index("--rollout-precision-rule")
-    assert kv_rule.flags[i + 1] == "last:1=kv=fp8"  # the per-layer KV form reaches launch/rl.py
+    plans = {r.label: r.flags[r.flags.index("--rollout-precision") + 1] for r in runs}
+    assert plans == {"bf16": "bf16", "nvfp4": "nvfp4"}  # FP4 weights, activations and KV-cache
     assert all("--load" in r.flags and r.script == "rl" for r in runs)
 
 
@@ -79,7 +78,7 @@ def test_smoke_sweep_of_the_sweep_files_treatments(tmp_path):
                        check=False, capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     md = (out / "results.md").read_text()
-    for label in ("bf16", "nvfp4", "nvfp4_kvlast_fp8"):
+    for label in ("bf16", "nvfp4"):
         assert f"| {label} | 1 |" in md
     assert "; 1 failed" not in md
 

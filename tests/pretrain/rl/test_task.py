@@ -35,7 +35,7 @@ def _solve(prompt: str) -> int:
 
 def test_the_shipped_task_file():
     spec = load_task(ARITH)
-    assert spec.name == "arith" and spec.operations == ("+", "-") and spec.n_eval == 200
+    assert spec.name == "arith" and spec.operations == ("+", "-") and spec.n_eval == 1000
     problems = train_problems(spec, 0, 50) + eval_problems(spec)
     assert all(int(p.answer) == _solve(p.prompt) and p.prompt.startswith("\n") and p.prompt.endswith("=")
                for p in problems)  # the newline marks where a problem starts
