@@ -169,8 +169,9 @@ def fake_quantize(
     first as ``precision.rotation.rotate(x, axis, n, signs)`` (``n`` its size, ``signs`` the +-1
     vector of ``rht*``), fused into the same kernel (``x.shape[axis]`` must be a multiple of n).
     ``amax`` (a float or a 0-d float32 tensor, no host read): the amax of the tensor-level scale --
-    per-tensor formats and NVFP4's FP32 tensor scale -- instead of this tensor's own. ``sr``: stochastic rounding's counter-based key
-    (``precision.srand.SRKey``), or a ``torch.Generator`` (eager draws in the reference's order).
+    per-tensor formats and NVFP4's FP32 tensor scale -- instead of this tensor's own. ``sr``:
+    stochastic rounding's counter-based key (``precision.srand.SRKey``), or a ``torch.Generator``
+    (eager draws in the reference's order).
     Returns ``(values, stats)``; per-tensor formats report ``amax`` (this tensor's) and
     ``num_clipped`` in ``stats``. The formats without a fused expression (FP32, BF16, HiF8) go
     through the reference directly.

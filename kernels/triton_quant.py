@@ -816,9 +816,9 @@ def cast_transpose_triton(
     ``fmt_col``: blocks along axis 0, the token axis (``x`` or ``dy`` for Wgrad). Each is an
     ``OperandFormat`` (or a format name for its defaults), as :func:`quantize_triton` takes it, with
     its own SR key (``sr_row`` / ``sr_col``) and scale amax (``amax_*``: delayed or TP-reduced;
-    None: this tensor's own, found by one amax pass shared by both). Results are those of ``quantize_triton(x, fmt, axis=1 / 0,
-    layout="contraction_last", ...)`` bit for bit -- ``[T, H]`` and ``[H, T]`` -- so they equal the
-    reference quantizer's for each layout. No rotation (a rotated operand is another tensor) and no
+    None: this tensor's own, found by one amax pass shared by both). Results are those of
+    ``quantize_triton(x, fmt, axis=1 / 0, layout="contraction_last", ...)`` bit for bit -- ``[T, H]``
+    and ``[H, T]`` -- so they equal the reference quantizer's for each layout. No rotation (a rotated operand is another tensor) and no
     FP4 packing; ``bf16_form`` as in :func:`quantize_triton`.
     """
     if x.dim() != 2:

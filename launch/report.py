@@ -128,11 +128,11 @@ def sweep_report(out: Path) -> int:
     import json
 
     from pretrain.sweep.report import collect
-    from pretrain.sweep.spec import Run
+    from pretrain.sweep.spec import SMOOTH_DEFAULT, Run
 
     info = json.loads((out / "sweep.json").read_text())
     runs = [Run(**r) for r in info["runs"]]
-    collect(out, runs, info["sweep"].get("baseline"), window=info["sweep"].get("smooth", 10),
+    collect(out, runs, info["sweep"].get("baseline"), window=info["sweep"].get("smooth", SMOOTH_DEFAULT),
             margin=info["sweep"].get("equivalence_margin"),
             descent=info["sweep"].get("descent_steps"), published=info["sweep"].get("published"),
             contrasts=info["sweep"].get("contrasts"))

@@ -137,6 +137,7 @@ from pretrain.sweep.spec import (
     POINT_KEYS,
     RESERVED_FLAGS,
     SCRIPTS,
+    SMOOTH_DEFAULT,
     SWEEP_KEYS,
     Run,
     SweepError,
@@ -198,7 +199,7 @@ def main(argv=None) -> int:
             print(f"sweep {args.sweep}: {len(runs)} runs ({len(runs) // len(seeds or [0])} grid points x "
                   f"{len(seeds or [0])} seed(s)), {args.parallel} at a time, {nproc} process(es) each")
             failed = run_local(out, runs, nproc, args.parallel, extra, args.retry_diverged)
-        window = args.smooth or sweep.get("smooth", 10)
+        window = args.smooth or sweep.get("smooth", SMOOTH_DEFAULT)
         collect(out, runs, sweep.get("baseline"), window, sweep.get("equivalence_margin"),
                 sweep.get("descent_steps"), sweep.get("published"), sweep.get("contrasts"))
         plots = ([out / "rl_curves.png"] if runs and runs[0].script == "rl"

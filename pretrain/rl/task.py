@@ -28,9 +28,9 @@ Where a problem starts: in the starting policy's corpus every example follows an
 id, but an RL prompt is tokenized from its text alone and sits at position 0. The default template
 therefore begins with a newline (one token of the task tokenizer), so the corpus holds
 ``</s>\n12+34=46</s>\n5-7=-2</s>...`` and a prompt ``\n12+34=`` starts the way every training
-example does. Measured on an earlier starting policy (3 layers, hidden 128, 3,000 iterations of 16 sequences):
-without any start marker the held-out greedy accuracy was 2 %, with the end-of-document id in front
-of the same prompts 28.5 %.
+example does. Measured on an earlier starting policy (3 layers, hidden 128, 3,000 iterations of 16
+sequences): without any start marker the held-out greedy accuracy was 2 %, with the end-of-document
+id in front of the same prompts 28.5 %.
 
 Answers and rewards: the answer is the canonical decimal integer (``-`` for negatives, no leading
 zeros, no ``+``). The end of an answer is the tokenizer's end-of-document id, which

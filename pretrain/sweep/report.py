@@ -23,13 +23,13 @@ from pretrain.sweep.results import (
     summarize_descent,
 )
 from pretrain.sweep.runner import read_status, run_dir
-from pretrain.sweep.spec import Run
+from pretrain.sweep.spec import SMOOTH_DEFAULT, Run
 
 __all__ = ["COLUMNS", "DESCENT_COLUMNS", "SUMMARY_COLUMNS", "SUMMARY_EXTRA_COLUMNS", "collect", "collect_rl",
            "descent_table", "summary_table", "write_tables"]
 
 
-def collect(out: Path, runs: list[Run], baseline: str | None, window: int = 10,
+def collect(out: Path, runs: list[Run], baseline: str | None, window: int = SMOOTH_DEFAULT,
             margin: float | None = None, descent: list[int] | None = None,
             published: dict | None = None, contrasts: list[list[str]] | None = None) -> list[dict]:
     """Analyse every run, write results.csv / summary.csv / results.md and the plots; return the run

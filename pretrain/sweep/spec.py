@@ -13,12 +13,14 @@ import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["GEMMS", "POINT_KEYS", "RESERVED_FLAGS", "SCRIPTS", "SWEEP_KEYS", "Run", "SweepError", "expand_runs",
-           "load_sweep"]
+__all__ = ["GEMMS", "POINT_KEYS", "RESERVED_FLAGS", "SCRIPTS", "SMOOTH_DEFAULT", "SWEEP_KEYS", "Run", "SweepError",
+           "expand_runs", "load_sweep"]
 
 GEMMS = ("fprop", "dgrad", "wgrad")
 SWEEP_KEYS = {"base", "grid", "baseline", "nproc-per-node", "name", "description", "seeds", "script",
               "equivalence_margin", "descent_steps", "published", "contrasts", "smooth"}
+# The training-loss window of the extra-tokens curves, in logged points, when a sweep file has no smooth:.
+SMOOTH_DEFAULT = 10
 # What a sweep runs: pretraining (the default) or RL post-training (``script: rl``).
 SCRIPTS = {"pretrain": "pretrain.py", "rl": "rl.py"}
 # The grid keys that name the runs' precision (or, for treatments, whole flag sets).
