@@ -27,11 +27,10 @@ def test_the_sweep_file_expands_and_names_its_margin():
     assert labels[0] == spec["baseline"] == "bf16" and spec["equivalence_margin"] == 0.03
     assert len(runs) == len(labels) * len(spec["seeds"])
     plans = {r.label: r.flags[r.flags.index("--rollout-precision") + 1] for r in runs}
-    # FP4 weights, activations and KV-cache in every FP4 treatment
-    assert plans == {"bf16": "bf16", "nvfp4": "nvfp4", "nvfp4_tis": "nvfp4", "nvfp4_seq_tis": "nvfp4"}
-    corrections = {r.label: r.flags[r.flags.index("--rollout-correction") + 1]
-                   for r in runs if "--rollout-correction" in r.flags}
-    assert corrections == {"nvfp4_tis": "tis", "nvfp4_seq_tis": "seq_tis"}
+    assert plans == {"bf16": "bf16", "nvfp4": "nvfp4", "nvfp4_tis": "nvfp4"}  # FP4 weights, activations, KV
+    tis = next(r for r in runs if r.label == "nvfp4_tis")
+    assert tis.flags[tis.flags.index("--rollout-correction") + 1] == "tis"
+    assert all("--rollout-correction" not in r.flags for r in runs if r.label != "nvfp4_tis")
     assert all("--load" in r.flags and r.script == "rl" for r in runs)
 
 
@@ -82,7 +81,7 @@ def test_smoke_sweep_of_the_sweep_files_treatments(tmp_path):
                        check=False, capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     md = (out / "results.md").read_text()
-    for label in ("bf16", "nvfp4", "nvfp4_tis", "nvfp4_seq_tis"):
+    for label in ("bf16", "nvfp4", "nvfp4_tis"):
         assert f"| {label} | 1 |" in md
     assert "; 1 failed" not in md
 
