@@ -1,9 +1,10 @@
 """The RL task's data and its starting policy: write the SFT corpus, or evaluate a checkpoint on it.
 
-    python launch/rl_task.py --task configs/rl/arith.yaml --out DIR
+    python launch/rl_task.py --task configs/rl/arith.yaml --out DIR [--policy-width 256]
     # -> DIR/sft.jsonl (the starting policy's corpus: {"text": "12+345=357"} per line),
     #    DIR/eval.jsonl (the held-out problems: {"prompt", "answer"}), and prints the
     #    launch/preprocess_data.py and launch/pretrain.py commands that train the starting policy
+    #    (3 layers of hidden 128 into DIR/sft, or with --policy-width 256 of hidden 256 into DIR/sft_h256)
 
     python launch/rl_task.py --task configs/rl/arith.yaml --evaluate CKPT_DIR --rollout-precision mxfp4 \\
         --group-size 8 --out DIR
@@ -37,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--task", required=True, metavar="FILE", help="task seed file, e.g. configs/rl/arith.yaml")
     add("--out", required=True, metavar="DIR", help="output directory")
     add("--sft-examples", type=int, default=50000, help="documents in DIR/sft.jsonl (default 50000)")
+    add("--policy-width", type=int, choices=sorted(SFT_RECIPES), default=128,
+        help="hidden size of the starting policy whose training command is printed (default 128)")
     g = p.add_argument_group("evaluation of a checkpoint (--evaluate)")
     add = g.add_argument
     add("--evaluate", metavar="CKPT_DIR", help="a training checkpoint directory (launch/pretrain.py --save)")
@@ -86,20 +89,47 @@ def write_corpus(spec, out: str, n_sft: int) -> dict:
 # The starting policy's training run. On a shared CPU machine run it with OMP_NUM_THREADS=1: under a
 # load of ~30-50 runnable threads on 2 cores, OpenMP's spinning workers made the same run 20-40x slower
 # (130-400 tokens/s instead of 2,000-6,000).
-SFT_MODEL = ("--model-size tiny --num-layers 3 --hidden-size 128 --ffn-hidden-size 512 --num-attention-heads 4 "
-             "--num-query-groups 2 --seq-length 32")
-SFT_TRAINING = ("--micro-batch-size 32 --global-batch-size 32 --precision bf16 --lr 3e-3 --min-lr 3e-4 "
-                "--lr-warmup-iters 30 --train-iters 3000 --eval-interval 3000 --eval-iters 4 --log-interval 100")
+SFT_MODEL = "--model-size tiny --num-layers 3 --num-attention-heads 4 --num-query-groups 2 --seq-length 32"
+SFT_BATCH = "--micro-batch-size 32 --global-batch-size 32 --precision bf16 --lr-warmup-iters 30"
 
 
-def commands(out: str, vocab: int, save: str) -> list[str]:
-    """The two commands that train the starting policy on ``out``'s corpus."""
+@dataclasses.dataclass(frozen=True)
+class SftRecipe:
+    """One starting policy's width and schedule (configs/sweeps/fp4_rollout.md: how each was chosen)."""
+
+    hidden: int
+    ffn: int
+    lr: float
+    min_lr: float
+    iters: int
+    save_interval: int
+    save_dir: str  # under --out
+
+    def flags(self) -> str:
+        return (f"{SFT_MODEL} --hidden-size {self.hidden} --ffn-hidden-size {self.ffn} {SFT_BATCH} "
+                f"--lr {self.lr:g} --min-lr {self.min_lr:g} --train-iters {self.iters} --eval-interval {self.iters} "
+                "--eval-iters 4 --log-interval 100")
+
+
+# hidden 128: 3,000 iterations, greedy held-out 0.586 (the fp4_rollout sweep's start). hidden 256: the
+# same corpus at half the peak lr (3e-3 left it at 0.064 after 3,000 iterations); its iteration 2000
+# (0.678) is the fp4_rollout_h256 sweep's start, its last (4000) reaches 0.857.
+SFT_RECIPES = {
+    128: SftRecipe(128, 512, 3e-3, 3e-4, 3000, 500, "sft"),
+    256: SftRecipe(256, 1024, 1.5e-3, 1.5e-4, 4000, 1000, "sft_h256"),
+}
+
+
+def commands(out: str, vocab: int, width: int = 128) -> list[str]:
+    """The two commands that train the starting policy of hidden size ``width`` on ``out``'s corpus."""
+    r = SFT_RECIPES[width]
     tok = os.path.join(out, "tokenizer.model")
     return [
         (f"python launch/preprocess_data.py --input {out}/sft.jsonl --output-prefix {out}/sft "
          f"--tokenizer-model {tok} --train-tokenizer {vocab} --append-eod"),
-        (f"OMP_NUM_THREADS=1 python launch/pretrain.py {SFT_MODEL} {SFT_TRAINING} --data-path "
-         f"{out}/sft_text_document --tokenizer-model {tok} --split 98,2,0 --save {save} --save-interval 500"),
+        (f"OMP_NUM_THREADS=1 python launch/pretrain.py {r.flags()} --data-path {out}/sft_text_document "
+         f"--tokenizer-model {tok} --split 98,2,0 --save {os.path.join(out, r.save_dir)} "
+         f"--save-interval {r.save_interval}"),
     ]
 
 
@@ -194,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.out}/sft.jsonl: {info['sft']} documents; {args.out}/eval.jsonl: {info['eval']} held-out "
               f"problems (task {spec.name!r}, seed {spec.seed})")
         print("train the starting policy with:")
-        for cmd in commands(args.out, info["vocab"], os.path.join(args.out, "sft")):
+        for cmd in commands(args.out, info["vocab"], args.policy_width):
             print(f"  {cmd}")
         return 0
     if not os.path.isdir(args.evaluate):

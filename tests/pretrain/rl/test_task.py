@@ -169,6 +169,29 @@ def test_rl_task_writes_the_corpus_and_the_commands(tmp_path, capsys):
     assert tok.detokenize(prompt[:1]) == "\n" and tok.detokenize(prompt) == eval_problems(spec)[0].prompt
 
 
+def test_rl_task_prints_each_starting_policys_training_command(tmp_path, capsys):
+    """--policy-width picks the SFT recipe: the printed pretrain.py command parses under pretrain.py's own
+    parser into that width, schedule and checkpoint directory (the fp4_rollout and fp4_rollout_h256
+    sweeps load them)."""
+    import shlex
+
+    from launch.rl_task import main
+    from pretrain.arguments import build_parser
+
+    out = tmp_path / "data"
+    for width, ffn, lr, iters, save in ((128, 512, 3e-3, 3000, "sft"), (256, 1024, 1.5e-3, 4000, "sft_h256")):
+        assert main(["--task", ARITH, "--out", str(out), "--sft-examples", "300", "--policy-width", str(width)]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if "launch/pretrain.py" in x)
+        tokens = shlex.split(line)
+        args = build_parser().parse_args(tokens[tokens.index("launch/pretrain.py") + 1:])
+        assert (args.hidden_size, args.ffn_hidden_size, args.num_layers) == (width, ffn, 3)
+        assert args.lr == pytest.approx(lr) and args.min_lr == pytest.approx(lr / 10) and args.train_iters == iters
+        assert args.save == str(out / save)
+    with pytest.raises(SystemExit):
+        main(["--task", ARITH, "--out", str(out), "--policy-width", "512"])
+    assert "--policy-width: invalid choice: 512 (choose from 128, 256)" in capsys.readouterr().err
+
+
 def test_rl_task_refuses_bad_input_in_one_line(tmp_path, capsys):
     from launch.rl_task import main
 
