@@ -36,17 +36,18 @@ def test_the_sweep_file_expands_and_names_its_margin():
 
 def test_the_wider_policy_sweep_file_loads_its_start_and_pairs_two_treatments():
     """fp4_rollout_h256.yaml: the same recipe from the hidden-256 SFT's iteration 2000 (the directory and
-    step rl_task.py --policy-width 256 trains), BF16 rollouts against all-NVFP4 rollouts with token TIS."""
+    step rl_task.py --policy-width 256 trains), BF16 rollouts against all-NVFP4 rollouts with and without
+    token TIS."""
     f = ROOT / "configs" / "sweeps" / "fp4_rollout_h256.yaml"
     spec = sweep.load_sweep(str(f))
     runs = sweep.expand_runs(spec, str(f))
     assert spec["baseline"] == "bf16" and spec["equivalence_margin"] == 0.03 and spec["seeds"] == [0, 1, 2, 3]
-    assert len(runs) == 8 and all(r.script == "rl" for r in runs)
+    assert len(runs) == 12 and all(r.script == "rl" for r in runs)
     for r in runs:
         assert r.flags[r.flags.index("--load") + 1] == "runs/rl_task/sft_h256"
         assert r.flags[r.flags.index("--ckpt-step") + 1] == "2000"
     plans = {r.label: r.flags[r.flags.index("--rollout-precision") + 1] for r in runs}
-    assert plans == {"bf16": "bf16", "nvfp4_tis": "nvfp4"}
+    assert plans == {"bf16": "bf16", "nvfp4_tis": "nvfp4", "nvfp4": "nvfp4"}
     tis = [r for r in runs if "--rollout-correction" in r.flags]
     assert {r.label for r in tis} == {"nvfp4_tis"} and len(tis) == 4
     assert all(r.flags[r.flags.index("--rollout-correction") + 1] == "tis" for r in tis)
