@@ -818,8 +818,8 @@ def cast_transpose_triton(
     its own SR key (``sr_row`` / ``sr_col``) and scale amax (``amax_*``: delayed or TP-reduced;
     None: this tensor's own, found by one amax pass shared by both). Results are those of
     ``quantize_triton(x, fmt, axis=1 / 0, layout="contraction_last", ...)`` bit for bit -- ``[T, H]``
-    and ``[H, T]`` -- so they equal the reference quantizer's for each layout. No rotation (a rotated operand is another tensor) and no
-    FP4 packing; ``bf16_form`` as in :func:`quantize_triton`.
+    and ``[H, T]`` -- so they equal the reference quantizer's for each layout. No rotation (a rotated
+    operand is another tensor) and no FP4 packing; ``bf16_form`` as in :func:`quantize_triton`.
     """
     if x.dim() != 2:
         raise ValueError(f"cast_transpose: x must be 2-D [T, H], got shape {tuple(x.shape)}")

@@ -95,28 +95,27 @@ SFT_BATCH = "--micro-batch-size 32 --global-batch-size 32 --precision bf16 --lr-
 
 @dataclasses.dataclass(frozen=True)
 class SftRecipe:
-    """One starting policy's width and schedule (configs/sweeps/fp4_rollout.md: how each was chosen)."""
+    """One starting policy's width and schedule (configs/sweeps/fp4_rollout.md: how each was chosen);
+    the FFN is 4 x hidden and the lr decays to a tenth of its peak."""
 
     hidden: int
-    ffn: int
     lr: float
-    min_lr: float
     iters: int
     save_interval: int
     save_dir: str  # under --out
 
     def flags(self) -> str:
-        return (f"{SFT_MODEL} --hidden-size {self.hidden} --ffn-hidden-size {self.ffn} {SFT_BATCH} "
-                f"--lr {self.lr:g} --min-lr {self.min_lr:g} --train-iters {self.iters} --eval-interval {self.iters} "
-                "--eval-iters 4 --log-interval 100")
+        return (f"{SFT_MODEL} --hidden-size {self.hidden} --ffn-hidden-size {4 * self.hidden} {SFT_BATCH} "
+                f"--lr {self.lr:g} --min-lr {self.lr / 10:g} --train-iters {self.iters} "
+                f"--eval-interval {self.iters} --eval-iters 4 --log-interval 100")
 
 
 # hidden 128: 3,000 iterations, greedy held-out 0.586 (the fp4_rollout sweep's start). hidden 256: the
 # same corpus at half the peak lr (3e-3 left it at 0.064 after 3,000 iterations); its iteration 2000
 # (0.678) is the fp4_rollout_h256 sweep's start, its last (4000) reaches 0.857.
 SFT_RECIPES = {
-    128: SftRecipe(128, 512, 3e-3, 3e-4, 3000, 500, "sft"),
-    256: SftRecipe(256, 1024, 1.5e-3, 1.5e-4, 4000, 1000, "sft_h256"),
+    128: SftRecipe(128, 3e-3, 3000, 500, "sft"),
+    256: SftRecipe(256, 1.5e-3, 4000, 1000, "sft_h256"),
 }
 
 
