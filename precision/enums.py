@@ -20,7 +20,7 @@ import enum
 
 import torch
 
-__all__ = ["AmaxAlgo", "Rounding", "ScaleRule", "Scaling"]
+__all__ = ["AmaxAlgo", "FourOverSix", "Rounding", "ScaleRule", "Scaling"]
 
 
 class _StrEnum(str, enum.Enum):
@@ -120,6 +120,16 @@ class Rounding(_StrEnum):
 class ScaleRule(_StrEnum):
     FLOOR = "floor"  # OCP MX: exponent = floor(log2 amax) - emax_elem (the block maximum may clip)
     RCEIL = "rceil"  # NVIDIA hardware: 2^ceil(log2(amax / max_normal)) (never clips)
+
+
+class FourOverSix(_StrEnum):
+    """NVFP4 four-over-six (``precision.four_over_six``): per block, map the amax to 4 or to 6,
+    whichever block error is smaller under this measure; ``none``: always 6 (plain NVFP4)."""
+
+    NONE = "none"
+    MSE = "mse"  # sum of squared errors (the authors' default; spec modifier ``4over6``)
+    MAE = "mae"  # sum of absolute errors (``4over6(mae)``)
+    ABS_MAX = "abs_max"  # largest absolute error (``4over6(abs_max)``)
 
 
 class AmaxAlgo(_StrEnum):

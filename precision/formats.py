@@ -33,7 +33,8 @@ from precision.elements import (
     decode_element,
     encode_element,
 )
-from precision.enums import AmaxAlgo, Rounding, ScaleRule, Scaling
+from precision.enums import AmaxAlgo, FourOverSix, Rounding, ScaleRule, Scaling
+from precision.four_over_six import fouroversix_quantize
 from precision.hif8 import HIF8_MAX, HIF8_SCALE_TARGET, hif8_decode, hif8_encode
 from precision.srand import SRKey
 from precision.tensorwise import scale_from_amax, tensor_amax
@@ -167,6 +168,7 @@ class Format(abc.ABC):
     roundings: tuple[Rounding, ...] = tuple(Rounding)  # every mode of precision.enums.Rounding
     scale_rules: tuple[ScaleRule, ...] = (ScaleRule.FLOOR,)  # more than FLOOR: MX
     delayed: bool = False  # delayed scaling (an amax history) applies
+    four_over_six: bool = False  # NVFP4: the per-block 4-or-6 scale choice (``/4over6``) applies
     max_normal: float = 0.0
     scale_target: float = 0.0
     """Per-tensor formats: the value a tensor's amax maps to, ``scale = scale_target / amax``
@@ -278,6 +280,7 @@ class Format(abc.ABC):
             raise ValueError(f"{self.name}.quantize: the operand format is {op.fmt}, not {self.name}")
         r, s = (Rounding.NEAREST, ScaleRule.FLOOR) if op is None else (op.rounding, op.scale_rule)
         prescale, block2d = (1.0, False) if op is None else (op.prescale_factor, op.block2d)
+        extra = {} if op is None or op.four_over_six == FourOverSix.NONE else {"four_over_six": op.four_over_six}
         if block2d and x.dim() != 2:
             raise ValueError(f"{self.name}: 2-D block scaling takes a 2-D tensor (a weight [out, in]), "
                              f"got shape {tuple(x.shape)}")
@@ -289,8 +292,8 @@ class Format(abc.ABC):
         if r.stochastic and sr is not None and generator is None:  # natural layout, blocked like x below
             u = sr.uniforms(x.shape, x.device)
         if block2d:
-            return self._quantize(x.float(), axis, r, s, generator, prescale, amax, u, block2d=True)
-        return self._quantize(x.float(), axis, r, s, generator, prescale, amax, u)
+            return self._quantize(x.float(), axis, r, s, generator, prescale, amax, u, block2d=True, **extra)
+        return self._quantize(x.float(), axis, r, s, generator, prescale, amax, u, **extra)
 
     @abc.abstractmethod
     def _quantize(self, xf, axis, rounding, scale_rule, generator, prescale, amax, u) -> QuantizedTensor:
@@ -415,11 +418,16 @@ class NVFP4Format(Format):
     """NVFP4: 16-element blocks with E4M3 scales under an FP32 tensor scale from the tensor amax
     (or a given one: the TP-reduced whole-tensor amax)."""
 
-    def _quantize(self, xf, axis, rounding, scale_rule, generator, prescale, amax, u, block2d=False):
+    def _quantize(self, xf, axis, rounding, scale_rule, generator, prescale, amax, u, block2d=False,
+                  four_over_six=FourOverSix.NONE):
         n = xf.shape[axis]
+        used = tensor_amax(xf) if amax is None else torch.as_tensor(amax, dtype=torch.float32, device=xf.device)
+        if four_over_six != FourOverSix.NONE:  # precision.four_over_six: per block, amax -> 4 or 6
+            codes, sbytes, g_enc = fouroversix_quantize(xf, axis, used.reshape(()), four_over_six, rounding,
+                                                        generator, u, block2d)
+            return QuantizedTensor(self.name, codes, sbytes, axis, tensor_scale=g_enc, block2d=block2d)
         xb = blocks.to_blocks(xf, axis, self.block)
         ub = blocks.to_blocks(u, axis, self.block) if u is not None else None
-        used = tensor_amax(xf) if amax is None else torch.as_tensor(amax, dtype=torch.float32, device=xf.device)
         g_enc = blocks.nvfp4_tensor_scale(used.reshape(()))
         tiles = blocks.tile_amax(xf, axis, self.tile) if block2d else None
         codes, sbytes = blocks.nvfp4_quantize_blocks(xb, g_enc, rounding, generator, ub, amax=tiles)
@@ -461,7 +469,8 @@ FORMATS: dict[str, Format] = {
         _mx("mxfp6_e3m2", E3M2, "E3M2 (FP6)"),
         _mx("mxfp4", E2M1, "E2M1 (FP4)"),
         NVFP4Format("nvfp4", Scaling.TWO_LEVEL, "E2M1 + E4M3 scale per 16 + FP32 tensor scale", E2M1, block=16,
-                    code_bits=4, scale_bits=8, tile=16, max_normal=E2M1.max_normal, rate_class="fp4"),
+                    code_bits=4, scale_bits=8, tile=16, max_normal=E2M1.max_normal, rate_class="fp4",
+                    four_over_six=True),
     )
 }
 

@@ -21,7 +21,9 @@ Compact spec (``LinearPrecision.parse`` / ``str``)::
 GEMM spec grammar: ``operand ['@' operand] ('+' modifier)*`` with ``operand = format ('/' mod)*``.
 Operand modifiers: ``sr`` (stochastic rounding), ``prescale`` (3/4 before SR), ``2d`` (weights:
 2-D square tiles, NVFP4 16x16 / MX 32x32), ``rceil`` (MX scale rule; ``floor`` is the default), ``delayed(ALGO[,N])`` (per-tensor formats: ALGO one of
-most_recent, max, ema), ``margin(N)`` (per-tensor formats: scale = target / amax / 2^N).
+most_recent, max, ema), ``margin(N)`` (per-tensor formats: scale = target / amax / 2^N),
+``4over6[(mse|mae|abs_max)]`` (NVFP4: each block's amax mapped to 4 or 6, whichever block error
+is smaller -- ``precision.four_over_six``).
 GEMM modifiers: a rotation (had16, had32, rht16, rht16_resample) or any
 operand modifier, applied to both operands. ``fp8`` alone means TransformerEngine's hybrid: E4M3
 for ``x`` and ``w``, E5M2 for ``dy``.
@@ -35,7 +37,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from precision.enums import AmaxAlgo, Rounding, ScaleRule, Scaling
+from precision.enums import AmaxAlgo, FourOverSix, Rounding, ScaleRule, Scaling
 from precision.formats import FORMATS, format_names
 from precision.rotation import ROTATIONS
 
@@ -114,6 +116,10 @@ class OperandFormat:
     with the format's own ``scale_target`` (FP8: its max normal; HiF8: 2^3). Positive leaves more
     headroom above the amax; negative moves the amax up towards ``max_normal`` (HiF8 ``-12`` is
     the FP8 rule, amax -> 2^15)."""
+    four_over_six: FourOverSix = FourOverSix.NONE
+    """NVFP4 only (``/4over6``, arXiv 2512.02010): per block, the scale mapping its amax to 4 or to
+    6, whichever gives the smaller block error under this measure (``mse``, ``mae``, ``abs_max``);
+    the largest block scale becomes 256 (``precision.four_over_six``). ``none``: plain NVFP4."""
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
@@ -121,7 +127,8 @@ class OperandFormat:
         self._derive()
         spec = self.format
         for field, enum_type, what in (("rounding", Rounding, "rounding"), ("scale_rule", ScaleRule, "scale rule"),
-                                       ("amax_algo", AmaxAlgo, "amax algorithm")):
+                                       ("amax_algo", AmaxAlgo, "amax algorithm"),
+                                       ("four_over_six", FourOverSix, "4over6 error measure")):
             value = getattr(self, field)
             if value not in enum_type.values():
                 raise SpecError(f"{self.fmt}: unknown {what} {value!r}; valid: {', '.join(enum_type.values())}")
@@ -137,6 +144,9 @@ class OperandFormat:
         if self.block2d and not spec.tile:
             raise SpecError(f"{self.fmt}: 2-D block scaling (2d) does not apply; valid with: "
                             f"{', '.join(format_names(lambda f: f.tile))}")
+        if self.four_over_six != FourOverSix.NONE and not spec.four_over_six:
+            raise SpecError(f"{self.fmt}: 4over6 (a choice between block scales mapping the amax to 4 or 6) "
+                            f"applies to NVFP4 only; valid with: {', '.join(format_names(lambda f: f.four_over_six))}")
         if self.amax_algo != AmaxAlgo.CURRENT and not spec.delayed:
             raise SpecError(f"{self.fmt}: delayed scaling applies to per-tensor formats only "
                             f"({', '.join(format_names(lambda f: f.delayed))})")
@@ -169,6 +179,14 @@ class OperandFormat:
         return self.format.kind == Scaling.NONE
 
     @property
+    def reference_only(self) -> str | None:
+        """Why only the reference quantizer (``precision.quantize``) implements this operand's
+        settings -- one line the fused and Triton dispatchers hand on -- or None when they do too."""
+        if self.four_over_six != FourOverSix.NONE:
+            return f"{self}: 4over6 runs in the reference quantizer only (precision.four_over_six)"
+        return None
+
+    @property
     def scale_target(self) -> float:
         """Per-tensor formats: the value this operand's amax maps to, the format's ``scale_target``
         divided by 2^``margin``."""
@@ -188,6 +206,8 @@ class OperandFormat:
             mods.append(f"delayed({self.amax_algo},{self.amax_history_len})")
         if self.margin:
             mods.append(f"margin({self.margin})")
+        if self.four_over_six != FourOverSix.NONE:
+            mods.append("4over6" if self.four_over_six == FourOverSix.MSE else f"4over6({self.four_over_six})")
         return mods
 
     def __str__(self) -> str:
@@ -233,6 +253,7 @@ class GemmRecipe:
 
 _MOD_RE = re.compile(r"^delayed\((\w+)(?:,(\d+))?\)$")
 _MARGIN_RE = re.compile(r"^margin\((-?\d+)\)$")
+_FOUR_OVER_SIX_RE = re.compile(r"^4over6(?:\((\w+)\))?$")
 
 
 def _apply_modifier(fields: dict, mod: str) -> None:
@@ -252,9 +273,15 @@ def _apply_modifier(fields: dict, mod: str) -> None:
         fields.update(amax_algo=algo, amax_history_len=n)
     elif m := _MARGIN_RE.match(mod):
         fields["margin"] = int(m.group(1))
+    elif m := _FOUR_OVER_SIX_RE.match(mod):
+        rule = m.group(1) or FourOverSix.MSE.value
+        if rule not in FourOverSix.values()[1:]:
+            raise SpecError(f"4over6({rule}): unknown error measure; valid: "
+                            f"{', '.join(f'4over6({v})' for v in FourOverSix.values()[1:])} (4over6 alone: mse)")
+        fields["four_over_six"] = rule
     else:
         raise SpecError(f"unknown modifier {mod!r}; valid: {', '.join(Rounding.modifiers())}, prescale, 2d, {', '.join(ScaleRule.values())}, "
-                        f"current, margin(N), delayed(ALGO[,N]) with ALGO in {', '.join(AmaxAlgo.values()[1:])}, or a rotation "
+                        f"current, margin(N), 4over6[(mse|mae|abs_max)], delayed(ALGO[,N]) with ALGO in {', '.join(AmaxAlgo.values()[1:])}, or a rotation "
                         f"({', '.join(ROTATIONS[1:])})")
 
 
