@@ -187,10 +187,11 @@ def fake_quantize(
     if impl not in ("auto", "compiled", "eager"):
         raise ValueError(f"impl: unknown {impl!r}; valid: auto, compiled, eager")
     compiled = impl == "compiled" or (impl == "auto" and compile_available())
-    if spec.kind == Scaling.NONE or spec.element is None:  # fp32, bf16, hif8: the reference itself
+    if spec.kind == Scaling.NONE or spec.element is None or op.reference_only:  # fp32, bf16, hif8: the reference
         if rot_n > 1:
             x = rotate(x, axis, rot_n, signs)
-        q = spec.quantize(x, axis=axis, amax=amax if spec.tensor_scaled else None)  # nearest: the only mode here
+        q = spec.quantize(x, op, axis=axis, amax=amax if spec.tensor_scaled else None,
+                          sr=sr if sr is not None else generator)
         stats = {"amax": q.amax, "num_clipped": q.num_clipped} if spec.kind == Scaling.TENSOR else {}
         return q.dequantize(torch.float32), stats
     stochastic = typed_rounding.stochastic

@@ -55,6 +55,8 @@ def triton_missing_reason(x: torch.Tensor | None = None, fmt=None) -> str | None
         return f"no Triton kernel for format {name!r} (Triton formats: {', '.join(TRITON_FORMATS)})"
     if rounding is not None and not rounding.triton:
         return f"no Triton kernel for {rounding} rounding ({', '.join(r for r in Rounding if r.triton)} only)"
+    if isinstance(fmt, OperandFormat) and fmt.reference_only:
+        return fmt.reference_only
     if not triton_importable():
         return "triton is not installed (pip install 'lowprec-pretrain[gpu]', or pip install triton)"
     if x is not None and x.device.type != "cuda":
