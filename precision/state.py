@@ -190,9 +190,11 @@ class LayerQuantState:
         self.seed = seed
         self.name = name
         self.calls: dict[str, int] = {g.value: 0 for g in Gemm}
-        # (tensor, key, QuantizedTensor): the last weight quantized in 2-D tiles, which Dgrad (and the
-        # next micro-batch) reuse while the tensor is unchanged (kernels.operand). Not saved.
-        self.block2d_weight = None
+        # What the GEMMs derived from a weight and serve again within one optimizer step (the weight
+        # quantized once per step: ``kernels.operand``). Keyed on the tensor's identity, so it ends
+        # with the step: optimizers write parameters with ``p.data.copy_``, which leaves ``p._version``
+        # unchanged. Not saved.
+        self.step_cache: dict = {}
         self.amax: dict[str, StepAmaxHistory] = {}
         self.stats: dict[str, dict] = {}  # "gemm/operand" -> last numbers (telemetry; tensors or floats)
         self.collect_stats = False  # set by the training loop on telemetry steps
@@ -250,7 +252,9 @@ class LayerQuantState:
             self.amax_history(gemm, operand, fmt).observe(amax)
 
     def end_step(self) -> None:
-        """An optimizer step ended: each history appends the maximum over the step's calls."""
+        """An optimizer step ended: each history appends the maximum over the step's calls, and what
+        was derived from this step's weights (``step_cache``) is dropped."""
+        self.step_cache.clear()
         for h in self.amax.values():
             h.end_step()
 
@@ -265,6 +269,7 @@ class LayerQuantState:
 
     def load_state_dict(self, sd: dict) -> None:
         self.seed, self.name, self.calls = sd["seed"], sd["name"], dict(sd["calls"])
+        self.step_cache.clear()
         self.amax = {}
         for k, hsd in sd["amax"].items():
             h = StepAmaxHistory(hsd["algo"], hsd["history_len"], hsd["ema_decay"])
