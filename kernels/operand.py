@@ -19,10 +19,15 @@ codes and scales it needs (``kernels.scaled_mm``). One operand's road, in order:
     6. form        FP32 ``values`` (emulated backends), the hardware form (``codes=True``) or the
                    BF16 form (``bf16=True``: ``kernels.bf16_operand``, for the BF16 tensor-core GEMM)
 
-A weight in 2-D tiles (``/2d``, the ``nvfp4`` preset) takes steps 2-4 once per tensor version: the
-layer state keeps it, and the next GEMM that consumes the same tensor (Dgrad after Fprop, the next
-micro-batch) gets the same codes with the square scales laid along its own contraction axis
-(:func:`_block2d_weight`, ``QuantizedTensor.along``).
+A weight is quantized once per optimizer step (as TransformerEngine keeps its FP8 weights across
+micro-batches): every GEMM that consumes ``w`` unrotated, with nearest rounding and no telemetry
+this step, keeps its finished operand in the layer state's ``step_cache`` and the next micro-batch
+is served it (:func:`quantize_operand`). A weight in 2-D tiles (``/2d``, the ``nvfp4`` preset) is
+quantized once for both of its GEMMs: Dgrad gets Fprop's codes with the square scales laid along its
+own contraction axis (:func:`_block2d_weight`, ``QuantizedTensor.along``). Both caches are keyed on
+the tensor's identity (storage, view, version counter) and end with the optimizer step
+(``LayerQuantState.end_step``): optimizers write parameters with ``p.data.copy_`` or through a flat
+buffer the parameters view, neither of which moves ``p._version``.
 
 So "where is Wgrad's ``dy`` quantized" has one answer: :func:`quantize_operand` called from
 :func:`gemm_operands` with ``Gemm.WGRAD`` and ``"dy"``, whatever backend runs the GEMM. Nothing
@@ -232,6 +237,37 @@ def quantize_operand(
     for the hardware form, handed back in the BF16 form instead (step 6). ``shared_dy``: a
     ``kernels.cast_transpose.SharedDy`` plan that may already hold (or produce) this quantization.
     """
+    slot = _weight_slot(t, axis, fmt, gemm, operand, state, impl, rotation, codes, bf16)
+    if slot is not None:  # the weight quantized once per optimizer step
+        hit = state.step_cache.get(slot[0])
+        if hit is not None and hit[1] == slot[1]:
+            return hit[2]
+    out = _quantize_operand(t, axis, fmt, gemm, operand, state, call, impl=impl, rotation=rotation, signs=signs,
+                            codes=codes, bf16=bf16, shared_dy=shared_dy)
+    if slot is not None and not state.frozen:
+        state.step_cache[slot[0]] = (t, slot[1], out)  # t kept alive: its storage cannot be reused
+    return out
+
+
+def _identity(t: torch.Tensor) -> tuple:
+    """What tells one tensor's values from another's within an optimizer step: its storage, view and
+    version counter (an in-place write through autograd moves the counter; ``p.data.copy_`` does
+    not, which is why the step cache ends at ``end_step``)."""
+    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version
+
+
+def _weight_slot(t, axis, fmt, gemm, operand, state, impl, rotation, codes, bf16):
+    """``(slot, identity)`` under which a weight operand is kept for the rest of the step, or None
+    where its quantization may change within a step: stochastic rounding (a new stream per call),
+    a rotation (this GEMM's own rotated copy), telemetry steps (statistics per call), unscaled
+    formats (nothing to save) and inference tensors (no version counter)."""
+    if (operand != "w" or rotation != "none" or fmt.rounding.stochastic or state.collect_stats
+            or _no_rounding(fmt) or t.is_inference()):
+        return None
+    return (gemm.value, axis, fmt, impl, bool(codes), bool(bf16)), _identity(t)
+
+
+def _quantize_operand(t, axis, fmt, gemm, operand, state, call, *, impl, rotation, signs, codes, bf16, shared_dy):
     name = fmt.fmt
     want_bf16, codes = bf16, codes or bf16  # the BF16 form is decoded from the hardware form
     impl = _resolve_impl(impl, t, fmt, codes)
@@ -314,23 +350,21 @@ def quantize_operand(
 
 
 def _block2d_weight(t, axis, fmt, gemm, operand, state, needs_whole, codes, want_bf16, cacheable) -> QuantizedOperand:
-    """A weight in 2-D tiles (``fmt.block2d``): quantized once (the eager reference quantizer) and
-    kept in the layer's state with the tensor it came from, so the next GEMM that consumes the same
-    tensor at the same version -- Dgrad after Fprop, or the next micro-batch's Fprop -- is served
-    the same codes and square scales laid out along its own contraction axis
-    (``QuantizedTensor.along``) instead of quantizing again. A rotated weight (a rotation on this
-    GEMM) is this GEMM's own and is not kept. Read-only states (evaluation) keep nothing new."""
-    # The kept tensor stays alive, so no other tensor can take its storage: the same storage, view
-    # and version counter mean the same values.
-    key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t._version, fmt)
-    hit = state.block2d_weight if cacheable else None
-    if hit is not None and hit[1] == key:
+    """A weight in 2-D tiles (``fmt.block2d``): quantized once per optimizer step (the eager
+    reference quantizer) and kept in the layer's ``step_cache`` with the tensor it came from, so the
+    next GEMM that consumes the same tensor -- Dgrad after Fprop -- is served the same codes and
+    square scales laid out along its own contraction axis (``QuantizedTensor.along``) instead of
+    quantizing again. A rotated weight (a rotation on this GEMM) is this GEMM's own and is not kept.
+    Read-only states (evaluation) keep nothing new. ``LayerQuantState.end_step`` drops it."""
+    slot, ident = ("block2d", fmt), _identity(t) if cacheable and not t.is_inference() else None
+    hit = state.step_cache.get(slot) if ident is not None else None
+    if hit is not None and hit[1] == ident:
         q = hit[2]
     else:
         amax = whole_tensor_amax(t, state, operand) if needs_whole else None
         q = reference_quantize(t, fmt, axis=axis, amax=amax)
-        if cacheable and not state.frozen:
-            state.block2d_weight = (t, key, q)
+        if ident is not None and not state.frozen:
+            state.step_cache[slot] = (t, ident, q)  # t kept alive: its storage cannot be reused
     q = q.along(axis)
     out = QuantizedOperand(fmt, axis, tensor_scale=q.tensor_scale)
     if not codes or state.collect_stats:

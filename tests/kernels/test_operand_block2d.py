@@ -101,7 +101,7 @@ def test_evaluation_keeps_nothing(count_2d):
     st = LayerQuantState()
     with torch.no_grad():
         policy_linear(x, w, presets.get("nvfp4"), state=st, backend="reference")
-    assert st.block2d_weight is None and count_2d["calls"] == 1
+    assert not st.step_cache and count_2d["calls"] == 1
 
 
 @pytest.mark.parametrize("spec", ["nvfp4", MX_2D])
@@ -167,4 +167,4 @@ def test_rotated_2d_weight_is_not_kept():
     st = LayerQuantState()
     recipe = parse_gemm("nvfp4@nvfp4/2d+had16", Gemm.FPROP)
     gemm_operands(Gemm.FPROP, x.detach(), w.detach(), recipe, st, impl="reference")
-    assert st.block2d_weight is None
+    assert not st.step_cache
