@@ -34,6 +34,7 @@ from typing import NoReturn
 
 import yaml
 
+from model.kv_cache import KVFormat
 from pretrain.config import (  # noqa: F401 - re-exported: launchers, RL and the sweep import them from here
     GROUPS,
     LR_DECAY_STYLES,
@@ -45,6 +46,7 @@ from pretrain.config import (  # noqa: F401 - re-exported: launchers, RL and the
     model_config,
     model_sizes,
 )
+from pretrain.config.precision import RunPrecision, phase_precisions, precision_schedule  # noqa: F401 - re-exported
 
 PROG = "pretrain.py"
 
@@ -94,7 +96,7 @@ def _model_size_file(value: str) -> str:
     return path
 
 
-def _load_model_size(parser: argparse.ArgumentParser, value: str) -> dict:
+def load_model_size(parser: argparse.ArgumentParser, value: str) -> dict:
     path = _model_size_file(value)
     with open(path) as f:
         try:
@@ -113,9 +115,9 @@ def _load_model_size(parser: argparse.ArgumentParser, value: str) -> dict:
     return data
 
 
-def _given_flags(argv: list[str] | None) -> set[str]:
-    """Argument names given explicitly on the command line."""
-    parser = build_parser()
+def given_flags(argv: list[str] | None, parser: argparse.ArgumentParser | None = None) -> set[str]:
+    """Argument names given explicitly on the command line (of ``parser``, by default pretraining's)."""
+    parser = parser or build_parser()
     for action in parser._actions:
         action.default = argparse.SUPPRESS
     return set(vars(parser.parse_args(argv)))
@@ -167,12 +169,12 @@ def parse_args_or_raise(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     from_file = {}
     if args.model_size:
-        from_file = _load_model_size(parser, args.model_size)
+        from_file = load_model_size(parser, args.model_size)
         parser.set_defaults(**from_file)
         args = parser.parse_args(argv)
     args.pretrained_vocab_size = None  # set from --pretrained-checkpoint's model config
     if args.pretrained_checkpoint:
-        _apply_pretrained(args, _given_flags(argv) | set(from_file))
+        _apply_pretrained(args, given_flags(argv) | set(from_file))
     required = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters")
     missing = [f"--{k.replace('_', '-')}" for k in required if getattr(args, k) is None]
     if missing:
@@ -190,7 +192,7 @@ def parse_args_or_raise(argv: list[str] | None = None) -> argparse.Namespace:
         # QAT after a BF16 warm-up runs at a constant low lr (the HiF8 QAT recipe): a decay, or a
         # model-size file's pretraining lr warm-up, running through the BF16 warm-up would start QAT
         # at an lr set by the warm-up's length, not by --lr. Flags given on the command line win.
-        given = _given_flags(argv)
+        given = given_flags(argv)
         if "lr_decay_style" not in given:
             args.lr_decay_style = "constant"
         if "lr_warmup_iters" not in given and "lr_warmup_fraction" not in given:
@@ -219,23 +221,9 @@ def _positive(args, *names: str, allow_zero: bool = False) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be {bound}")
 
 
-def precision_schedule(args):
-    """The run's ``precision.schedule.PrecisionSchedule``: ``--precision-schedule``, or ``--precision``
-    with ``--qat-warmup-iters N`` spelled ``0:observe,N:PRECISION`` (one phase without a warm-up).
-    Raises ``SpecError`` (one line naming the flag). ``args`` may lack the schedule flags (callers
-    with their own parsers): then it is ``--precision`` alone."""
-    from precision.schedule import PrecisionSchedule
-
-    text = getattr(args, "precision_schedule", None)
-    if text is not None:
-        return PrecisionSchedule.parse(text)
-    return PrecisionSchedule.qat_warmup(getattr(args, "qat_warmup_iters", 0) or 0, args.precision or "bf16")
-
-
-def _check_precision(args) -> None:
-    from precision import PrecisionPolicy, SpecError
-    from precision.policy import Rule
-
+def _check_precision(args) -> RunPrecision:
+    """The precision flags parsed once (:class:`pretrain.config.precision.RunPrecision`), or the first
+    problem as one line naming the flag."""
     if args.precision_schedule is not None:
         if args.precision is not None:
             raise ConfigError("--precision-schedule and --precision: give each phase's precision in the schedule "
@@ -245,48 +233,22 @@ def _check_precision(args) -> None:
             raise ConfigError(f"--precision-schedule and --qat-warmup-iters {args.qat_warmup_iters}: spell the "
                               f"warm-up as an observe phase, e.g. --precision-schedule "
                               f"'0:observe,{args.qat_warmup_iters}:hif8_w8a8'")
-    if args.precision_schedule is None:
-        try:  # what --precision takes is what PrecisionPolicy.from_args takes
-            PrecisionPolicy.from_args(args.precision)
-        except ValueError as e:  # SpecError, or an unknown preset named by base=; a plan file names itself
-            raise ConfigError(str(e) if str(e).startswith("--precision") else f"--precision: {e}") from None
-    try:  # the schedule's messages name --precision-schedule (or --qat-warmup-iters)
-        schedule = precision_schedule(args)
-        if args.precision_schedule is not None and args.train_iters is not None:
-            schedule.check_train_iters(args.train_iters)
+    try:  # the messages name --precision, --precision-schedule, --qat-warmup-iters or --precision-rule
+        resolved = RunPrecision.parse(args.precision, args.precision_schedule, args.qat_warmup_iters,
+                                      args.precision_rule, train_iters=args.train_iters, num_layers=args.num_layers)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    for rule in args.precision_rule:
-        try:
-            Rule.parse(rule)
-        except ValueError as e:
-            msg = str(e)
-            raise ConfigError(
-                msg if msg.startswith("--precision-rule") else f"--precision-rule {rule!r}: {msg}"
-            ) from None
-    for precision in phase_precisions(schedule):
-        try:  # layer numbers beyond the model; rules that match no layer are refused in build_model
-            PrecisionPolicy.from_args(precision, args.precision_rule).check_rules(args.num_layers)
-        except SpecError as e:
-            raise ConfigError(str(e)) from None
     for flag in ("numerics_interval", "qat_warmup_iters"):
         if getattr(args, flag) < 0:
             raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 0")
     if args.amax_history_len is not None and args.amax_history_len < 1:
         raise ConfigError(f"--amax-history-len {args.amax_history_len}: must be >= 1")
     if args.kv_quant is not None and args.num_attention_heads:
-        from model.kv_cache import KVFormat
-
         try:
             KVFormat.parse(args.kv_quant).check_head_dim(args.hidden_size // args.num_attention_heads)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-
-
-def phase_precisions(schedule) -> list[str]:
-    """The distinct precisions of a schedule's quantized phases, in order (observe phases hold the next
-    phase's plan)."""
-    return list(dict.fromkeys(p.precision for p in schedule.phases if not p.observe))
+    return resolved
 
 
 def data_prefixes(paths: list[str]) -> list[str]:
@@ -508,6 +470,11 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argp
     return the validated values: a new Namespace, ``args`` with the defaults that depend on the
     device and the world size filled in (``--bf16``, ``--num-workers``, ``--global-batch-size``).
     ``args`` itself is never changed."""
+    return _validate(args, world_size, cuda)[0]
+
+
+def _validate(args: argparse.Namespace, world_size: int, cuda: bool) -> tuple[argparse.Namespace, RunPrecision]:
+    """:func:`validate_args`, and the precision flags parsed on the way (once)."""
     _positive(
         args,
         "num_layers",
@@ -548,22 +515,23 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argp
     global_batch_size = _check_parallel(args, world_size, cuda)
     by_device = _check_mixed_precision_and_memory(args, cuda)
     args = argparse.Namespace(**{**vars(args), "global_batch_size": global_batch_size, **by_device})
-    _check_precision(args)
+    resolved = _check_precision(args)
     _check_data(args)
     _check_checkpoints(args)
     try:
-        from model.gpt import validate_config, validate_plan_shapes
-        from precision import PrecisionPolicy
+        from model.gpt import (  # megatron-core: not before this last check
+            validate_config,
+            validate_plan_shapes,
+        )
 
         cfg, tp = model_config(args, vocab_size=1), args.tensor_model_parallel_size
         validate_config(cfg, tp)
         qkv = [f"decoder.layers.{i}.self_attention.linear_qkv" for i in range(args.num_layers)]
-        for precision in phase_precisions(precision_schedule(args)):
-            plan = PrecisionPolicy.from_args(precision, args.precision_rule).resolve(qkv, args.num_layers)
-            validate_plan_shapes(cfg, tp, plan)
+        for policy in resolved.policies.values():
+            validate_plan_shapes(cfg, tp, policy.resolve(qkv, args.num_layers))
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return args
+    return args, resolved
 
 
 def recompute_config(args):
@@ -574,7 +542,14 @@ def recompute_config(args):
     return (args if isinstance(args, MemoryConfig) else from_namespace(MemoryConfig, args)).recompute()
 
 
+def validate_and_freeze(args: argparse.Namespace, world_size: int, cuda: bool) -> tuple[argparse.Namespace, RunConfig]:
+    """:func:`validate_args` and the frozen :class:`pretrain.config.RunConfig` of its values (the
+    precision flags parsed once, on the way); for parsers that add groups of their own (RL)."""
+    valid, resolved = _validate(args, world_size, cuda)
+    return valid, RunConfig.from_namespace(valid, resolved)
+
+
 def parse_run_config(argv: list[str] | None, world_size: int, cuda: bool) -> RunConfig:
     """Parse, validate and freeze: the run's :class:`pretrain.config.RunConfig` (:class:`ConfigError`
     on bad input, one line)."""
-    return RunConfig.from_namespace(validate_args(parse_args_or_raise(argv), world_size, cuda))
+    return validate_and_freeze(parse_args_or_raise(argv), world_size, cuda)[1]

@@ -122,6 +122,11 @@ class NonFinitePolicy:
     count: int = 0
     """Non-finite steps met so far: skipped ones and the one that diverged."""
 
+    @classmethod
+    def of(cls, training) -> NonFinitePolicy:
+        """The policy of a ``pretrain.config.TrainingConfig``'s flags."""
+        return cls(check=bool(training.check_for_nan_in_loss_and_grad), max_skips=int(training.skip_nonfinite_steps or 0))
+
     @property
     def reads_each_step(self) -> bool:
         """Whether each step reads its loss and norm to the host: a skip must be undone at once, and
@@ -226,7 +231,7 @@ class TorchEngine(_StepMixin):
         self.optimizer = build_optimizer(model, run.training, self.main)
         self.ddp: torch.nn.Module = model  # wrap() replaces it when DP > 1 (FP32 only)
         self.stepped = False  # whether the last step updated the parameters
-        self.nonfinite = nonfinite or run.training.nonfinite_policy()
+        self.nonfinite = nonfinite or NonFinitePolicy.of(run.training)
 
     def wrap(self) -> None:
         """torch DDP over the data-parallel group (after a checkpoint is loaded into the model)."""
@@ -390,7 +395,7 @@ class MegatronEngine(_StepMixin):
         self.optimizer = get_megatron_optimizer(opt_config, [self.ddp])
         self.forward_backward = get_forward_backward_func()
         self.stepped = False  # whether the last step updated the parameters
-        self.nonfinite = nonfinite or run.training.nonfinite_policy()
+        self.nonfinite = nonfinite or NonFinitePolicy.of(run.training)
 
     def wrap(self) -> None:
         pass  # wrapped at construction (megatron's optimizer needs the DDP buffers)

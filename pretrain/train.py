@@ -70,14 +70,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+from model.gpt import padded_vocab_size
 from pretrain import runtime
 from pretrain.arguments import PROG, ConfigError, parse_run_config
 from pretrain.config import RunConfig
+from pretrain.data import batch_loader, build_train_valid_datasets, load_tokenizer
+from pretrain.engine import build_engine
+from pretrain.optim import LRSchedule
 from pretrain.runtime import init_process_group, is_rank0, rank0_print
 from pretrain.status import EXIT_DIVERGED, clear_run_status, write_run_status
 from pretrain.trainer.checkpointer import Checkpointer
-from pretrain.trainer.metrics import VAL_BATCHES_FILE, MetricsLogger, hms  # noqa: F401 - re-exported
+from pretrain.trainer.metrics import VAL_BATCHES_FILE, MetricsLogger, hms, open_tensorboard  # noqa: F401 - re-exported
 from pretrain.trainer.phases import PrecisionPhases
 from pretrain.trainer.plans import (  # noqa: F401 - re-exported (RL, tools, tests)
     SchedulePlans,
@@ -110,24 +116,24 @@ def _refuse(message: str, status: int):
 
 def init_distributed(run) -> torch.device:
     """Process group (``runtime.init_process_group``), parallel state, seeds."""
-    from megatron.core import parallel_state
-
     run = as_run(run)
     init_process_group()
-    cuda = torch.cuda.is_available()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=run.parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=run.parallel.pipeline_model_parallel_size,
     )
-    seed = run.training.seed
+    device = seed_everything(run.training.seed)
+    if device.type == "cuda":
+        model_parallel_cuda_manual_seed(run.training.seed)
+    return device
+
+
+def seed_everything(seed: int) -> torch.device:
+    """Seed python, numpy and torch; returns this process's device (its CUDA device, else the CPU)."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    if cuda:
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(seed)
-    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 # ================================================================================================
@@ -186,8 +192,6 @@ class Trainer:
 
     @property
     def dp(self):
-        from megatron.core import parallel_state
-
         return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
 
     @property
@@ -236,13 +240,6 @@ class Trainer:
 def setup(run) -> Trainer:
     """Steps 2-3 of the module docstring; returns a ready Trainer (after ``--load``). ``run``: the
     run's ``RunConfig`` (a validated Namespace is read into one)."""
-    from megatron.core import parallel_state
-
-    from model.gpt import padded_vocab_size
-    from pretrain.data import build_train_valid_datasets, load_tokenizer
-    from pretrain.engine import build_engine
-    from pretrain.optim import LRSchedule
-
     run = as_run(run)
     m, p, par, t, d, c = run.model, run.precision, run.parallel, run.training, run.data, run.checkpoint
     device = init_distributed(run)
@@ -322,8 +319,6 @@ def setup(run) -> Trainer:
 
 def train(trainer: Trainer, signals: runtime.Signals) -> int:
     """The loop (step 4-5 of the module docstring); returns the exit status."""
-    from pretrain.data import batch_loader
-
     t, run = trainer, trainer.run
     n, gbs, save, exit_interval = (run.training.train_iters, run.training.global_batch_size, run.checkpoint.save,
                                    run.training.exit_interval)

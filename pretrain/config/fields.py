@@ -32,11 +32,13 @@ def arg(*flags: str, default: Any = None, help: Any = None, also: tuple = (), **
                              metadata={"flags": flags, "default": default, "help": help, "also": also, "kwargs": kwargs})
 
 
-def value(default: Any = _NO_DEFAULT) -> Any:
-    """A dataclass field that no flag sets (a value derived while parsing or validating)."""
+def value(default: Any = _NO_DEFAULT, saved: bool = True) -> Any:
+    """A dataclass field that no flag sets (a value derived while parsing or validating); ``saved=False``:
+    left out of :func:`to_flat_dict` (what checkpoints save), as the flags it derives from are saved."""
+    metadata = {"flags": ()} if saved else {"flags": (), "saved": False}
     if default is _NO_DEFAULT:
-        return dataclasses.field(metadata={"flags": ()})
-    return dataclasses.field(default=default, metadata={"flags": ()})
+        return dataclasses.field(metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def _resolve(x):
@@ -89,6 +91,8 @@ def to_flat_dict(cfg) -> dict:
     """A config's fields as one flat ``{dest: value}`` (tuples back to lists: the Namespace's form)."""
     out = {}
     for f in dataclasses.fields(cfg):
+        if not f.metadata.get("saved", True):  # derived from the fields that are saved
+            continue
         v = getattr(cfg, f.name)
         if dataclasses.is_dataclass(v) and not isinstance(v, type):
             out.update(to_flat_dict(v))

@@ -13,12 +13,15 @@ validation in ``pretrain.arguments``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from dataclasses import dataclass
 
 from kernels.backends import GEMM_BACKENDS
+from precision.formats import AmaxAlgo
 from pretrain.config.fields import arg, from_namespace, to_flat_dict, value
 from pretrain.config.model import ModelArgs
+from pretrain.config.precision import RunPrecision
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 """``--lr-decay-style`` choices, the styles of megatron-core's ``OptimizerParamScheduler.get_lr`` (``pretrain.optim``)."""
@@ -30,9 +33,7 @@ DEFAULT_DATA_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "lowpre
 
 
 def _amax_algos():
-    from precision.formats import AmaxAlgo  # valid values come from the format registry
-
-    return AmaxAlgo.values()
+    return AmaxAlgo.values()  # valid values come from the format registry
 
 
 @dataclass(frozen=True)
@@ -103,11 +104,19 @@ class PrecisionRunConfig:
         "mxfp4, nvfp4, fp8; default: off")
     """K and V fake-quantized as a rollout KV-cache in this format stores them (``None``: off)."""
 
-    def schedule(self):
-        """The run's ``precision.schedule.PrecisionSchedule`` (``pretrain.arguments.precision_schedule``)."""
-        from pretrain.arguments import precision_schedule
+    resolved: RunPrecision | None = dataclasses.field(default=None, compare=False, repr=False,
+                                                      metadata={"flags": (), "saved": False})
+    """The flags above parsed once (``pretrain.config.precision.RunPrecision``): validation hands it in;
+    a config built otherwise parses its flags here, on construction. Not saved (the flags are)."""
 
-        return precision_schedule(self)
+    def __post_init__(self):
+        if self.resolved is None:
+            object.__setattr__(self, "resolved", RunPrecision.parse(
+                self.precision, self.precision_schedule, self.qat_warmup_iters, self.precision_rule))
+
+    def schedule(self):
+        """The run's ``precision.schedule.PrecisionSchedule`` (one phase without ``--precision-schedule``)."""
+        return self.resolved.schedule
 
 
 @dataclass(frozen=True)
@@ -253,13 +262,6 @@ class TrainingConfig:
         "train/nonfinite_steps) before the next one ends the run as diverged")
     """Non-finite steps rolled back before the next one is divergence."""
 
-    def nonfinite_policy(self):
-        """The engine's ``NonFinitePolicy`` of these flags."""
-        from pretrain.engine import NonFinitePolicy
-
-        return NonFinitePolicy(check=bool(self.check_for_nan_in_loss_and_grad),
-                               max_skips=int(self.skip_nonfinite_steps or 0))
-
 
 @dataclass(frozen=True)
 class DataConfig:
@@ -378,10 +380,11 @@ class RunConfig:
     """The vocabulary of ``--pretrained-checkpoint``'s embedding table (it fixes the model's)."""
 
     @classmethod
-    def from_namespace(cls, args: argparse.Namespace) -> RunConfig:
-        """The validated Namespace (``pretrain.arguments.validate_args``), frozen by group."""
+    def from_namespace(cls, args: argparse.Namespace, resolved: RunPrecision | None = None) -> RunConfig:
+        """The validated Namespace (``pretrain.arguments.validate_args``), frozen by group; ``resolved``:
+        its precision flags as validation parsed them (else they are parsed here)."""
         return cls(
-            model=from_namespace(ModelArgs, args), precision=from_namespace(PrecisionRunConfig, args),
+            model=from_namespace(ModelArgs, args), precision=from_namespace(PrecisionRunConfig, args, resolved=resolved),
             memory=from_namespace(MemoryConfig, args), parallel=from_namespace(ParallelConfig, args),
             training=from_namespace(TrainingConfig, args), data=from_namespace(DataConfig, args),
             checkpoint=from_namespace(CheckpointConfig, args), logging=from_namespace(LoggingConfig, args),

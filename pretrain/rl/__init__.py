@@ -8,5 +8,5 @@ correction), ``update`` (the PPO passes; each optimizer step is ``pretrain.engin
 (save, exact resume, ``rl_summary.json``). The numerics: ``objective`` (verl's advantages, losses,
 aggregation, corrections and their metrics), ``qat`` (rollout-guided QAT), ``mismatch`` (verl's
 mismatch metrics) and their ``attribution`` to weights / activations / KV-cache, ``alignment``;
-flags in ``arguments`` (typed ``RLConfig`` / ``RLRun``), tasks in ``task``, an RL sweep's results in
-``sweep_results`` (beside the pretraining sweep's ``pretrain.sweep.results``)."""
+flags in ``arguments`` (typed ``RLConfig``, with pretraining's ``RunConfig``), tasks in ``task``,
+an RL sweep's results in ``sweep_results`` (beside the pretraining sweep's ``pretrain.sweep.results``)."""

@@ -1,11 +1,12 @@
 """Command line of ``launch/rl.py``: pretraining's flags plus an RL group, one-line errors.
 
-    args, cfg = parse_rl_args(argv, world_size, cuda)   # argparse Namespace (pretraining's part) + RLConfig
+    run, cfg = parse_rl_args(argv, world_size, cuda)   # frozen: pretrain.config.RunConfig + RLConfig
 
 The parser is ``pretrain.arguments.build_parser()`` (model shape, ``--precision`` /
 ``--precision-rule``, ``--kv-quant``, parallelism, optimizer, ``--save`` / ``--load`` /
 ``--save-interval``, ``--tensorboard-dir``, ``--seed``, ...) with the group "reinforcement
-learning" added (:func:`add_rl_arguments`). RL-specific defaults (``RL_DEFAULTS``): ``--lr 1e-4``,
+learning" generated from :class:`RLConfig`'s fields, as pretraining's groups are from theirs (a new
+RL flag is one field). RL-specific defaults (``RL_DEFAULTS``): ``--lr 1e-4``,
 ``--lr-decay-style constant`` and ``--weight-decay 0`` (as verl's actor), ``--eval-interval 10``,
 ``--log-interval 1``, and ``--gemm-backend reference`` on CPU (``auto`` on CUDA): the eager
 reference quantizers, the same bits as the fused ``torch.compile`` ones, which recompile for the new
@@ -29,12 +30,22 @@ parse; a rollout plan the built model cannot take is refused the same way when t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from dataclasses import dataclass
 
-from pretrain.arguments import ConfigError, build_parser, validate_args
+from model.rollout_plan import ROLLOUT_PRESETS, parse_rollout
+from precision.policy import Rule
+from precision.recipe import SpecError
+from pretrain.arguments import ConfigError, build_parser, given_flags, load_model_size, validate_and_freeze
+from pretrain.checkpoint_files import TRACKER
+from pretrain.config import RunConfig, add_group, arg, from_namespace, to_flat_dict
+from pretrain.config.fields import value
+from pretrain.pretrained import PretrainedError, read_pretrained, shape_args
+from pretrain.rl.objective import ADVANTAGE_ESTIMATORS, CORRECTIONS, KL_KINDS, LOSS_AGG_MODES, Correction
+from pretrain.rl.task import TaskError, load_task
 
-__all__ = ["PROG", "RLConfig", "RLRun", "add_rl_arguments", "build_rl_parser", "parse_rl_args", "rl_config", "rl_run"]
+__all__ = ["PROG", "RLConfig", "build_rl_parser", "parse_rl_args", "rl_config"]
 
 PROG = "rl.py"
 
@@ -43,204 +54,175 @@ RL_DEFAULTS = {"gemm_backend": None, "lr": 1e-4, "min_lr": 0.0, "lr_decay_style"
                "eval_interval": 10,               "log_interval": 1, "micro_batch_size": 1}
 
 
+def _qat_modes():
+    from pretrain.rl.qat import QAT_MODES  # pretrain.rl.qat imports megatron-core: not for --help
+
+    return QAT_MODES
+
+
 @dataclass(frozen=True)
 class RLConfig:
-    """The RL group of flags, validated once (the loop reads this, never the Namespace's RL part)."""
+    """The "reinforcement learning" group of flags (names as verl / TRL users know them), validated and
+    frozen (:func:`rl_config`); the loop reads this, never a Namespace. A new RL flag is one field here."""
 
-    task: str
+    task: str | None = arg("--task", metavar="FILE",
+                           help="task seed file (pretrain/rl/task.py), e.g. configs/rl/arith.yaml (required)")
     """Task seed file (``pretrain.rl.task``), e.g. configs/rl/arith.yaml."""
-    rl_iters: int
+    rl_iters: int = arg("--rl-iters", type=int, default=100, help="RL iterations (sample, score, update)")
     """RL iterations: each samples, scores and updates once (``--ppo-epochs`` x ``--ppo-mini-batches`` steps)."""
-    prompts_per_step: int
+    prompts_per_step: int = arg("--prompts-per-step", type=int, default=32,
+                                help="prompts per iteration, over all data-parallel ranks")
     """Prompts per iteration over all data-parallel ranks (each rank takes an equal slice)."""
-    group_size: int
+    group_size: int = arg("--group-size", type=int, default=8, metavar="G", help="responses sampled per prompt (>= 2)")
     """G responses per prompt (>= 2: GRPO normalizes rewards within a prompt's group)."""
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    rollout_precision: str
+    max_new_tokens: int = arg("--max-new-tokens", type=int, default=8, help="longest response in tokens")
+    """Longest response in tokens."""
+    temperature: float = arg("--temperature", type=float, default=1.0,
+                             help="sampling temperature (> 0; the trainer scores at it)")
+    """Sampling temperature; the trainer scores at the same one."""
+    top_p: float = arg("--top-p", type=float, default=1.0)
+    """Nucleus sampling's mass (1: off)."""
+    top_k: int = arg("--top-k", type=int, default=0, help="0: off")
+    """Top-k sampling (0: off)."""
+    rollout_precision: str = arg(
+        "--rollout-precision", default="bf16", metavar="PRESET_OR_SPEC",
+        help=lambda: f"rollout plan (model.rollout_plan): {', '.join(ROLLOUT_PRESETS)} (+had16/+had32), or "
+        "base=PRESET,kv=FORMAT / linear=X@W,kv=FORMAT")
     """Rollout plan (``model.rollout_plan``): bf16, fp8, mxfp4, nvfp4, mxfp4_w4a16 (+had16/+had32) or a spec."""
-    rollout_precision_rules: tuple[str, ...]
-    advantage_estimator: str
+    rollout_precision_rule: tuple[str, ...] = arg(
+        "--rollout-precision-rule", action="append", default=[], metavar="SELECTOR=VALUE",
+        help="per-layer rollout recipe with --precision-rule selectors, e.g. first:1=bf16 (repeatable)")
+    """Per-layer rollout recipes, first match wins."""
+    advantage_estimator: str = arg(
+        "--advantage-estimator", choices=ADVANTAGE_ESTIMATORS, default="grpo",
+        help="grpo: (r - group mean) / group std; dr_grpo: r - group mean (and, unless --loss-agg-mode is "
+        "given, seq-mean-token-sum-norm)")
     """grpo | dr_grpo (no division by the group's reward std)."""
-    loss_agg_mode: str
-    """How token losses become the batch loss (``pretrain.rl.objective.LOSS_AGG_MODES``)."""
-    clip_ratio_low: float
-    clip_ratio_high: float
-    clip_ratio_c: float
+    loss_agg_mode: str | None = arg("--loss-agg-mode", choices=LOSS_AGG_MODES, default=None,
+                                    help="default: token-mean (grpo), seq-mean-token-sum-norm (dr_grpo)")
+    """As given (``None``: by the estimator); :attr:`loss_agg` is the mode in force."""
+    clip_ratio_low: float = arg("--clip-ratio-low", type=float, default=0.2, help="PPO clip: ratio >= 1 - this")
+    """PPO's lower clip: ratio >= 1 - this."""
+    clip_ratio_high: float = arg("--clip-ratio-high", type=float, default=0.2, help="PPO clip: ratio <= 1 + this")
+    """PPO's upper clip: ratio <= 1 + this."""
+    clip_ratio_c: float = arg(
+        "--clip-ratio-c", type=float, default=3.0,
+        help="dual-clip PPO bound (> 1; verl's clip_ratio_c): a token with a negative advantage loses at most "
+        "-A x this")
     """Dual-clip bound c (> 1, verl's clip_ratio_c): a negative-advantage token's loss is at most -A c."""
-    entropy_coeff: float
+    entropy_coeff: float = arg(
+        "--entropy-coeff", type=float, default=0.0,
+        help="entropy bonus (verl's entropy_coeff): loss -= this x the entropy of the sampling distribution, "
+        "aggregated as --loss-agg-mode")
     """Entropy bonus (verl's entropy_coeff): the loss minus this x the aggregated entropy of the policy."""
-    overlong_buffer_len: int
+    overlong_buffer_len: int = arg(
+        "--overlong-buffer-len", type=int, default=0, metavar="N",
+        help="DAPO's overlong penalty (verl's reward_model.overlong_buffer.len): a response longer than "
+        "--max-new-tokens - N loses up to --overlong-penalty-factor of reward, linearly (0: off)")
     """DAPO's soft overlong punishment over the last N tokens of --max-new-tokens (0: off)."""
-    overlong_penalty_factor: float
+    overlong_penalty_factor: float = arg(
+        "--overlong-penalty-factor", type=float, default=1.0,
+        help="the overlong penalty at --max-new-tokens (verl's overlong_buffer.penalty_factor)")
     """The punishment at --max-new-tokens (verl's overlong_buffer.penalty_factor)."""
-    overlong_filter: bool
+    overlong_filter: bool = arg(
+        "--overlong-filter", action=argparse.BooleanOptionalAction, default=False,
+        help="DAPO's overlong filtering: responses cut at --max-new-tokens (no stop token) get no loss")
     """Truncated responses (no stop token) take no part in the loss (DAPO's overlong filtering)."""
-    ppo_epochs: int
-    ppo_mini_batches: int
-    kl_coef: float
+    ppo_epochs: int = arg("--ppo-epochs", type=int, default=1, help="passes over each iteration's rollouts")
+    """Passes over each iteration's rollouts."""
+    ppo_mini_batches: int = arg("--ppo-mini-batches", type=int, default=1,
+                                help="optimizer steps per pass (the batch split by prompts)")
+    """Optimizer steps per pass (the batch split by prompts)."""
+    kl_coef: float = arg("--kl-coef", type=float, default=0.0,
+                         help="KL penalty to the starting policy (0: no reference model)")
     """Weight of the KL penalty to the starting policy (0: no reference model)."""
-    kl_type: str
-    correction: object
-    """``pretrain.rl.objective.Correction``: none, tis, mis, seq_tis, seq_mis, geo_mis + thresholds."""
-    rollout_qat: str
+    kl_type: str = arg("--kl-type", choices=KL_KINDS, default="low_var_kl",
+                       help="KL estimator (verl's kl_penalty): k1, abs, mse (k2), low_var_kl (k3)")
+    """The KL estimator (verl's kl_penalty)."""
+    rollout_correction: str = arg(
+        "--rollout-correction", choices=CORRECTIONS, default="none",
+        help="trainer/rollout mismatch correction: tis (truncated IS), mis (masked IS / IcePop), seq_tis, "
+        "seq_mis, geo_mis (geometric-mean sequence rejection)")
+    """The correction's kind; :attr:`correction` holds it with its thresholds."""
+    rollout_is_threshold: float | None = arg("--rollout-is-threshold", type=float, default=None,
+                                             help="IS weight cap (tis, seq_tis; default as verl)")
+    """The IS weight cap (``None``: verl's default)."""
+    rollout_rs_threshold: str | None = arg(
+        "--rollout-rs-threshold", default=None, metavar="U|LOWER_UPPER",
+        help="rejection bound (mis, seq_mis, geo_mis): U keeps rho = pi_trainer / pi_rollout in [1/U, U] "
+        "(or [--rollout-rs-threshold-lower, U]); verl's LOWER_UPPER bounds pi_rollout / pi_trainer, so "
+        "0.8_2.0 keeps rho in [0.5, 1.25]")
+    """The rejection bound, as given."""
+    rollout_rs_threshold_lower: float | None = arg(
+        "--rollout-rs-threshold-lower", type=float, default=None,
+        help="rejection lower bound on rho = pi_trainer / pi_rollout (default 1 / U)")
+    """The rejection lower bound (``None``: 1 / U)."""
+    rollout_qat: str = arg(
+        "--rollout-qat", choices=_qat_modes, default="none",
+        help="rollout-guided QAT (pretrain/rl/qat.py): none; rtn: the trainer's forward fake-quantizes as the "
+        "rollout plan; replay: as rtn, replaying the rollout's recorded rounding")
     """none | rtn | replay (``pretrain.rl.qat``)."""
-    rollout_qat_layers: tuple[str, ...]
-    rollout_qat_kv: bool
-    rollout_fallback: str | None
+    rollout_qat_layers: tuple[str, ...] | None = arg(
+        "--rollout-qat-layers", action="append", default=None, metavar="SELECTOR",
+        help="linears whose rounding --rollout-qat replay replays (repeatable; default all)")
+    """As given (``None``: all); :attr:`qat_replay_layers` is the selection in force."""
+    rollout_qat_kv: bool = arg("--rollout-qat-kv", action=argparse.BooleanOptionalAction, default=True,
+                               help="--rollout-qat also fake-quantizes K/V as the rollout's KV-cache")
+    """--rollout-qat also fake-quantizes K/V as the rollout's KV-cache."""
+    rollout_fallback: str | None = arg(
+        "--rollout-fallback", default=None, metavar="METRIC=THRESHOLD[,to=bf16|fp8][,layers=K]",
+        help="move the layers with the largest attributed mismatch back to BF16/FP8 rollouts when METRIC "
+        "(e.g. k3_kl=0.02) crosses THRESHOLD")
     """METRIC=THRESHOLD[,to=bf16|fp8][,layers=K] (``pretrain.rl.fallback``), or None."""
-    reward_function: str | None
+    reward_function: str | None = arg(
+        "--reward-function", default=None, metavar="FILE.py:NAME",
+        help="custom reward (problem, response_text, spec) -> float instead of the task's exact-answer reward")
     """FILE.py:NAME, a function (problem, response text, spec) -> float instead of the task's reward."""
-    eval_interval: int
-    """Held-out greedy accuracy every N iterations (0: only at the end)."""
-    eval_prompts: int | None
+    eval_prompts: int | None = arg("--eval-prompts", type=int, default=None,
+                                   help="held-out problems per evaluation (default: all)")
     """How many of the task's held-out problems each evaluation uses (None: all)."""
-    max_prompt_tokens: int
+
+    # ---------------------------------------------------------------- derived while validating
+    loss_agg: str = value("token-mean", saved=False)
+    """How token losses become the batch loss (``pretrain.rl.objective.LOSS_AGG_MODES``)."""
+    correction: Correction | None = value(None, saved=False)  # noqa: RUF009 - a field, not a call per instance
+    """``pretrain.rl.objective.Correction``: none, tis, mis, seq_tis, seq_mis, geo_mis + thresholds."""
+    qat_replay_layers: tuple[str, ...] = value(("all",), saved=False)
+    """The linears whose rounding --rollout-qat replay replays."""
+    eval_interval: int = value(10, saved=False)
+    """Held-out greedy accuracy every N iterations (0: only at the end; pretraining's ``--eval-interval``)."""
+    max_prompt_tokens: int = value(0, saved=False)
     """Longest prompt in tokens the run allows (prompt + --max-new-tokens <= --seq-length)."""
 
     @property
     def sequences_per_step(self) -> int:
         return self.prompts_per_step * self.group_size
 
-
-@dataclass(frozen=True)
-class RLRun:
-    """Pretraining's flags that the RL loop reads (the rest build the model and optimizer at setup)."""
-
-    seed: int
-    """--seed: initialisation, and (with the iteration and DP rank) each iteration's sampling seed."""
-    clip_grad: float
-    """--clip-grad: the global gradient-norm bound of every optimizer step."""
-    log_interval: int
-    """--log-interval: a progress line every N iterations."""
-    save: str | None
-    """--save: the run's checkpoint directory (also where it resumes from)."""
-    save_interval: int | None
-    """--save-interval: a checkpoint every N iterations."""
-    save_retain: int | None
-    """--save-retain: how many checkpoints to keep."""
-    exit_interval: int | None
-    """--exit-interval: stop (and save) after every N iterations."""
-    load: str | None
-    """--load: the starting policy (or an RL checkpoint to resume)."""
-    ckpt_step: int | None
-    """--ckpt-step: the iteration of --load to read (default: its latest)."""
-    tensor_model_parallel_size: int
-    seq_length: int
-    tensorboard_dir: str | None
-    precision: str
-    lr: float
-
-
-def rl_run(args) -> RLRun:
-    """The :class:`RLRun` of a validated Namespace."""
-    return RLRun(args.seed, args.clip_grad, args.log_interval, args.save, args.save_interval, args.save_retain,
-                 args.exit_interval, args.load, args.ckpt_step, args.tensor_model_parallel_size, args.seq_length,
-                 args.tensorboard_dir, args.precision, args.lr)
-
-
-def add_rl_arguments(p: argparse.ArgumentParser) -> None:
-    """The "reinforcement learning" group (names as verl / TRL users know them)."""
-    from model.rollout_plan import ROLLOUT_PRESETS
-    from pretrain.rl.objective import ADVANTAGE_ESTIMATORS, CORRECTIONS, KL_KINDS, LOSS_AGG_MODES
-    from pretrain.rl.qat import QAT_MODES
-
-    g = p.add_argument_group("reinforcement learning")
-    add = g.add_argument
-    add("--task", metavar="FILE", help="task seed file (pretrain/rl/task.py), e.g. configs/rl/arith.yaml (required)")
-    add("--rl-iters", type=int, default=100, help="RL iterations (sample, score, update)")
-    add("--prompts-per-step", type=int, default=32, help="prompts per iteration, over all data-parallel ranks")
-    add("--group-size", type=int, default=8, metavar="G", help="responses sampled per prompt (>= 2)")
-    add("--max-new-tokens", type=int, default=8, help="longest response in tokens")
-    add("--temperature", type=float, default=1.0, help="sampling temperature (> 0; the trainer scores at it)")
-    add("--top-p", type=float, default=1.0)
-    add("--top-k", type=int, default=0, help="0: off")
-    add("--rollout-precision", default="bf16", metavar="PRESET_OR_SPEC",
-        help=f"rollout plan (model.rollout_plan): {', '.join(ROLLOUT_PRESETS)} (+had16/+had32), or "
-        "base=PRESET,kv=FORMAT / linear=X@W,kv=FORMAT")
-    add("--rollout-precision-rule", action="append", default=[], metavar="SELECTOR=VALUE",
-        help="per-layer rollout recipe with --precision-rule selectors, e.g. first:1=bf16 (repeatable)")
-    add("--advantage-estimator", choices=ADVANTAGE_ESTIMATORS, default="grpo",
-        help="grpo: (r - group mean) / group std; dr_grpo: r - group mean (and, unless --loss-agg-mode is "
-        "given, seq-mean-token-sum-norm)")
-    add("--loss-agg-mode", choices=LOSS_AGG_MODES, default=None,
-        help="default: token-mean (grpo), seq-mean-token-sum-norm (dr_grpo)")
-    add("--clip-ratio-low", type=float, default=0.2, help="PPO clip: ratio >= 1 - this")
-    add("--clip-ratio-high", type=float, default=0.2, help="PPO clip: ratio <= 1 + this")
-    add("--clip-ratio-c", type=float, default=3.0,
-        help="dual-clip PPO bound (> 1; verl's clip_ratio_c): a token with a negative advantage loses at most "
-        "-A x this")
-    add("--entropy-coeff", type=float, default=0.0,
-        help="entropy bonus (verl's entropy_coeff): loss -= this x the entropy of the sampling distribution, "
-        "aggregated as --loss-agg-mode")
-    add("--overlong-buffer-len", type=int, default=0, metavar="N",
-        help="DAPO's overlong penalty (verl's reward_model.overlong_buffer.len): a response longer than "
-        "--max-new-tokens - N loses up to --overlong-penalty-factor of reward, linearly (0: off)")
-    add("--overlong-penalty-factor", type=float, default=1.0,
-        help="the overlong penalty at --max-new-tokens (verl's overlong_buffer.penalty_factor)")
-    add("--overlong-filter", action=argparse.BooleanOptionalAction, default=False,
-        help="DAPO's overlong filtering: responses cut at --max-new-tokens (no stop token) get no loss")
-    add("--ppo-epochs", type=int, default=1, help="passes over each iteration's rollouts")
-    add("--ppo-mini-batches", type=int, default=1, help="optimizer steps per pass (the batch split by prompts)")
-    add("--kl-coef", type=float, default=0.0, help="KL penalty to the starting policy (0: no reference model)")
-    add("--kl-type", choices=KL_KINDS, default="low_var_kl",
-        help="KL estimator (verl's kl_penalty): k1, abs, mse (k2), low_var_kl (k3)")
-    add("--rollout-correction", choices=CORRECTIONS, default="none",
-        help="trainer/rollout mismatch correction: tis (truncated IS), mis (masked IS / IcePop), seq_tis, "
-        "seq_mis, geo_mis (geometric-mean sequence rejection)")
-    add("--rollout-is-threshold", type=float, default=None, help="IS weight cap (tis, seq_tis; default as verl)")
-    add("--rollout-rs-threshold", default=None, metavar="U|LOWER_UPPER",
-        help="rejection bound (mis, seq_mis, geo_mis): U keeps rho = pi_trainer / pi_rollout in [1/U, U] "
-        "(or [--rollout-rs-threshold-lower, U]); verl's LOWER_UPPER bounds pi_rollout / pi_trainer, so "
-        "0.8_2.0 keeps rho in [0.5, 1.25]")
-    add("--rollout-rs-threshold-lower", type=float, default=None,
-        help="rejection lower bound on rho = pi_trainer / pi_rollout (default 1 / U)")
-    add("--rollout-qat", choices=QAT_MODES, default="none",
-        help="rollout-guided QAT (pretrain/rl/qat.py): none; rtn: the trainer's forward fake-quantizes as the "
-        "rollout plan; replay: as rtn, replaying the rollout's recorded rounding")
-    add("--rollout-qat-layers", action="append", default=None, metavar="SELECTOR",
-        help="linears whose rounding --rollout-qat replay replays (repeatable; default all)")
-    add("--rollout-qat-kv", action=argparse.BooleanOptionalAction, default=True,
-        help="--rollout-qat also fake-quantizes K/V as the rollout's KV-cache")
-    add("--rollout-fallback", default=None, metavar="METRIC=THRESHOLD[,to=bf16|fp8][,layers=K]",
-        help="move the layers with the largest attributed mismatch back to BF16/FP8 rollouts when METRIC "
-        "(e.g. k3_kl=0.02) crosses THRESHOLD")
-    add("--reward-function", default=None, metavar="FILE.py:NAME",
-        help="custom reward (problem, response_text, spec) -> float instead of the task's exact-answer reward")
-    add("--eval-prompts", type=int, default=None, help="held-out problems per evaluation (default: all)")
+    def to_dict(self) -> dict:
+        """The RL flags under their ``dest`` (what checkpoints and ``rl_summary.json`` record)."""
+        return to_flat_dict(self)
 
 
 def build_rl_parser() -> argparse.ArgumentParser:
     p = build_parser()
     p.prog = PROG
     p.description = "GRPO post-training of a megatron-core GPT with rollouts under their own precision."
-    add_rl_arguments(p)
+    add_group(p, "reinforcement learning", RLConfig)
     p.set_defaults(**RL_DEFAULTS)
     return p
 
 
-def _given(parser: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
-    """Argument names given on the command line."""
-    for action in parser._actions:
-        action.default = argparse.SUPPRESS
-    return set(vars(parser.parse_args(argv)))
-
-
 def _shape_from_load(args, given: set[str]) -> None:
     """The model shape, ``--seq-length`` and tokenizer from the ``--load`` checkpoint."""
-    from pretrain.pretrained import PretrainedError, read_pretrained, shape_args
-
     try:
         pre = read_pretrained(args.load)
     except PretrainedError as e:
         raise ConfigError(str(e).replace("--pretrained-checkpoint", "--load", 1)) from None
-    for name, value in shape_args(pre.cfg).items():
-        if name in given and getattr(args, name) != value:
+    for name, shape in shape_args(pre.cfg).items():
+        if name in given and getattr(args, name) != shape:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} disagrees with --load {args.load} "
-                              f"({value}); drop the flag (the shape comes from the checkpoint)")
-        setattr(args, name, value)
+                              f"({shape}); drop the flag (the shape comes from the checkpoint)")
+        setattr(args, name, shape)
     if args.seq_length is None:
         args.seq_length = pre.cfg.seq_length
     if args.tokenizer_model is None and pre.tokenizer_model is not None:
@@ -249,20 +231,16 @@ def _shape_from_load(args, given: set[str]) -> None:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    from pretrain.arguments import _load_model_size
-
     parser = build_rl_parser()
     args = parser.parse_args(argv)
     if args.model_size:
-        parser.set_defaults(**_load_model_size(parser, args.model_size))
+        parser.set_defaults(**load_model_size(parser, args.model_size))
         args = parser.parse_args(argv)
     args.pretrained_vocab_size = None
     if args.task is None:
         raise ConfigError("--task is required: a task seed file, e.g. --task configs/rl/arith.yaml")
-    from pretrain.checkpointing import TRACKER
-
     if args.load and os.path.isfile(os.path.join(args.load, TRACKER)):
-        _shape_from_load(args, _given(build_rl_parser(), argv))
+        _shape_from_load(args, given_flags(argv, build_rl_parser()))
     missing = [f"--{k.replace('_', '-')}" for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
                if getattr(args, k) is None]
     if missing:
@@ -279,59 +257,55 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _positive_rl(args) -> None:
+def _positive_rl(c: RLConfig) -> None:
     for name in ("rl_iters", "prompts_per_step", "max_new_tokens", "ppo_epochs", "ppo_mini_batches", "eval_prompts"):
-        v = getattr(args, name)
+        v = getattr(c, name)
         if v is not None and v <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} {v}: must be > 0")
     for name in ("clip_ratio_low", "clip_ratio_high", "kl_coef", "top_k", "eval_interval"):
-        if getattr(args, name) < 0:
-            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 0")
-    if args.group_size < 2:
-        raise ConfigError(f"--group-size {args.group_size}: must be >= 2 (GRPO normalizes each prompt's rewards "
+        if getattr(c, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(c, name)}: must be >= 0")
+    if c.group_size < 2:
+        raise ConfigError(f"--group-size {c.group_size}: must be >= 2 (GRPO normalizes each prompt's rewards "
                           f"within its group of responses)")
-    if args.temperature <= 0:
-        raise ConfigError(f"--temperature {args.temperature}: must be > 0 (RL samples; the trainer scores at "
+    if c.temperature <= 0:
+        raise ConfigError(f"--temperature {c.temperature}: must be > 0 (RL samples; the trainer scores at "
                           f"the same temperature)")
-    if not 0 < args.top_p <= 1:
-        raise ConfigError(f"--top-p {args.top_p}: must be in (0, 1]")
-    if args.clip_ratio_low >= 1:
-        raise ConfigError(f"--clip-ratio-low {args.clip_ratio_low}: must be < 1 (the ratio's lower clip is 1 - it)")
-    if not args.clip_ratio_c > 1:
-        raise ConfigError(f"--clip-ratio-c {args.clip_ratio_c}: the dual-clip bound must be > 1 (verl's default 3.0)")
-    if not 0 <= args.overlong_buffer_len <= args.max_new_tokens:
-        raise ConfigError(f"--overlong-buffer-len {args.overlong_buffer_len}: must be in [0, --max-new-tokens "
-                          f"{args.max_new_tokens}] (0: no overlong penalty)")
-    if args.overlong_penalty_factor < 0:
-        raise ConfigError(f"--overlong-penalty-factor {args.overlong_penalty_factor}: must be >= 0")
+    if not 0 < c.top_p <= 1:
+        raise ConfigError(f"--top-p {c.top_p}: must be in (0, 1]")
+    if c.clip_ratio_low >= 1:
+        raise ConfigError(f"--clip-ratio-low {c.clip_ratio_low}: must be < 1 (the ratio's lower clip is 1 - it)")
+    if not c.clip_ratio_c > 1:
+        raise ConfigError(f"--clip-ratio-c {c.clip_ratio_c}: the dual-clip bound must be > 1 (verl's default 3.0)")
+    if not 0 <= c.overlong_buffer_len <= c.max_new_tokens:
+        raise ConfigError(f"--overlong-buffer-len {c.overlong_buffer_len}: must be in [0, --max-new-tokens "
+                          f"{c.max_new_tokens}] (0: no overlong penalty)")
+    if c.overlong_penalty_factor < 0:
+        raise ConfigError(f"--overlong-penalty-factor {c.overlong_penalty_factor}: must be >= 0")
 
 
-def rl_config(args, dp_size: int) -> RLConfig:
-    """Validate the RL flags of ``args`` (pretraining's part already validated) into an :class:`RLConfig`."""
-    from model.rollout_plan import parse_rollout
-    from precision.policy import Rule
-    from precision.recipe import SpecError
-    from pretrain.rl.objective import Correction
-    from pretrain.rl.task import TaskError, load_task
-
-    _positive_rl(args)
+def rl_config(args: argparse.Namespace, run: RunConfig, dp_size: int) -> RLConfig:
+    """Validate the RL flags of the parsed ``args`` (pretraining's part already validated into ``run``)
+    into a frozen :class:`RLConfig`."""
+    c = from_namespace(RLConfig, args, eval_interval=run.logging.eval_interval)
+    _positive_rl(c)
     try:
-        load_task(args.task, "--task")
+        load_task(c.task, "--task")
     except TaskError as e:
         raise ConfigError(str(e)) from None
-    if args.prompts_per_step % dp_size:
-        raise ConfigError(f"--prompts-per-step {args.prompts_per_step} is not divisible by the data-parallel size "
+    if c.prompts_per_step % dp_size:
+        raise ConfigError(f"--prompts-per-step {c.prompts_per_step} is not divisible by the data-parallel size "
                           f"{dp_size} (each rank takes an equal share of the prompts)")
-    per_rank = args.prompts_per_step // dp_size
-    if per_rank % args.ppo_mini_batches:
-        raise ConfigError(f"--ppo-mini-batches {args.ppo_mini_batches} does not divide the {per_rank} prompts of "
-                          f"each data-parallel rank (--prompts-per-step {args.prompts_per_step} / DP {dp_size})")
+    per_rank = c.prompts_per_step // dp_size
+    if per_rank % c.ppo_mini_batches:
+        raise ConfigError(f"--ppo-mini-batches {c.ppo_mini_batches} does not divide the {per_rank} prompts of "
+                          f"each data-parallel rank (--prompts-per-step {c.prompts_per_step} / DP {dp_size})")
     try:
-        parse_rollout(args.rollout_precision)
+        parse_rollout(c.rollout_precision)
     except (SpecError, ValueError) as e:
         msg = str(e)
         raise ConfigError(msg if msg.startswith("--rollout-precision") else f"--rollout-precision: {msg}") from None
-    for rule in args.rollout_precision_rule:  # the selector's syntax; the value's is the rollout plan's
+    for rule in c.rollout_precision_rule:  # the selector's syntax; the value's is the rollout plan's
         if "=" not in rule:
             raise ConfigError(f"--rollout-precision-rule {rule!r}: expected SELECTOR=PRESET_OR_SPEC, e.g. first:1=bf16")
         try:
@@ -339,42 +313,32 @@ def rl_config(args, dp_size: int) -> RLConfig:
         except ValueError as e:
             raise ConfigError(f"--rollout-precision-rule {rule!r}: {e}") from None
     try:
-        corr = Correction.from_args(args.rollout_correction, args.rollout_is_threshold, args.rollout_rs_threshold,
-                                    args.rollout_rs_threshold_lower)
+        corr = Correction.from_args(c.rollout_correction, c.rollout_is_threshold, c.rollout_rs_threshold,
+                                    c.rollout_rs_threshold_lower)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if args.rollout_fallback is not None:
-        from pretrain.rl.fallback import RolloutFallback
+    if c.rollout_fallback is not None:
+        from pretrain.rl.fallback import RolloutFallback  # imports the rollout engine: only when asked for
 
         try:
-            RolloutFallback.parse(args.rollout_fallback, "--rollout-fallback")
+            RolloutFallback.parse(c.rollout_fallback, "--rollout-fallback")
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    if args.rollout_qat_layers and args.rollout_qat != "replay":
+    if c.rollout_qat_layers and c.rollout_qat != "replay":
         raise ConfigError("--rollout-qat-layers selects the layers --rollout-qat replay replays; add --rollout-qat "
                           "replay or drop it")
-    if args.max_new_tokens >= args.seq_length:
-        raise ConfigError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in --seq-length "
-                          f"{args.seq_length} (the model's positions)")
-    agg = args.loss_agg_mode or ("seq-mean-token-sum-norm" if args.advantage_estimator == "dr_grpo" else "token-mean")
-    return RLConfig(
-        task=args.task, rl_iters=args.rl_iters, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        rollout_precision=args.rollout_precision, rollout_precision_rules=tuple(args.rollout_precision_rule),
-        advantage_estimator=args.advantage_estimator, loss_agg_mode=agg, clip_ratio_low=args.clip_ratio_low,
-        clip_ratio_high=args.clip_ratio_high, clip_ratio_c=args.clip_ratio_c, entropy_coeff=args.entropy_coeff,
-        overlong_buffer_len=args.overlong_buffer_len, overlong_penalty_factor=args.overlong_penalty_factor,
-        overlong_filter=args.overlong_filter, ppo_epochs=args.ppo_epochs, ppo_mini_batches=args.ppo_mini_batches,
-        kl_coef=args.kl_coef, kl_type=args.kl_type, correction=corr, rollout_qat=args.rollout_qat,
-        rollout_qat_layers=tuple(args.rollout_qat_layers or ("all",)), rollout_qat_kv=args.rollout_qat_kv,
-        rollout_fallback=args.rollout_fallback, reward_function=args.reward_function,
-        eval_interval=args.eval_interval, eval_prompts=args.eval_prompts,
-        max_prompt_tokens=args.seq_length - args.max_new_tokens,
-    )  # fmt: skip
+    seq_length = run.model.seq_length
+    if c.max_new_tokens >= seq_length:
+        raise ConfigError(f"--max-new-tokens {c.max_new_tokens} leaves no room for a prompt in --seq-length "
+                          f"{seq_length} (the model's positions)")
+    agg = c.loss_agg_mode or ("seq-mean-token-sum-norm" if c.advantage_estimator == "dr_grpo" else "token-mean")
+    return dataclasses.replace(c, loss_agg=agg, correction=corr, qat_replay_layers=tuple(c.rollout_qat_layers or ("all",)),
+                               max_prompt_tokens=seq_length - c.max_new_tokens)
 
 
-def parse_rl_args(argv: list[str] | None, world_size: int, cuda: bool) -> tuple[argparse.Namespace, RLConfig]:
-    """Parse and validate everything checkable before torch.distributed; :class:`ConfigError` (one line) else."""
+def parse_rl_args(argv: list[str] | None, world_size: int, cuda: bool) -> tuple[RunConfig, RLConfig]:
+    """Parse and validate everything checkable before torch.distributed: the frozen run (pretraining's
+    flags) and RL configs; :class:`ConfigError` (one line) else."""
     args = _parse(argv)
     if args.gemm_backend is None:  # RL batches change shape every iteration: no torch.compile on CPU
         args.gemm_backend = "auto" if cuda else "reference"
@@ -382,6 +346,7 @@ def parse_rl_args(argv: list[str] | None, world_size: int, cuda: bool) -> tuple[
     args.train_iters = args.rl_iters * args.ppo_epochs * args.ppo_mini_batches
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
-    args = validate_args(args, world_size, cuda)
-    dp = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
-    return args, rl_config(args, dp)
+    args, run = validate_and_freeze(args, world_size, cuda)
+    p = run.parallel
+    dp = world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+    return run, rl_config(args, run, dp)

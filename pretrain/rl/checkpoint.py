@@ -51,7 +51,7 @@ def save(t) -> str:
             "reference_model": t.ref_state,
         },
     }
-    path = save_checkpoint(t.run.save, t.iteration, state, retain=t.run.save_retain)
+    path = save_checkpoint(t.run.checkpoint.save, t.iteration, state, retain=t.run.checkpoint.save_retain)
     rank0_print(f"saved checkpoint {path} ({time.perf_counter() - t0:.1f}s)")
     t.last_saved = t.iteration
     return path
@@ -62,7 +62,7 @@ def load(t) -> None:
     from ``--load`` (weights only, iteration 0), else keep the random initialisation."""
     from pretrain.checkpointing import TRACKER, CheckpointError, load_checkpoint, restore_rng_state
 
-    a = t.run
+    a = t.run.checkpoint
     source = None
     for d in (a.save, a.load):
         if d and os.path.isfile(os.path.join(d, TRACKER)):
@@ -71,7 +71,7 @@ def load(t) -> None:
     if source is None:
         rank0_print("no --load checkpoint: training a randomly initialised policy")
         return
-    tp = a.tensor_model_parallel_size
+    tp = t.run.parallel.tensor_model_parallel_size
     ckpt = load_checkpoint(source, tp, reshard_model=True, iteration=a.ckpt_step if source == a.load else None)
     is_rl = "rl" in ckpt or "rl_iters" in ckpt.get("args", {})
     if source == a.save and not is_rl and a.load and source != a.load:  # --save holds no RL run: start from --load
@@ -140,10 +140,11 @@ def summary(t) -> dict:
 
 def write_summary(t) -> str | None:
     """Rank 0 writes ``<--save>/rl_summary.json`` (atomically); its path, or None."""
-    if not (t.run.save and is_rank0()):
+    save = t.run.checkpoint.save
+    if not (save and is_rank0()):
         return None
-    os.makedirs(t.run.save, exist_ok=True)
-    path = os.path.join(t.run.save, SUMMARY_FILE)
+    os.makedirs(save, exist_ok=True)
+    path = os.path.join(save, SUMMARY_FILE)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(summary(t), f, indent=1, default=str)

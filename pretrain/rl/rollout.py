@@ -33,7 +33,7 @@ def dp_rank_size() -> tuple[int, int]:
 def rollout_rules(t) -> list[str]:
     """The user's --rollout-precision-rule values, then the fallback's (``layers:I-I=bf16``; first match wins,
     so a layer a user rule sets stays the user's -- the fallback's attribution skips it alike)."""
-    user = list(t.cfg.rollout_precision_rules)
+    user = list(t.cfg.rollout_precision_rule)
     extra = t.fallback.rollout_rules() if t.fallback is not None else []
     return user + [r for r in extra if r not in user]
 
@@ -59,7 +59,7 @@ def build_rollout(t) -> None:
     rollout.update()
     if t.qat is None:
         try:
-            t.qat = RolloutQAT(t.model, plan, t.cfg.rollout_qat, replay_layers=t.cfg.rollout_qat_layers,
+            t.qat = RolloutQAT(t.model, plan, t.cfg.rollout_qat, replay_layers=t.cfg.qat_replay_layers,
                                kv=t.cfg.rollout_qat_kv)
         except ValueError as e:
             raise ConfigError(str(e)) from None
@@ -80,7 +80,7 @@ def sampling(t, seed: int, greedy: bool = False):
 
 
 def sampling_seed(t, iteration: int) -> int:
-    return (t.run.seed * 1_000_003 + iteration * 7_919 + dp_rank_size()[0]) % 2**62
+    return (t.run.training.seed * 1_000_003 + iteration * 7_919 + dp_rank_size()[0]) % 2**62
 
 
 def generate(t, iteration: int):
@@ -93,7 +93,7 @@ def generate(t, iteration: int):
     prompts = [t.prompt_ids(p.prompt) for p in problems for _ in range(t.cfg.group_size)]
     longest = max(len(p) for p in prompts)
     if longest > t.cfg.max_prompt_tokens:
-        raise ConfigError(f"--seq-length {t.run.seq_length}: a prompt of {longest} tokens + --max-new-tokens "
+        raise ConfigError(f"--seq-length {t.run.model.seq_length}: a prompt of {longest} tokens + --max-new-tokens "
                           f"{t.cfg.max_new_tokens} exceeds it; raise --seq-length (at most the model's "
                           f"positions) or lower --max-new-tokens")
     if t.device.type == "cuda":
@@ -131,7 +131,7 @@ def fallback_check(t, metrics: dict, batch) -> list[str]:
     if not t.fallback.triggered(metrics):
         return []
     moved = t.fallback.choose(t.model, batch, vocab_size=t.vocab_size, rollout=t.cfg.rollout_precision,
-                              rules=list(t.cfg.rollout_precision_rules), iteration=t.iteration,
+                              rules=list(t.cfg.rollout_precision_rule), iteration=t.iteration,
                               temperature=t.cfg.temperature)
     if torch.distributed.get_world_size() > 1:
         state = [t.fallback.state_dict()]

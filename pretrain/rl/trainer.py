@@ -27,7 +27,7 @@ One iteration (every rank; ``RLTrainer.step``): rollout (``pretrain.rl.rollout``
     fallback   --rollout-fallback: if the metric crossed its threshold, the layers with the largest
                attributed mismatch go back to BF16/FP8 rollouts (pretrain.rl.fallback)
 
-The loop reads the typed ``RLConfig`` and ``RLRun`` (``pretrain.rl.arguments``), never the Namespace.
+The loop reads the frozen ``RunConfig`` and ``RLConfig`` (``pretrain.rl.arguments``), never a Namespace.
 
 Held-out accuracy: greedy generation on the task's held-out problems with the trainer's own numerics
 (``Engine`` without a rollout plan, the policy under --precision), the same for every rollout plan;
@@ -61,15 +61,27 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from megatron.core import parallel_state
 
+from model.generate import Engine
+from model.gpt import policy_linears
+from pretrain import runtime
 from pretrain.arguments import ConfigError
+from pretrain.config import RunConfig
+from pretrain.data import load_tokenizer
+from pretrain.engine import TorchEngine
+from pretrain.optim import LRSchedule
 from pretrain.rl import checkpoint as rl_checkpoint
 from pretrain.rl import rollout as rollout_side
+from pretrain.rl.arguments import PROG, RLConfig, parse_rl_args
 from pretrain.rl.checkpoint import SUMMARY_FILE
+from pretrain.rl.fallback import RolloutFallback
 from pretrain.rl.score import policy_logprobs, score
-from pretrain.rl.update import _dp_group, _dp_sum_, update
+from pretrain.rl.task import eval_problems, load_task, reward
+from pretrain.rl.update import RLDiverged, _dp_group, _dp_sum_, update
 from pretrain.runtime import is_rank0, rank0_print
-from pretrain.train import build_model, init_distributed
+from pretrain.status import EXIT_DIVERGED
+from pretrain.train import build_model, init_distributed, open_tensorboard, seed_everything
 
 __all__ = ["SUMMARY_FILE", "RLTrainer", "policy_logprobs", "setup", "train"]
 
@@ -79,8 +91,8 @@ __all__ = ["SUMMARY_FILE", "RLTrainer", "policy_logprobs", "setup", "train"]
 class RLTrainer:
     """Everything one rank trains with; ``iteration`` is the number of RL iterations done."""
 
-    run: object  # pretrain.rl.arguments.RLRun: pretraining's flags the loop reads
-    cfg: object  # pretrain.rl.arguments.RLConfig
+    run: RunConfig  # pretraining's flags, frozen (model, optimizer, seed, checkpoints, logging)
+    cfg: RLConfig  # the RL flags, frozen
     spec: object  # pretrain.rl.task.TaskSpec
     model: torch.nn.Module
     main: object  # pretrain.optim.MainParams with --bf16, else None
@@ -187,9 +199,6 @@ class RLTrainer:
         (``Engine`` without a rollout plan: the same measurement for every --rollout-precision;
         ``rl/heldout_accuracy``) and under the rollout plan (the policy as the rollout engine serves
         it; ``rl/heldout_accuracy_rollout``). Returns the first."""
-        from model.generate import Engine
-        from pretrain.rl.task import eval_problems, reward
-
         problems = eval_problems(self.spec)[: self.cfg.eval_prompts]
         dp_rank, dp = rollout_side.dp_rank_size()
         mine = problems[dp_rank::dp]
@@ -227,7 +236,7 @@ class RLTrainer:
         if self.tb is not None:
             for tag, value in scalars.items():
                 self.tb.add_scalar(tag, value, self.iteration)
-        if self.iteration % self.run.log_interval == 0 or self.iteration == self.cfg.rl_iters:
+        if self.iteration % self.run.logging.log_interval == 0 or self.iteration == self.cfg.rl_iters:
             acc = (f"{self.evals[-1][1]:.3f} (rollout plan {self.evals[-1][2]:.3f}, it {self.evals[-1][0]})"
                    if self.evals else "-")
             width = len(str(self.cfg.rl_iters))
@@ -271,83 +280,61 @@ def load_reward_function(value: str):
     return fn
 
 
-def setup(args, cfg) -> RLTrainer:
+def setup(run: RunConfig, cfg: RLConfig) -> RLTrainer:
     """Process group, tokenizer, model + trainer plan, optimizer, --load, the rollout side."""
-    from megatron.core import parallel_state
-
-    from pretrain.data import load_tokenizer
-    from pretrain.engine import TorchEngine
-    from pretrain.optim import LRSchedule
-    from pretrain.rl.task import load_task
-
+    t, d, c = run.training, run.data, run.checkpoint
     if parallel_state.model_parallel_is_initialized():  # in-process use (tests, notebooks): seeds only
-        import random
-
-        import numpy as np
-
-        random.seed(args.seed)
-        np.random.seed(args.seed)
-        torch.manual_seed(args.seed)
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        device = seed_everything(t.seed)
     else:
-        device = init_distributed(args)
-    tp = args.tensor_model_parallel_size
+        device = init_distributed(run)
+    tp = run.parallel.tensor_model_parallel_size
     rank0_print(f"world size {torch.distributed.get_world_size()} = TP {tp} x DP "
-                f"{parallel_state.get_data_parallel_world_size()} | device {device.type} | seed {args.seed}")
+                f"{parallel_state.get_data_parallel_world_size()} | device {device.type} | seed {t.seed}")
     try:
-        tokenizer = load_tokenizer(args.tokenizer_model, args.data_cache_dir, tokenizer_type=args.tokenizer_type)
+        tokenizer = load_tokenizer(d.tokenizer_model, d.data_cache_dir, tokenizer_type=d.tokenizer_type)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from None
-    vocab = args.pretrained_vocab_size or tokenizer.vocab_size
+    vocab = run.pretrained_vocab_size or tokenizer.vocab_size
     if tokenizer.vocab_size > vocab:
         raise ConfigError(f"--tokenizer-model {tokenizer.path} has {tokenizer.vocab_size} tokens, more than the "
-                          f"{vocab} of --load {args.load}")
-    from pretrain.arguments import model_config
-
-    model, plan, whole_plan = build_model(args, vocab, device)
-    if device.type == "cpu" and args.gemm_backend == "auto":
+                          f"{vocab} of --load {c.load}")
+    model, plan, whole_plan = build_model(run, vocab, device)
+    if device.type == "cpu" and run.precision.gemm_backend == "auto":
         # auto is the emulated backend on CPU; named so, the engine runs the eager reference quantizers
         # while it generates (decode shapes change every step: each would recompile a fused quantizer)
-        from model.gpt import policy_linears
-
         for _, module in policy_linears(model):
             module.gemm_backend = "emulated"
-    engine = TorchEngine(model, args, device)  # FP32 mains with --bf16, AdamW, the non-finite policy
+    engine = TorchEngine(model, run, device)  # FP32 mains with --bf16, AdamW, the non-finite policy
     main, optimizer = engine.main, engine.optimizer
-    from pretrain.rl.arguments import rl_run
-
-    trainer = RLTrainer(rl_run(args), cfg, load_task(cfg.task), model, main, optimizer,
-                        LRSchedule.from_args(optimizer, args), plan, model_config(args, vocab), tokenizer, device,
-                        tokenizer.vocab_size, train_engine=engine, flags=dict(vars(args)))
+    flags = {**run.to_dict(), **cfg.to_dict()}  # every flag's value, as checkpoints and rl_summary.json record them
+    trainer = RLTrainer(run, cfg, load_task(cfg.task), model, main, optimizer, LRSchedule.from_training(optimizer, t),
+                        plan, run.model_config(vocab), tokenizer, device, tokenizer.vocab_size, train_engine=engine,
+                        flags=flags)
     if cfg.reward_function:
         trainer.reward_fn = load_reward_function(cfg.reward_function)
     if cfg.rollout_fallback:
-        from pretrain.rl.fallback import RolloutFallback
-
         trainer.fallback = RolloutFallback.parse(cfg.rollout_fallback, "--rollout-fallback")
     trainer.load()
     if cfg.kl_coef > 0 and trainer.ref_state is None:  # the starting policy is the reference
         trainer.ref_state = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     trainer.build_rollout()
-    rank0_print(f"precision plan of the trainer (--precision {args.precision}):\n{whole_plan.table()}")
+    rank0_print(f"precision plan of the trainer (--precision {run.precision.precision}):\n{whole_plan.table()}")
     rank0_print(f"rollout plan (--rollout-precision {cfg.rollout_precision}):\n{trainer.rollout_plan.table()}")
     rank0_print(f"task {trainer.spec.name} ({cfg.task}) | {cfg.prompts_per_step} prompts x G {cfg.group_size} per "
-                f"iteration | {cfg.advantage_estimator}, {cfg.loss_agg_mode} | correction {cfg.correction.kind} | "
-                f"QAT {cfg.rollout_qat} | KL {cfg.kl_coef} | lr {args.lr}")
-    if args.tensorboard_dir and is_rank0():
-        from torch.utils.tensorboard import SummaryWriter
-
-        trainer.tb = SummaryWriter(args.tensorboard_dir,
-                                   purge_step=trainer.iteration + 1 if trainer.iteration else None)
+                f"iteration | {cfg.advantage_estimator}, {cfg.loss_agg} | correction {cfg.correction.kind} | "
+                f"QAT {cfg.rollout_qat} | KL {cfg.kl_coef} | lr {t.lr}")
+    if run.logging.tensorboard_dir and is_rank0():
+        trainer.tb = open_tensorboard(run.logging.tensorboard_dir, trainer.iteration)
         trainer.tb.add_text("rollout_plan", "```\n" + trainer.rollout_plan.table() + "\n```", trainer.iteration)
-        trainer.tb.add_text("args", "```\n" + "\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())) + "\n```",
+        trainer.tb.add_text("args", "```\n" + "\n".join(f"{k}: {v}" for k, v in sorted(flags.items())) + "\n```",
                             trainer.iteration)
     return trainer
 
 
 def train(trainer: RLTrainer, sigterm) -> int:
     """The loop; returns the exit status (0)."""
-    c, a = trainer.cfg, trainer.run
+    c, save, save_interval = trainer.cfg, trainer.run.checkpoint.save, trainer.run.checkpoint.save_interval
+    exit_interval = trainer.run.training.exit_interval
     if trainer.iteration == 0:
         trainer.evaluate()
         _, acc, acc_rollout = trainer.evals[-1]
@@ -359,18 +346,18 @@ def train(trainer: RLTrainer, sigterm) -> int:
         if (c.eval_interval and it % c.eval_interval == 0) or it == c.rl_iters:
             trainer.evaluate()
         trainer.log(scalars)
-        if a.save and a.save_interval and it % a.save_interval == 0:
+        if save and save_interval and it % save_interval == 0:
             trainer.save()
         stop = "SIGTERM" if sigterm.any_rank() else None
-        if stop is None and a.exit_interval and it % a.exit_interval == 0 and it < c.rl_iters:
-            stop = f"--exit-interval {a.exit_interval}"
+        if stop is None and exit_interval and it % exit_interval == 0 and it < c.rl_iters:
+            stop = f"--exit-interval {exit_interval}"
         if stop:
-            if a.save and trainer.last_saved != it:
+            if save and trainer.last_saved != it:
                 trainer.save()
             trainer.write_summary()  # the iterations so far; the resumed run rewrites it
-            rank0_print(f"{stop}: stopping after iteration {it}" + ("" if a.save else " (no --save: nothing saved)"))
+            rank0_print(f"{stop}: stopping after iteration {it}" + ("" if save else " (no --save: nothing saved)"))
             return 0
-    if a.save and trainer.last_saved != trainer.iteration:
+    if save and trainer.last_saved != trainer.iteration:
         trainer.save()
     path = trainer.write_summary()
     s = trainer.summary()
@@ -384,11 +371,6 @@ def main(argv: list[str] | None = None) -> int:
     """``launch/rl.py`` on pretraining's runtime (``pretrain.runtime.run``: parse and agree, refusals
     as one line, SIGTERM, the process group): exit status 0 done, 2 bad input, 3 diverged, 4 a
     checkpoint could not be written (``pretrain.status``)."""
-    from pretrain import runtime
-    from pretrain.rl.arguments import PROG, parse_rl_args
-    from pretrain.rl.update import RLDiverged
-    from pretrain.status import EXIT_DIVERGED
-
     def run_rl(parsed, signals) -> int:
         trainer = None
         try:

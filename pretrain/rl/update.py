@@ -77,15 +77,15 @@ def update(t, s) -> dict[str, float]:
                 loss, pg_m = policy_loss(lp, s.old_lp[idx], s.advantages[idx].to(dev), mb_mask,
                                          clip_ratio_low=c.clip_ratio_low, clip_ratio_high=c.clip_ratio_high,
                                          clip_ratio_c=c.clip_ratio_c, is_weights=s.weights[idx].to(dev),
-                                         loss_agg_mode=c.loss_agg_mode, **norm_kw)
+                                         loss_agg_mode=c.loss_agg, **norm_kw)
                 pg.append(float(loss.detach()))
                 if ent is not None:
                     ent_loss = agg_loss(torch.where(mb_mask, ent, torch.zeros((), device=dev)), mb_mask,
-                                        c.loss_agg_mode, **norm_kw)
+                                        c.loss_agg, **norm_kw)
                     ents.append(float(ent_loss.detach()))
                     loss = loss - c.entropy_coeff * ent_loss
                 if s.ref_lp is not None:
-                    kl = agg_loss(kl_penalty(lp, s.ref_lp[idx], c.kl_type), mb_mask, c.loss_agg_mode, **norm_kw)
+                    kl = agg_loss(kl_penalty(lp, s.ref_lp[idx], c.kl_type), mb_mask, c.loss_agg, **norm_kw)
                     kl_refs.append(float(kl.detach()))
                     loss = loss + c.kl_coef * kl
                 loss.backward()

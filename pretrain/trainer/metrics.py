@@ -31,6 +31,15 @@ def hms(seconds: float) -> str:
     return str(datetime.timedelta(seconds=int(max(0.0, seconds))))
 
 
+
+def open_tensorboard(directory: str, iteration: int):
+    """A ``SummaryWriter`` on ``directory`` for a run at ``iteration`` (a resumed run's later events
+    replace those of the steps it repeats)."""
+    from torch.utils.tensorboard import SummaryWriter  # tensorboard loads only for runs that write events
+
+    return SummaryWriter(directory, purge_step=iteration + 1 if iteration else None)
+
+
 class MetricsLogger:
     """Progress lines every ``--log-interval`` and TensorBoard scalars for every iteration (rank 0)."""
 
@@ -57,9 +66,7 @@ class MetricsLogger:
         ``texts`` written at ``iteration``."""
         if not (self.tensorboard_dir and is_rank0()):
             return
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.tb = SummaryWriter(self.tensorboard_dir, purge_step=iteration + 1 if iteration else None)
+        self.tb = open_tensorboard(self.tensorboard_dir, iteration)
         for tag, text in texts.items():
             self.tb.add_text(tag, text, iteration)
 

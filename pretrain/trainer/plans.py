@@ -117,11 +117,11 @@ class SchedulePlans:
 def _resolve_plan(run, precision: str, every: list[str], names: list[str], label: str | None):
     """``(stage plan, whole plan)`` of ``precision`` with ``--precision-rule`` (and ``--amax-*``);
     ``label`` replaces the default's rule label ``--precision P`` (a schedule's phase)."""
-    from precision import PrecisionPlan, PrecisionPolicy, SpecError
+    from precision import PrecisionPlan, SpecError
 
     # resolved once over the whole model's names, so first:/last: rules mean the whole model's layers
     p, num_layers = run.precision, run.model.num_layers
-    policy = PrecisionPolicy.from_args(precision, list(p.precision_rule))
+    policy = p.resolved.policy(precision)  # parsed once, when the flags were validated
     try:  # a --precision-rule that selects no layer of this model is refused, naming the layers
         policy.check_rules(num_layers, every)
     except SpecError as e:
@@ -155,8 +155,6 @@ def check_quantized_plans(run, schedule, whole: dict) -> None:
     model, quantizes no linear (``hif8_w8a8`` keeps the first 3 / last 2 layers, attention and the
     output layer in BF16: on <= 5 layers nothing is left); warn when an observe phase (the QAT
     warm-up) is shorter than the next plan's ``max`` amax window."""
-    from precision import parse_precision
-
     p = run.precision
     scheduled = p.precision_schedule is not None
     for k, phase in enumerate(schedule.phases):
@@ -167,11 +165,8 @@ def check_quantized_plans(run, schedule, whole: dict) -> None:
         ste = p.qat_backward == "ste" and n
         rank0_print(f"{label}: {n} of {m} linears quantized"
                     + ("; --qat-backward ste: Dgrad / Wgrad consume Fprop's Q(w), Q(x)" if ste else ""))
-        try:
-            lp = parse_precision(phase.precision)
-            quantizes = not (lp.fprop.is_high_precision and lp.dgrad.is_high_precision and lp.wgrad.is_high_precision)
-        except ValueError:  # a plan file: its own rules decide; the count above says what it does
-            quantizes = True
+        lp = p.resolved.policy(phase.precision).default  # a plan file's: its default (its rules decide the rest)
+        quantizes = not (lp.fprop.is_high_precision and lp.dgrad.is_high_precision and lp.wgrad.is_high_precision)
         if n == 0 and quantizes:
             flag = (f"--precision-schedule {p.precision_schedule}" if scheduled
                     else f"--precision {phase.precision}")

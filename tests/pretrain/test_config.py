@@ -10,9 +10,11 @@ import inspect
 import itertools
 
 import pytest
+import torch
 
 from pretrain.arguments import build_parser, parse_args_or_raise, parse_run_config, validate_args
 from pretrain.config import GROUPS, ModelArgs, RunConfig, flag_name, model_config, shape_of
+from pretrain.engine import NonFinitePolicy
 
 from ._launch import TINY
 
@@ -21,8 +23,10 @@ CLASSES = [cls for _, classes in GROUPS for cls in classes]
 
 def test_every_flag_is_a_config_field_and_every_field_a_flag():
     dests = {a.dest for a in build_parser()._actions} - {"help"}
-    fields = {f.name for cls in CLASSES for f in dataclasses.fields(cls)}
+    fields = {f.name for cls in CLASSES for f in dataclasses.fields(cls) if f.metadata.get("saved", True)}
     assert dests == fields
+    derived = [f for cls in CLASSES for f in dataclasses.fields(cls) if not f.metadata.get("saved", True)]
+    assert [f.name for f in derived] == ["resolved"] and not derived[0].metadata["flags"]
     titles = [g.title for g in build_parser()._action_groups][2:]  # after argparse's own two
     assert titles == [t for t, _ in GROUPS]
 
@@ -45,10 +49,31 @@ def test_a_validated_run_freezes_into_one_config_that_saves_as_the_namespace_did
     run = RunConfig.from_namespace(args)
     assert run.to_dict() == vars(args)  # what checkpoints save as "args", unchanged
     assert run.training.lr == 3e-3 and run.training.global_batch_size == 4 and run.memory.bf16 is False
-    assert run.precision.precision_rule == ("first:1=bf16",) and run.training.nonfinite_policy().max_skips == 2
+    assert run.precision.precision_rule == ("first:1=bf16",) and NonFinitePolicy.of(run.training).max_skips == 2
     with pytest.raises(dataclasses.FrozenInstanceError):
         run.training.lr = 1.0
     assert parse_run_config(argv, 1, False) == run
+
+
+def test_the_precision_flags_are_parsed_once_and_carried_typed(monkeypatch, world_of_one):
+    import precision.policy
+    from precision.schedule import PrecisionSchedule
+    from pretrain.trainer.plans import build_scheduled_model
+
+    calls = []
+    real = precision.policy.PrecisionPolicy.from_args.__func__
+    monkeypatch.setattr(precision.policy.PrecisionPolicy, "from_args",
+                        classmethod(lambda cls, *a, **k: calls.append(a) or real(cls, *a, **k)))
+    argv = ["--train-iters", "6", *TINY, "--precision-schedule", "0:fp8,3:mxfp4", "--precision-rule", "first:1=bf16"]
+    run = parse_run_config(argv, 1, False)
+    # the schedule's own syntax check reads each phase once; the run's policies are built once each
+    assert calls == [("fp8",), ("mxfp4",), ("fp8", ["first:1=bf16"]), ("mxfp4", ["first:1=bf16"])]
+    assert isinstance(run.precision.schedule(), PrecisionSchedule) and str(run.precision.schedule()) == "0:fp8,3:mxfp4"
+    assert list(run.precision.resolved.policies) == ["fp8", "mxfp4"]
+    calls.clear()
+    _, plans = build_scheduled_model(run, 512, torch.device("cpu"))
+    assert calls == [] and [plans.whole[k]["decoder.layers.0.mlp.linear_fc1"].fprop.a.fmt for k in (0, 1)] == \
+        ["bf16", "bf16"] and plans.whole[1]["decoder.layers.1.mlp.linear_fc1"].fprop.a.fmt == "mxfp4"
 
 
 def test_the_model_flags_map_to_the_model_config_and_back():
