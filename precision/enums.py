@@ -62,6 +62,10 @@ def _round_half_even(steps: torch.Tensor, u, generator) -> torch.Tensor:
     return torch.round(steps)  # torch.round rounds half to even
 
 
+def _round_half_away(steps: torch.Tensor, u, generator) -> torch.Tensor:
+    return torch.floor(steps + 0.5)  # steps >= 0: a midpoint goes up
+
+
 def _round_stochastic(steps: torch.Tensor, u, generator) -> torch.Tensor:
     lo = torch.floor(steps)
     if u is None:
@@ -88,6 +92,10 @@ class Rounding(_StrEnum):
 
     NEAREST = ("nearest", None, False, True, True, _round_half_even)
     STOCHASTIC = ("stochastic", "sr", True, False, True, _round_stochastic)
+    # MS-EDEN (Quartet II; NVFP4 only, ``precision.eden``): elements round to nearest (midpoints
+    # away from zero), the block scale takes EDEN's correction and is rounded stochastically --
+    # one uniform per block; unbiased over the GEMM's random rotation (rht16*)
+    MS_EDEN = ("ms_eden", "eden", True, False, False, _round_half_away)
 
     def __new__(cls, value, modifier, stochastic, nearest_even, triton, step_fn):
         obj = str.__new__(cls, value)

@@ -34,6 +34,7 @@ from precision.elements import (
     encode_element,
 )
 from precision.enums import AmaxAlgo, FourOverSix, Rounding, ScaleRule, Scaling
+from precision.eden import ms_eden_quantize
 from precision.four_over_six import fouroversix_quantize
 from precision.hif8 import HIF8_MAX, HIF8_SCALE_TARGET, hif8_decode, hif8_encode
 from precision.srand import SRKey
@@ -165,7 +166,7 @@ class Format(abc.ABC):
     code_bits: int = 8  # bits of one element code
     scale_bits: int = 0  # bits of one block scale (block formats)
     tile: int = 0  # 2-D block scaling (weights): the edge of the square sharing one scale; 0: 1-D only
-    roundings: tuple[Rounding, ...] = tuple(Rounding)  # every mode of precision.enums.Rounding
+    roundings: tuple[Rounding, ...] = (Rounding.NEAREST, Rounding.STOCHASTIC)  # NVFP4 adds MS_EDEN
     scale_rules: tuple[ScaleRule, ...] = (ScaleRule.FLOOR,)  # more than FLOOR: MX
     delayed: bool = False  # delayed scaling (an amax history) applies
     four_over_six: bool = False  # NVFP4: the per-block 4-or-6 scale choice (``/4over6``) applies
@@ -422,6 +423,11 @@ class NVFP4Format(Format):
                   four_over_six=FourOverSix.NONE):
         n = xf.shape[axis]
         used = tensor_amax(xf) if amax is None else torch.as_tensor(amax, dtype=torch.float32, device=xf.device)
+        if rounding == Rounding.MS_EDEN:  # precision.eden: EDEN-corrected, stochastically rounded scales
+            if block2d:
+                raise ValueError(f"{self.name}: ms_eden rounds 1-D blocks (2-D weight tiles round to nearest)")
+            codes, sbytes, g_enc = ms_eden_quantize(xf, axis, used.reshape(()), u, generator)
+            return QuantizedTensor(self.name, codes, sbytes, axis, tensor_scale=g_enc)
         if four_over_six != FourOverSix.NONE:  # precision.four_over_six: per block, amax -> 4 or 6
             codes, sbytes, g_enc = fouroversix_quantize(xf, axis, used.reshape(()), four_over_six, rounding,
                                                         generator, u, block2d)
@@ -470,7 +476,7 @@ FORMATS: dict[str, Format] = {
         _mx("mxfp4", E2M1, "E2M1 (FP4)"),
         NVFP4Format("nvfp4", Scaling.TWO_LEVEL, "E2M1 + E4M3 scale per 16 + FP32 tensor scale", E2M1, block=16,
                     code_bits=4, scale_bits=8, tile=16, max_normal=E2M1.max_normal, rate_class="fp4",
-                    four_over_six=True),
+                    roundings=tuple(Rounding), four_over_six=True),
     )
 }
 

@@ -100,7 +100,8 @@ class OperandFormat:
     fmt: str = "bf16"
     """A registered format name (``precision.formats.FORMATS``)."""
     rounding: Rounding = Rounding.NEAREST
-    """``nearest`` or ``stochastic`` (formats whose ``supports_sr``)."""
+    """``nearest``, ``stochastic`` (formats whose ``supports_sr``) or ``ms_eden`` (NVFP4, under a
+    random rotation ``rht16*`` of the GEMM: ``precision.eden``)."""
     scale_rule: ScaleRule = ScaleRule.FLOOR
     """MX formats only: ``floor`` (OCP) or ``rceil``."""
     prescale: bool = False
@@ -144,6 +145,8 @@ class OperandFormat:
         if self.block2d and not spec.tile:
             raise SpecError(f"{self.fmt}: 2-D block scaling (2d) does not apply; valid with: "
                             f"{', '.join(format_names(lambda f: f.tile))}")
+        if self.four_over_six != FourOverSix.NONE and self.rounding == Rounding.MS_EDEN:
+            raise SpecError(f"{self.fmt}: 4over6 and eden both set the block scale; give one of them")
         if self.four_over_six != FourOverSix.NONE and not spec.four_over_six:
             raise SpecError(f"{self.fmt}: 4over6 (a choice between block scales mapping the amax to 4 or 6) "
                             f"applies to NVFP4 only; valid with: {', '.join(format_names(lambda f: f.four_over_six))}")
@@ -184,6 +187,8 @@ class OperandFormat:
         settings -- one line the fused and Triton dispatchers hand on -- or None when they do too."""
         if self.four_over_six != FourOverSix.NONE:
             return f"{self}: 4over6 runs in the reference quantizer only (precision.four_over_six)"
+        if self.rounding == Rounding.MS_EDEN:
+            return f"{self}: ms_eden runs in the reference quantizer only (precision.eden)"
         return None
 
     @property
@@ -232,6 +237,10 @@ class GemmRecipe:
                                 f"Fprop and Dgrad); drop {op.rounding.modifier}")
         if self.rotation not in ROTATIONS:
             raise SpecError(f"unknown rotation {self.rotation!r}; valid: {', '.join(ROTATIONS)}")
+        if any(op.rounding == Rounding.MS_EDEN for op in (self.a, self.b)) and not self.rotation.startswith("rht"):
+            raise SpecError(f"eden (MS-EDEN) is unbiased over a random rotation of both operands: add one of "
+                            f"{', '.join(r for r in ROTATIONS if r.startswith('rht'))} to the GEMM "
+                            f"(got {self.rotation})")
 
     def operand(self, name: str, gemm: Gemm) -> OperandFormat:
         """The format of operand ``name`` ('x', 'w' or 'dy') in ``gemm``."""
