@@ -7,8 +7,9 @@ backend            runs                                            where
 ``reference``      the same with the eager reference quantizers    anywhere
 ``fp8_scaled_mm``  per-tensor FP8 operands (E4M3/E5M2, not both      CUDA sm_89+ (Ada, Hopper,
                    E5M2) via ``torch._scaled_mm``                   Blackwell); gfx950
-``mx_scaled_mm``   MXFP8 / MXFP4 / NVFP4 operands (both the same    CUDA sm_100 (blocked scales);
-                   family) via ``torch._scaled_mm`` block scaling   gfx950 (MX only, row-major)
+``mx_scaled_mm``   MXFP8 / MXFP4 / NVFP4 operands (both the same    CUDA Blackwell: sm_100, sm_103,
+                   family) via ``F.scaled_mm`` or                   sm_110, sm_120, sm_121 (blocked
+                   ``torch._scaled_mm`` block scaling               scales); gfx950 (MX, row-major)
 ``bf16_mm``        any recipe whose formats are ``bf16_exact``:     BF16 tensor cores: CUDA sm_80+,
                    quantize -> BF16 operands -> BF16 GEMM, FP32     gfx90a, gfx942, gfx950
                    accumulation and output (``kernels.bf16_mm``)
@@ -20,10 +21,16 @@ formats' values are exactly BF16 (``Format.bf16_exact``), else ``emulated`` (so 
 on FP8 tensor cores, MXFP4 and the ``bf16`` preset on BF16 tensor cores, FP32 operands and every
 GEMM on a CPU in FP32). ``requested`` names one backend for every GEMM instead; asking for hardware the
 device lacks, or for a backend that cannot run a GEMM's formats, raises a one-line error naming the
-GEMM, the layer and what the device supports. ``describe_backends(plan, device)`` is the start-up
-report of which GEMM of which layer runs on what. The ``auto`` GEMM backend (registered in
+GEMM, the layer and what the device supports. ``describe_backends(plan, device)`` is the table of
+which GEMM of which layer runs on what (``kernels.probe.startup_report`` runs the one-GEMM probe
+first and adds the entry point per format and GEMM). The ``auto`` GEMM backend (registered in
 ``kernels.gemm.BACKENDS``) applies ``select_backend`` per call, so a layer can simply use
 ``backend="auto"``.
+
+What the start-up probe found (``kernels.probe``) is kept here, per device capability and format:
+the entry point that served it (``probed_entry``) or torch's refusal (``REFUSED_FORMATS``), which
+sends its GEMMs to ``bf16_mm``. This module reads the table; only the probe writes it
+(``record_probe``).
 
 Devices may be given as a ``torch.device``/string, or as a capability to simulate one: a
 ``(major, minor)`` tuple for CUDA (``(9, 0)`` = sm_90), an AMD arch string (``"gfx950"``), or
@@ -46,6 +53,7 @@ __all__ = [
     "BACKEND_PATHS",
     "GEMM_BACKENDS",
     "HW_BACKENDS",
+    "PROBED_ENTRIES",
     "REFUSED_FORMATS",
     "BackendError",
     "bf16_exact_recipe",
@@ -53,7 +61,9 @@ __all__ = [
     "describe_backends",
     "device_backends",
     "device_capability",
+    "probed_entry",
     "recipe_backend",
+    "record_probe",
     "select_backend",
 ]
 
@@ -104,12 +114,18 @@ def capability_name(cap) -> str:
     return str(cap)
 
 
+# CUDA majors with block-scaled (MX / NVFP4) tensor cores: Blackwell sm_100/sm_103 (B200, B300),
+# sm_110 (Thor), sm_120/sm_121 (RTX 50, DGX Spark). Whether torch serves each format there is the
+# start-up probe's to find out.
+BLACKWELL_MAJORS = (10, 11, 12)
+
+
 def device_backends(cap) -> tuple[str, ...]:
     """The hardware GEMM backends a device capability supports."""
     out = []
     if isinstance(cap, tuple) and cap >= (8, 9) or cap == "gfx950":
         out.append("fp8_scaled_mm")
-    if isinstance(cap, tuple) and cap[0] == 10 or cap == "gfx950":
+    if isinstance(cap, tuple) and cap[0] in BLACKWELL_MAJORS or cap == "gfx950":
         out.append("mx_scaled_mm")
     if isinstance(cap, tuple) and cap >= (8, 0) or cap in _BF16_TENSOR_CORE_ARCHS:
         out.append("bf16_mm")
@@ -132,10 +148,29 @@ def _e5m2_pair(sa: Format, sb: Format) -> bool:
     return sa.element is sb.element is E5M2
 
 
-# Formats whose one-GEMM start-up probe (``kernels.scaled_mm.probe_formats``) torch refused on a
-# device capability: {capability: {format: the refusal's first line}}. ``recipe_backend`` sends
-# their GEMMs elsewhere (``auto`` then picks ``bf16_mm``).
+# What the one-GEMM start-up probe (``kernels.probe.probe_formats``) found per device capability
+# and operand-format pair ``(a fmt, b fmt)``: {capability: {pair: torch's refusals}} for pairs every
+# entry point refused (their GEMMs go elsewhere: ``auto`` then picks ``bf16_mm``), {capability:
+# {pair: entry point}} for the entry point that served one (``kernels.scaled_mm.ENTRY_POINTS``).
 REFUSED_FORMATS: dict = {}
+PROBED_ENTRIES: dict = {}
+
+
+def record_probe(cap, pair: tuple[str, str], *, entry: str | None = None, refusal: str | None = None) -> None:
+    """The probe's finding for the format pair on ``cap``: the entry point that served it, or why none did."""
+    if (entry is None) == (refusal is None):
+        raise ValueError("record_probe: give exactly one of entry= and refusal=")
+    if entry is not None:
+        PROBED_ENTRIES.setdefault(cap, {})[tuple(pair)] = entry
+        REFUSED_FORMATS.get(cap, {}).pop(tuple(pair), None)
+    else:
+        REFUSED_FORMATS.setdefault(cap, {})[tuple(pair)] = refusal
+        PROBED_ENTRIES.get(cap, {}).pop(tuple(pair), None)
+
+
+def probed_entry(cap, pair: tuple[str, str]) -> str | None:
+    """The entry point the start-up probe chose for the format pair on ``cap`` (None: not probed)."""
+    return PROBED_ENTRIES.get(cap, {}).get(tuple(pair))
 
 
 def recipe_backend(recipe: GemmRecipe, cap=None) -> tuple[str | None, str]:
@@ -143,10 +178,11 @@ def recipe_backend(recipe: GemmRecipe, cap=None) -> tuple[str | None, str]:
     phrase); decided from registry properties (``precision.formats``), never format names, and
     from the start-up probe's refusals on this device (``REFUSED_FORMATS``)."""
     hw, why = _recipe_backend(recipe, cap)
+    pair = (recipe.a.fmt, recipe.b.fmt)
     refused = REFUSED_FORMATS.get(cap, {})
-    for fmt in (recipe.a.fmt, recipe.b.fmt):
-        if hw is not None and fmt in refused:
-            return None, f"torch refused {fmt} here at the start-up probe: {refused[fmt]}"
+    if hw is not None and pair in refused:
+        name = pair[0] if pair[0] == pair[1] else " x ".join(pair)
+        return None, f"torch refused {name} here at the start-up probe: {refused[pair]}"
     return hw, why
 
 
@@ -205,7 +241,7 @@ def _select_one(g: Gemm, recipe: GemmRecipe, cap, requested: str, layer: str | N
     return requested
 
 
-_NEEDS = {"fp8_scaled_mm": "sm_89+ or gfx950", "mx_scaled_mm": "sm_100 or gfx950",
+_NEEDS = {"fp8_scaled_mm": "sm_89+ or gfx950", "mx_scaled_mm": "Blackwell (sm_10x, sm_11x, sm_12x) or gfx950",
           "bf16_mm": f"sm_80+ or {', '.join(_BF16_TENSOR_CORE_ARCHS)}"}
 
 
@@ -227,17 +263,9 @@ def select_backend(recipe_or_precision: GemmRecipe | LinearPrecision, device, re
 
 def describe_backends(plan: Mapping[str, LinearPrecision] | LinearPrecision, device,
                       requested: str = "auto") -> str:
-    """Start-up report: one line per layer, ``recipe -> backend`` for each GEMM, and a summary.
-
-    On a real device with block-scaled tensor cores (sm_100, gfx950) it first runs the one-GEMM
-    probe per format (``kernels.scaled_mm.probe_formats``, once per device) and reports its lines."""
+    """One line per layer, ``recipe -> backend`` for each GEMM, and a summary (what the probe
+    found on this device, if it ran, included: ``kernels.probe.startup_report`` runs it first)."""
     cap = device_capability(device)
-    probe = []
-    if "mx_scaled_mm" in device_backends(cap) and not isinstance(device, (tuple, type(None))) \
-            and _looks_like_device(str(device)):
-        from kernels.scaled_mm import probe_formats  # the hardware backends import this module
-
-        probe = _probe_once(str(torch.device(device)), probe_formats)
     layers = {"(all layers)": plan} if isinstance(plan, LinearPrecision) else dict(plan)
     width = max([len(n) for n in layers] + [5])
     hw = ", ".join(device_backends(cap)) or "none"
@@ -253,13 +281,4 @@ def describe_backends(plan: Mapping[str, LinearPrecision] | LinearPrecision, dev
         lines.append(f"{name:<{width}}  " + "  ".join(f"{c:<{cw[i]}}" for i, c in enumerate(cells)).rstrip())
     lines.append("GEMMs per backend: " + ", ".join(f"{k} {v}" for k, v in sorted(count.items())))
     lines += [f"  {k}: {BACKEND_PATHS[k]}" for k in sorted(count)]
-    return "\n".join(probe + lines)
-
-
-_PROBES: dict[str, list[str]] = {}
-
-
-def _probe_once(device: str, probe) -> list[str]:
-    if device not in _PROBES:
-        _PROBES[device] = probe(device)
-    return _PROBES[device]
+    return "\n".join(lines)

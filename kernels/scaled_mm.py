@@ -28,11 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.backends import BackendError, capability_name, device_backends, device_capability, recipe_backend
+from kernels.backends import (BackendError, capability_name, device_backends, device_capability, probed_entry,
+                              recipe_backend, select_backend)
 from kernels.gemm import BACKENDS, fp32_gemm
 from kernels.layouts import pack_fp4, to_blocked, unpack_fp4
 from kernels.operand import CONTRACTION_AXES, QuantizedOperand, gemm_operands
-from kernels.torch_api import scaled_mm_enums
+from kernels.torch_api import has_scaled_mm, scaled_mm_enums
 from precision import blocks
 from precision.elements import fp8_decode
 from precision.formats import Scaling
@@ -40,7 +41,8 @@ from precision.quantize import FORMATS
 from precision.recipe import Gemm, GemmRecipe, parse_gemm
 from precision.state import LayerQuantState
 
-__all__ = ["REFUSALS", "HwOperand", "emulated_scaled_mm", "hw_gemm", "hw_operand", "probe_formats", "torch_scaled_mm"]
+__all__ = ["ENTRY_POINTS", "REFUSALS", "HwOperand", "emulated_scaled_mm", "entry_points", "hw_gemm", "hw_operand",
+           "torch_scaled_mm"]
 
 K_MULTIPLE = 32
 ROW_MULTIPLE = 32
@@ -136,8 +138,10 @@ _OUT_DTYPE_REFUSAL = re.compile(r"(output|out_dtype)[^\n]*(bfloat16|bf16)|(bfloa
                                 re.IGNORECASE)
 
 
-def torch_scaled_mm(a: HwOperand, b: HwOperand, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``A_k @ B_k.t()`` through ``torch._scaled_mm``, rounded once to ``out_dtype``.
+def torch_scaled_mm(a: HwOperand, b: HwOperand, out_dtype: torch.dtype = torch.float32,
+                    entry: str | None = None) -> torch.Tensor:
+    """``A_k @ B_k.t()`` through the hardware entry point ``entry`` (``ENTRY_POINTS``; None: the
+    first :func:`entry_points` offers for the format), rounded once to ``out_dtype``.
 
     ``out_dtype=torch.bfloat16`` where no FP32 factor follows the product (per-tensor FP8, whose
     scales the GEMM applies itself, and MX without the SR pre-scale): the GEMM writes BF16 directly,
@@ -146,20 +150,21 @@ def torch_scaled_mm(a: HwOperand, b: HwOperand, out_dtype: torch.dtype = torch.f
     with BF16 output; that choice is cached per format pair and logged once. Any other error
     propagates.
     """
+    entry = entry or entry_points(a.fmt)[0]
     if (out_dtype == torch.bfloat16 and FORMATS[a.fmt].kind != Scaling.TWO_LEVEL and a.prescale == 1.0
             and b.prescale == 1.0):
-        return _call_scaled_mm(a, b, torch.bfloat16)
-    key = (a.fmt, b.fmt)
+        return _call_scaled_mm(a, b, torch.bfloat16, entry)
+    key = (a.fmt, b.fmt, entry)
     dt = _OUT_DTYPE.get(key, torch.float32)
     try:
-        out = _call_scaled_mm(a, b, dt)
+        out = _call_scaled_mm(a, b, dt, entry)
     except REFUSALS as e:
         if dt is not torch.float32 or not _OUT_DTYPE_REFUSAL.search(str(e)):
             raise
-        log.warning("torch._scaled_mm refused FP32 output for %s x %s (%s); these GEMMs now run with "
-                    "BF16 output", a.fmt, b.fmt, str(e).splitlines()[0])
+        log.warning("%s refused FP32 output for %s x %s (%s); these GEMMs now run with BF16 output",
+                    entry, a.fmt, b.fmt, str(e).splitlines()[0])
         dt = torch.bfloat16
-        out = _call_scaled_mm(a, b, dt)
+        out = _call_scaled_mm(a, b, dt, entry)
     _OUT_DTYPE[key] = dt
     out = out.float()
     if FORMATS[a.fmt].kind == Scaling.TWO_LEVEL:  # NVFP4's FP32 tensor scales multiply the output (g_dec_a * g_dec_b)
@@ -169,18 +174,48 @@ def torch_scaled_mm(a: HwOperand, b: HwOperand, out_dtype: torch.dtype = torch.f
     return out.to(out_dtype)
 
 
-def _call_scaled_mm(a: HwOperand, b: HwOperand, out_dtype: torch.dtype) -> torch.Tensor:
-    A, B = a.data, b.data.t()
+def _via_torch_scaled_mm(a: HwOperand, b: HwOperand, out_dtype: torch.dtype) -> torch.Tensor:
+    """``torch._scaled_mm``: cuBLASLt; per-tensor FP32 scales, or block scales told apart by dtype
+    (E8M0: MX 1x32, E4M3: NVFP4 1x16) in the layout ``HwOperand.scale`` gives."""
+    return torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale, scale_b=b.scale, out_dtype=out_dtype)
+
+
+def _via_f_scaled_mm(a: HwOperand, b: HwOperand, out_dtype: torch.dtype) -> torch.Tensor:
+    """``torch.nn.functional.scaled_mm``: the scaling recipe and swizzle named explicitly (NVFP4 as
+    single-level 1x16 blocks; its FP32 tensor scales are applied to the output by the caller)."""
+    enums = scaled_mm_enums()
     if a.scale_layout == "tensor":
-        return torch._scaled_mm(A, B, scale_a=a.scale, scale_b=b.scale, out_dtype=out_dtype)
-    F = torch.nn.functional
-    enums = scaled_mm_enums()  # None: a torch without F.scaled_mm (or with other enum names)
-    if enums is not None:
+        rec, sw = enums["tensor"], enums["no_swizzle"]
+    else:
         rec = enums["block16"] if FORMATS[a.fmt].block == 16 else enums["block32"]
         sw = enums["swizzle"] if a.scale_layout == "blocked" else enums["no_swizzle"]
-        return F.scaled_mm(A, B, a.scale, rec, b.scale, rec, swizzle_a=sw, swizzle_b=sw,
-                           output_dtype=out_dtype)
-    return torch._scaled_mm(A, B, a.scale, b.scale, out_dtype=out_dtype)
+    return torch.nn.functional.scaled_mm(a.data, b.data.t(), a.scale, rec, b.scale, rec, swizzle_a=sw,
+                                         swizzle_b=sw, output_dtype=out_dtype)
+
+
+# The hardware GEMM entry points, each called as fn(a: HwOperand, b: HwOperand, out_dtype).
+ENTRY_POINTS = {"F.scaled_mm": _via_f_scaled_mm, "torch._scaled_mm": _via_torch_scaled_mm}
+
+
+def entry_points(fmt: str, *, f_scaled_mm: bool | None = None, torch_scaled_mm: bool | None = None) -> tuple[str, ...]:
+    """The entry points the installed torch has for format ``fmt``, in the order the start-up probe
+    tries them: block formats ``F.scaled_mm`` first (recipe and swizzle explicit), then
+    ``torch._scaled_mm`` (cuBLASLt; it may serve MXFP4 where ``F.scaled_mm`` needs FBGEMM GenAI);
+    per-tensor FP8 the other way round. ``f_scaled_mm`` / ``torch_scaled_mm``: whether each exists
+    (None: ask this torch, ``kernels.torch_api``)."""
+    have_f = scaled_mm_enums() is not None if f_scaled_mm is None else f_scaled_mm
+    have_t = has_scaled_mm() if torch_scaled_mm is None else torch_scaled_mm
+    order = ("torch._scaled_mm", "F.scaled_mm") if FORMATS[fmt].kind == Scaling.TENSOR else \
+        ("F.scaled_mm", "torch._scaled_mm")
+    return tuple(e for e in order if (have_f if e == "F.scaled_mm" else have_t))
+
+
+def _call_scaled_mm(a: HwOperand, b: HwOperand, out_dtype: torch.dtype, entry: str) -> torch.Tensor:
+    try:
+        fn = ENTRY_POINTS[entry]
+    except KeyError:
+        raise ValueError(f"scaled GEMM entry point {entry!r}; valid: {', '.join(ENTRY_POINTS)}") from None
+    return fn(a, b, out_dtype)
 
 
 def emulated_scaled_mm(a: HwOperand, b: HwOperand) -> torch.Tensor:
@@ -191,9 +226,11 @@ def emulated_scaled_mm(a: HwOperand, b: HwOperand) -> torch.Tensor:
 # ============================================================================ the backends
 def hw_gemm(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe, state: LayerQuantState, *,
             backend: str, capability="device", mm=None, quantizer: str = "auto", shared_dy=None,
-            out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """GEMM ``g`` on a hardware backend, rounded once to ``out_dtype``; ``capability`` / ``mm`` /
-    ``quantizer`` let tests simulate one (a substitute ``mm`` returns FP32, rounded here)."""
+            out_dtype: torch.dtype = torch.float32, entry: str | None = None) -> torch.Tensor:
+    """GEMM ``g`` on a hardware backend, rounded once to ``out_dtype``, through ``entry`` (None: the
+    entry point the start-up probe chose for the format here, else the first the installed torch
+    offers). ``capability`` / ``mm`` / ``quantizer`` let tests simulate one (a substitute ``mm``
+    returns FP32, rounded here)."""
     cap = device_capability(a.device) if capability == "device" else capability
     hw, why = recipe_backend(recipe, cap)
     if backend not in device_backends(cap):
@@ -208,7 +245,10 @@ def hw_gemm(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe, state
         return fp32_gemm(g, ops.a.values, ops.b.values).to(out_dtype)
     layout = "row_major" if cap == "gfx950" else "blocked"
     hw_a, hw_b = hw_operand(ops.a, layout), hw_operand(ops.b, layout)
-    out = torch_scaled_mm(hw_a, hw_b, out_dtype) if mm is None else mm(hw_a, hw_b).float()
+    if mm is None:
+        out = torch_scaled_mm(hw_a, hw_b, out_dtype, entry or probed_entry(cap, (recipe.a.fmt, recipe.b.fmt)))
+    else:
+        out = mm(hw_a, hw_b).float()
     return out[:m, :n].to(out_dtype)
 
 
@@ -221,8 +261,6 @@ def _mx_scaled_mm(g, a, b, recipe, state, *, shared_dy=None, out_dtype=torch.flo
 
 
 def _auto(g, a, b, recipe, state, *, shared_dy=None, out_dtype=torch.float32):
-    from kernels.backends import select_backend
-
     return BACKENDS[select_backend(recipe, a.device, gemm=g)](g, a, b, recipe, state, shared_dy=shared_dy,
                                                                out_dtype=out_dtype)
 
@@ -231,64 +269,3 @@ BACKENDS.setdefault("fp8_scaled_mm", _fp8_scaled_mm)
 BACKENDS.setdefault("mx_scaled_mm", _mx_scaled_mm)
 BACKENDS.setdefault("auto", _auto)
 
-
-
-# ============================================================================ the start-up probe
-PROBE_FORMATS = ("fp8_e4m3", "mxfp8_e4m3", "mxfp4", "nvfp4", "nvfp4@nvfp4/2d")
-PROBE_REL_TOL = 2.0 ** -7  # a BF16 output rounding (2^-8 relative) plus accumulation order, with room
-
-
-def probe_formats(device, *, capability="device", mm=None, formats=PROBE_FORMATS) -> list[str]:
-    """One small GEMM per format on its tensor-core backend, checked against the emulated spec;
-    returns the report lines, one per format: which path its GEMMs will take.
-
-    A plain format probes Fprop. A spec whose weight is 2-D-tiled (``nvfp4@nvfp4/2d``, the
-    ``nvfp4`` preset's weight) probes Fprop and then Dgrad on one layer state, so Dgrad's ``wᵀ`` is
-    the hardware re-layout of Fprop's quantization (``kernels.layouts.transpose_tiled``), not a
-    second one; both results are checked against the spec.
-
-    A format torch refuses (``REFUSALS``: e.g. MXFP4 through ``F.scaled_mm`` on a build without
-    FBGEMM GenAI raises NotImplementedError), or whose result is off the spec by more than
-    ``PROBE_REL_TOL`` (relative Frobenius norm), is recorded in ``kernels.backends.REFUSED_FORMATS``
-    for this device (under its weight's format), so ``auto`` sends its GEMMs to ``bf16_mm`` (same
-    operands, BF16 tensor cores). ``capability`` / ``mm`` let tests simulate a device and its
-    ``torch._scaled_mm``."""
-    from kernels.backends import REFUSED_FORMATS, select_backend
-
-    dev = torch.device(device)
-    cap = device_capability(dev) if capability == "device" else capability
-    lines = [f"one-GEMM probe per format on {capability_name(cap)}:"]
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(64, 128, generator=gen).to(dev)
-    w = torch.randn(96, 128, generator=gen).to(dev)
-    dy = torch.randn(64, 96, generator=gen).to(dev)
-    for fmt in formats:
-        recipe = parse_gemm(fmt, Gemm.FPROP)
-        gemms = [(Gemm.FPROP, x, recipe)]
-        if recipe.b.block2d:
-            gemms.append((Gemm.DGRAD, dy, parse_gemm(fmt, Gemm.DGRAD)))
-        hw, why = recipe_backend(recipe, cap)
-        if hw is None or hw not in device_backends(cap):
-            lines.append(f"  {fmt}: {select_backend(recipe, cap)} ({why if hw is None else 'no ' + hw + ' here'})")
-            continue
-        hw_state, ref_state, errs = LayerQuantState(), LayerQuantState(), []
-        try:
-            for g, a, r in gemms:
-                out = hw_gemm(g, a, w, r, hw_state, backend=hw, capability=cap, mm=mm)
-                ref = BACKENDS["reference"](g, a, w, r, ref_state)
-                err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-                if not err <= PROBE_REL_TOL:
-                    raise ValueError(f"result off the emulated spec in {g.value}: relative error {err:.2e} > "
-                                     f"{PROBE_REL_TOL:.2e}")
-                errs.append(err)
-        except REFUSALS as e:
-            reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"
-            REFUSED_FORMATS.setdefault(cap, {})[recipe.b.fmt] = reason
-            lines.append(f"  {fmt}: {hw} refused ({reason}) -> {select_backend(recipe, cap)}")
-            continue
-        if len(gemms) == 1:
-            lines.append(f"  {fmt}: {hw} (relative error vs the emulated spec {errs[0]:.1e})")
-        else:
-            lines.append(f"  {fmt}: {hw}, Fprop and Dgrad from one quantization of w (relative error vs the "
-                         f"emulated spec {max(errs):.1e})")
-    return lines

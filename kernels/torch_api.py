@@ -37,6 +37,7 @@ __all__ = ["api_report", "has_bf16_reduction_flag", "has_fp32_precision_flags", 
            "sdpa_has_enable_gqa"]
 
 _SPELLINGS = {  # member -> the names it has had
+    "tensor": ("TensorWise", "Tensorwise"),
     "block16": ("BlockWise1x16", "Blockwise_1x16"),
     "block32": ("BlockWise1x32", "Blockwise_1x32"),
     "swizzle": ("SWIZZLE_32_4_4", "Swizzle_32_4_4"),
@@ -53,13 +54,13 @@ def _member(enum, names):
 
 @functools.cache
 def scaled_mm_enums() -> dict | None:
-    """``{"block16", "block32", "swizzle", "no_swizzle"}`` members of ``F.ScalingType`` /
+    """``{"tensor", "block16", "block32", "swizzle", "no_swizzle"}`` members of ``F.ScalingType`` /
     ``F.SwizzleType``, or None where ``F.scaled_mm`` or any of them is missing."""
     F = torch.nn.functional
     scaling, swizzle = getattr(F, "ScalingType", None), getattr(F, "SwizzleType", None)
     if not hasattr(F, "scaled_mm") or scaling is None or swizzle is None:
         return None
-    out = {k: _member(scaling if k.startswith("block") else swizzle, names) for k, names in _SPELLINGS.items()}
+    out = {k: _member(swizzle if "swizzle" in k else scaling, names) for k, names in _SPELLINGS.items()}
     return None if any(v is None for v in out.values()) else out
 
 

@@ -68,9 +68,11 @@ def test_errors_name_gemm_layer_and_what_the_device_supports():
         select_backend(presets.get("mxfp4"), SM90, "mx_scaled_mm", layer=layer)
     msg = str(e.value)
     assert "\n" not in msg
-    assert msg == (f"{layer} fprop: backend mx_scaled_mm needs sm_100 or gfx950; this device is sm_90, "
+    assert msg == (f"{layer} fprop: backend mx_scaled_mm needs Blackwell (sm_10x, sm_11x, sm_12x) "
+                   "or gfx950; this device is sm_90, "
                    "which supports: fp8_scaled_mm, bf16_mm, emulated, reference")
-    cpu_msg = "^fprop: backend mx_scaled_mm needs sm_100 or gfx950; this device is cpu, which supports: emulated, "
+    cpu_msg = (r"^fprop: backend mx_scaled_mm needs Blackwell \(sm_10x, sm_11x, sm_12x\) or gfx950; this device is cpu, "
+               "which supports: emulated, ")
     with pytest.raises(BackendError, match=cpu_msg + "reference$"):
         select_backend(presets.get("mxfp4"), "cpu", "mx_scaled_mm")
     with pytest.raises(BackendError, match=r"^l wgrad: backend fp8_scaled_mm cannot run mxfp4\+had16 "
