@@ -49,6 +49,7 @@ class Checkpointer:
             self.save()
 
     def save(self) -> str:
+        from kernels.probe import last_paths
         from pretrain.checkpointing import save_checkpoint
 
         t = self.t
@@ -65,6 +66,7 @@ class Checkpointer:
             "tokenizer_model": t.tokenizer_model,
             "args": t.run.to_dict(),
             "nonfinite_steps": t.nonfinite_steps,
+            "gemm_paths": last_paths(),  # which path each format's GEMMs took here, probe refusals included
         }
         path = save_checkpoint(self.cfg.save, t.iteration, state, write_beside=t.engine.save_extra,
                                retain=self.cfg.save_retain)

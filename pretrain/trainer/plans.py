@@ -79,7 +79,8 @@ def override_margin(plan, margin: int):
 def check_gemm_backends(plan, device: torch.device, requested: str, label: str = "") -> None:
     """Refuse (one line) a forced hardware backend that cannot run some layer's GEMM here, and print
     once which GEMM of which layer runs on what (after ``label:``, e.g. a schedule's phase)."""
-    from kernels.backends import BackendError, describe_backends, select_backend
+    from kernels.backends import BackendError, select_backend
+    from kernels.probe import startup_report
 
     if requested in ("fp8_scaled_mm", "mx_scaled_mm"):
         for name, p in plan.items():
@@ -87,7 +88,7 @@ def check_gemm_backends(plan, device: torch.device, requested: str, label: str =
                 select_backend(p, device, requested, layer=name)
             except BackendError as e:
                 raise ConfigError(f"--gemm-backend {requested}: {e}" + (f" ({label})" if label else "")) from None
-    rank0_print((f"{label}: " if label else "") + describe_backends(plan, device, requested))
+    rank0_print((f"{label}: " if label else "") + startup_report(plan, device, requested))
 
 
 @dataclass(frozen=True)
