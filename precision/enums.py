@@ -128,6 +128,7 @@ class Rounding(_StrEnum):
 class ScaleRule(_StrEnum):
     FLOOR = "floor"  # OCP MX: exponent = floor(log2 amax) - emax_elem (the block maximum may clip)
     RCEIL = "rceil"  # NVIDIA hardware: 2^ceil(log2(amax / max_normal)) (never clips)
+    QUEST = "quest"  # MXFP4 (precision.quest): 2^floor(log2(2.92 / 6 * block std)); clips at ~2.9 sigma
 
 
 class FourOverSix(_StrEnum):

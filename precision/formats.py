@@ -36,6 +36,7 @@ from precision.elements import (
 from precision.enums import AmaxAlgo, FourOverSix, Rounding, ScaleRule, Scaling
 from precision.eden import ms_eden_quantize
 from precision.four_over_six import fouroversix_quantize
+from precision.quest import quest_quantize
 from precision.hif8 import HIF8_MAX, HIF8_SCALE_TARGET, hif8_decode, hif8_encode
 from precision.srand import SRKey
 from precision.tensorwise import scale_from_amax, tensor_amax
@@ -399,6 +400,11 @@ class MXFormat(Format):
 
     def _quantize(self, xf, axis, rounding, scale_rule, generator, prescale, amax, u, block2d=False):
         n = xf.shape[axis]
+        if scale_rule == ScaleRule.QUEST:  # precision.quest: the block scale from its std, clipping
+            if block2d or rounding != Rounding.NEAREST or prescale != 1.0:
+                raise ValueError(f"{self.name}/quest: 1-D blocks, nearest rounding and no pre-scale only")
+            codes, sbytes = quest_quantize(xf, axis)
+            return QuantizedTensor(self.name, codes, sbytes, axis)
         xb = blocks.to_blocks(xf, axis, self.block)
         ub = blocks.to_blocks(u, axis, self.block) if u is not None else None
         tiles = blocks.tile_amax(xf, axis, self.tile) if block2d else None
@@ -473,7 +479,7 @@ FORMATS: dict[str, Format] = {
         _mx("mxfp8_e5m2", E5M2, "E5M2"),
         _mx("mxfp6_e2m3", E2M3, "E2M3 (FP6)"),
         _mx("mxfp6_e3m2", E3M2, "E3M2 (FP6)"),
-        _mx("mxfp4", E2M1, "E2M1 (FP4)"),
+        dataclasses.replace(_mx("mxfp4", E2M1, "E2M1 (FP4)"), scale_rules=(*_MX_RULES, ScaleRule.QUEST)),
         NVFP4Format("nvfp4", Scaling.TWO_LEVEL, "E2M1 + E4M3 scale per 16 + FP32 tensor scale", E2M1, block=16,
                     code_bits=4, scale_bits=8, tile=16, max_normal=E2M1.max_normal, rate_class="fp4",
                     roundings=tuple(Rounding), four_over_six=True),

@@ -20,7 +20,9 @@ Compact spec (``LinearPrecision.parse`` / ``str``)::
 
 GEMM spec grammar: ``operand ['@' operand] ('+' modifier)*`` with ``operand = format ('/' mod)*``.
 Operand modifiers: ``sr`` (stochastic rounding), ``prescale`` (3/4 before SR), ``2d`` (weights:
-2-D square tiles, NVFP4 16x16 / MX 32x32), ``rceil`` (MX scale rule; ``floor`` is the default), ``delayed(ALGO[,N])`` (per-tensor formats: ALGO one of
+2-D square tiles, NVFP4 16x16 / MX 32x32), ``rceil`` (MX scale rule; ``floor`` is the default;
+``quest``: MXFP4's Gaussian-fitted scale under a rotation), ``eden`` (NVFP4 MS-EDEN rounding under an
+``rht16*`` rotation), ``delayed(ALGO[,N])`` (per-tensor formats: ALGO one of
 most_recent, max, ema), ``margin(N)`` (per-tensor formats: scale = target / amax / 2^N),
 ``4over6[(mse|mae|abs_max)]`` (NVFP4: each block's amax mapped to 4 or 6, whichever block error
 is smaller -- ``precision.four_over_six``).
@@ -103,7 +105,8 @@ class OperandFormat:
     """``nearest``, ``stochastic`` (formats whose ``supports_sr``) or ``ms_eden`` (NVFP4, under a
     random rotation ``rht16*`` of the GEMM: ``precision.eden``)."""
     scale_rule: ScaleRule = ScaleRule.FLOOR
-    """MX formats only: ``floor`` (OCP) or ``rceil``."""
+    """MX formats only: ``floor`` (OCP), ``rceil``, or ``quest`` (MXFP4 under a rotation: the scale
+    from the block's standard deviation, Quartet's forward -- ``precision.quest``)."""
     prescale: bool = False
     """MX, stochastic: multiply by 3/4 before rounding (arXiv 2502.20586)."""
     block2d: bool = False
@@ -137,6 +140,12 @@ class OperandFormat:
         if self.rounding not in spec.roundings:
             raise SpecError(f"{self.fmt}: {self.rounding} rounding is not supported; valid with: "
                             f"{', '.join(format_names(lambda f: self.rounding in f.roundings))}")
+        if self.scale_rule == ScaleRule.QUEST and self.scale_rule not in spec.scale_rules:
+            raise SpecError(f"{self.fmt}: the quest scale rule (a Gaussian fit to E2M1's grid) applies to "
+                            f"{', '.join(format_names(lambda f: ScaleRule.QUEST in f.scale_rules))} only")
+        if self.scale_rule == ScaleRule.QUEST and (self.rounding != Rounding.NEAREST or self.block2d):
+            raise SpecError(f"{self.fmt}: quest rounds 1-D blocks to nearest (Quartet's forward); "
+                            f"drop {'2d' if self.block2d else self.rounding.modifier}")
         if self.scale_rule not in spec.scale_rules:
             raise SpecError(f"{self.fmt}: scale rule {str(self.scale_rule)!r} applies to MX formats only "
                             f"({', '.join(format_names(lambda f: f.has_scale_rules))})")
@@ -189,6 +198,8 @@ class OperandFormat:
             return f"{self}: 4over6 runs in the reference quantizer only (precision.four_over_six)"
         if self.rounding == Rounding.MS_EDEN:
             return f"{self}: ms_eden runs in the reference quantizer only (precision.eden)"
+        if self.scale_rule == ScaleRule.QUEST:
+            return f"{self}: the quest scale rule runs in the reference quantizer only (precision.quest)"
         return None
 
     @property
@@ -237,6 +248,9 @@ class GemmRecipe:
                                 f"Fprop and Dgrad); drop {op.rounding.modifier}")
         if self.rotation not in ROTATIONS:
             raise SpecError(f"unknown rotation {self.rotation!r}; valid: {', '.join(ROTATIONS)}")
+        if any(op.scale_rule == ScaleRule.QUEST for op in (self.a, self.b)) and self.rotation == "none":
+            raise SpecError(f"quest fits a Gaussian to Hadamard-rotated blocks: add a rotation to the GEMM "
+                            f"({', '.join(ROTATIONS[1:])}; Quartet uses had32)")
         if any(op.rounding == Rounding.MS_EDEN for op in (self.a, self.b)) and not self.rotation.startswith("rht"):
             raise SpecError(f"eden (MS-EDEN) is unbiased over a random rotation of both operands: add one of "
                             f"{', '.join(r for r in ROTATIONS if r.startswith('rht'))} to the GEMM "
