@@ -9,7 +9,8 @@ rotation: what the quantizer actually saw) with its dequantized value:
                can represent (per block for MX -- MXFP8/6/4, FLOOR scales -- and NVFP4; per tensor
                -- from the amax the scale was *computed from*, which lags under delayed scaling,
                times ``headroom`` = max normal / scale target: 1 for FP8, 2^12 for HiF8's 2^3
-               target -- for FP8 / HiF8)
+               target -- for FP8 / HiF8; MXFP4's ``quest`` scales: |x| / 2^e >= 6, QuEST's trust mask;
+               NVFP4 ``4over6`` is counted with plain NVFP4's block limits)
 ``flushed``    fraction of non-zero values that quantized to zero (underflow)
 ``amax``       max |hp| over finite values
 ``amax_ratio`` this tensor's amax / the amax its scale came from (> 1: delayed scaling lagged)
@@ -28,6 +29,7 @@ import torch
 from precision import blocks
 from precision.elements import E4M3, fdiv
 from precision.formats import Format, ScaleRule, Scaling, get_format
+from precision.quest import quest_quantize_blocks
 
 __all__ = ["operand_stats", "METRICS"]
 
@@ -71,6 +73,9 @@ def operand_stats(hp: torch.Tensor, deq: torch.Tensor, fmt: str, axis: int = -1,
     if spec.kind == Scaling.TENSOR:
         ref = amax if scale_amax is None else scale_amax
         clipped = ((hpf.abs() > ref * headroom) & finite).sum().item() / numel if ref > 0 else 0.0
+    elif spec.blocked and scale_rule == ScaleRule.QUEST:  # clipped where |x / 2^e| >= 6 (precision.quest)
+        mask = quest_quantize_blocks(blocks.to_blocks(hpf, axis, spec.block))[2]
+        clipped = (blocks.from_blocks(mask, axis, hp.shape[axis]) & finite & (hpf != 0)).sum().item() / numel
     elif spec.blocked and scale_rule == ScaleRule.FLOOR:
         limits = _block_limits(hpf, spec, axis, scale_amax if spec.tensor_scaled else None)
         clipped = ((hpf.abs() > limits) & finite).sum().item() / numel

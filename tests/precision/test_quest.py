@@ -111,3 +111,13 @@ def test_fprop_runs_it_through_the_operand_pipeline():
     qw = quantize(rotate(w, 1, 32), recipe.b).dequantize()
     assert torch.equal(y, fp32_gemm(Gemm.FPROP, qx, qw))
     assert "reference quantizer only" in triton_missing_reason(x, recipe.a)
+
+
+def test_telemetry_counts_what_quest_clips():
+    from precision.telemetry import operand_stats
+
+    x = torch.zeros(1, 32)
+    x[0, 0], x[0, 1] = 3.0, 0.5  # 3 clips to 1.5 (see the hand vector above); 0.5 does not
+    deq = quantize(x, OperandFormat("mxfp4", scale_rule="quest")).dequantize()
+    assert operand_stats(x, deq, "mxfp4", -1, None, "quest")["clipped"] == 1 / 32
+    assert operand_stats(x, quantize(x, "mxfp4").dequantize(), "mxfp4")["clipped"] == 0.0
