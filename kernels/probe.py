@@ -4,8 +4,8 @@ A tensor-core GEMM that torch cannot run here must be found before the first ste
 traceback mid-step, and a run that asked for hardware GEMMs and gets emulation must say so. So at
 start-up, for every operand-format pair the plan sends to a tensor-core backend (per-tensor FP8 on
 sm_89+, MX / NVFP4 on Blackwell and gfx950), :func:`probe_formats` runs one small GEMM through
-each entry point the installed torch has (``kernels.scaled_mm.entry_points``: ``F.scaled_mm``,
-``torch._scaled_mm``), in order, and checks it against the emulated specification:
+each entry point the installed torch has (``kernels.scaled_mm.entry_points``: ``torch._scaled_mm``,
+``F.scaled_mm``), in order, and checks it against the emulated specification:
 
 * the first entry point that runs and matches serves the pair from then on
   (``kernels.backends.record_probe(entry=...)``);

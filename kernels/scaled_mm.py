@@ -33,7 +33,7 @@ from kernels.backends import (BackendError, capability_name, device_backends, de
 from kernels.gemm import BACKENDS, fp32_gemm
 from kernels.layouts import pack_fp4, to_blocked, unpack_fp4
 from kernels.operand import CONTRACTION_AXES, QuantizedOperand, gemm_operands
-from kernels.torch_api import has_scaled_mm, scaled_mm_enums
+from kernels.torch_api import fp4_meta_check_ok, has_scaled_mm, scaled_mm_enums
 from precision import blocks
 from precision.elements import fp8_decode
 from precision.formats import Scaling
@@ -104,7 +104,8 @@ def _pad2(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 
 def hw_operand(q: QuantizedOperand, scale_layout: str = "blocked") -> HwOperand:
-    """The hardware form of an operand from ``kernels.operand``: codes and block scales zero-padded
+    """The hardware form of an operand from ``kernels.operand``: codes (contiguous: A row-major, B
+    column-major once transposed) and block scales zero-padded
     (contraction axis to a multiple of 32, rows to a multiple of 32; +0.0 codes and all-zero blocks'
     scale bytes are 0 in MX and NVFP4 alike), FP4 packed two per byte."""
     spec = FORMATS[q.fmt.fmt]
@@ -113,10 +114,10 @@ def hw_operand(q: QuantizedOperand, scale_layout: str = "blocked") -> HwOperand:
     k = q.codes.shape[1] * (2 if q.packed else 1)
     rows_p, k_p = -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE, -(-k // K_MULTIPLE) * K_MULTIPLE
     if q.packed:
-        codes = _pad2(q.codes, rows_p, k_p // 2)
-    else:
+        codes = _pad2(q.codes, rows_p, k_p // 2).contiguous()
+    else:  # (a 2-D weight's Dgrad codes are a transposed view: packing keeps that stride order)
         codes = _pad2(q.codes, rows_p, k_p)
-        codes = pack_fp4(codes) if spec.bits == 4 else codes.contiguous()
+        codes = (pack_fp4(codes) if spec.bits == 4 else codes).contiguous()
     scales = _pad2(q.scales, rows_p, k_p // spec.block).contiguous() if block else q.scales
     return HwOperand(q.fmt.fmt, codes, scales, scale_layout if block else "tensor", rows_p, k_p,
                      tensor_scale=q.tensor_scale,
@@ -199,15 +200,15 @@ ENTRY_POINTS = {"F.scaled_mm": _via_f_scaled_mm, "torch._scaled_mm": _via_torch_
 
 def entry_points(fmt: str, *, f_scaled_mm: bool | None = None, torch_scaled_mm: bool | None = None) -> tuple[str, ...]:
     """The entry points the installed torch has for format ``fmt``, in the order the start-up probe
-    tries them: block formats ``F.scaled_mm`` first (recipe and swizzle explicit), then
-    ``torch._scaled_mm`` (cuBLASLt; it may serve MXFP4 where ``F.scaled_mm`` needs FBGEMM GenAI);
-    per-tensor FP8 the other way round. ``f_scaled_mm`` / ``torch_scaled_mm``: whether each exists
-    (None: ask this torch, ``kernels.torch_api``)."""
+    tries them: ``torch._scaled_mm`` first (cuBLASLt, in every CUDA build; MXFP4 through
+    ``F.scaled_mm`` needs a build with FBGEMM GenAI, and torch 2.13's meta check of that call counts
+    MXFP4 scales from the packed K, so it fails under fake tensors for K > 128), then
+    ``F.scaled_mm`` (recipe and swizzle named explicitly). ``f_scaled_mm`` / ``torch_scaled_mm``:
+    whether each exists (None: ask this torch, ``kernels.torch_api``)."""
+    del fmt  # the same order for every format today; the probe records what served each pair
     have_f = scaled_mm_enums() is not None if f_scaled_mm is None else f_scaled_mm
     have_t = has_scaled_mm() if torch_scaled_mm is None else torch_scaled_mm
-    order = ("torch._scaled_mm", "F.scaled_mm") if FORMATS[fmt].kind == Scaling.TENSOR else \
-        ("F.scaled_mm", "torch._scaled_mm")
-    return tuple(e for e in order if (have_f if e == "F.scaled_mm" else have_t))
+    return tuple(e for e, ok in (("torch._scaled_mm", have_t), ("F.scaled_mm", have_f)) if ok)
 
 
 def _call_scaled_mm(a: HwOperand, b: HwOperand, out_dtype: torch.dtype, entry: str) -> torch.Tensor:
@@ -215,6 +216,10 @@ def _call_scaled_mm(a: HwOperand, b: HwOperand, out_dtype: torch.dtype, entry: s
         fn = ENTRY_POINTS[entry]
     except KeyError:
         raise ValueError(f"scaled GEMM entry point {entry!r}; valid: {', '.join(ENTRY_POINTS)}") from None
+    spec = FORMATS[a.fmt]
+    if (spec.bits == 4 and spec.block == 32 and torch.compiler.is_compiling()
+            and not fp4_meta_check_ok(entry)):  # this torch's fake-tensor check miscounts MXFP4 scales
+        return torch.compiler.disable(fn)(a, b, out_dtype)
     return fn(a, b, out_dtype)
 
 

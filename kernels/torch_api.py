@@ -19,7 +19,18 @@ API                                             used by, and what happens where 
 ``matmul.allow_bf16_reduced_precision_reduction``  ``kernels.gemm.bf16_single_rounding``: a BF16-output
   (``..._split_k``: torch 2.12 and later)       cuBLAS GEMM keeps FP32 reductions; the split-K flag
                                                 is restored only where it exists
+meta checks of the scaled GEMMs (what fake      ``kernels.scaled_mm``: an MXFP4 call whose entry
+  tensors under ``torch.compile`` run)          point's meta check counts scales from the packed K
+                                                runs outside the traced graph
 ==============================================  ===================================================
+
+Where torch 2.11 and 2.13 differ in those meta checks (read from both releases' sources): 2.11's
+``torch._scaled_mm`` check counts MXFP4 E8M0 scales from the packed K (K/2 bytes), 2.13's from
+the element count K, as the CUDA kernel does; ``F.scaled_mm``'s check counts them from the packed
+K in both. So for K > 128 a correct MXFP4 call fails there under fake tensors only;
+``fp4_meta_check_ok`` finds out per entry point by running one such call on ``meta`` tensors.
+2.13 also applies the layout checks (row-major ``self``, column-major ``mat2``) to CPU tensors no
+longer, and words its per-tensor refusals differently ("scale_a must have 1 Float element").
 
 The enum members have been spelled two ways across torch releases (``BlockWise1x32`` /
 ``Blockwise_1x32``, ``SWIZZLE_32_4_4`` / ``Swizzle_32_4_4``); both are accepted. ``api_report()`` is
@@ -33,8 +44,8 @@ import inspect
 
 import torch
 
-__all__ = ["api_report", "has_bf16_reduction_flag", "has_fp32_precision_flags", "has_scaled_mm", "scaled_mm_enums",
-           "sdpa_has_enable_gqa"]
+__all__ = ["api_report", "fp4_meta_check_ok", "has_bf16_reduction_flag", "has_fp32_precision_flags", "has_scaled_mm",
+           "scaled_mm_enums", "sdpa_has_enable_gqa"]
 
 _SPELLINGS = {  # member -> the names it has had
     "tensor": ("TensorWise", "Tensorwise"),
@@ -92,6 +103,33 @@ def sdpa_has_enable_gqa() -> bool:
         return "enable_gqa" in (torch.nn.functional.scaled_dot_product_attention.__doc__ or "")
 
 
+@functools.cache
+def fp4_meta_check_ok(entry: str) -> bool:
+    """Whether ``entry``'s meta check (``torch._scaled_mm`` or ``F.scaled_mm``) accepts a correct
+    MXFP4 call with K = 256: E8M0 scales in the blocked layout counted from the 256 elements."""
+    f4 = getattr(torch, "float4_e2m1fn_x2", None)
+    e8 = getattr(torch, "float8_e8m0fnu", None)
+    if f4 is None or e8 is None:
+        return False
+    a = torch.empty(128, 128, dtype=torch.uint8, device="meta").view(f4)  # [M, K/2]
+    b = torch.empty(128, 128, dtype=torch.uint8, device="meta").view(f4).t()  # [K/2, N], column-major
+    sa = torch.empty(128 * 8, dtype=torch.uint8, device="meta").view(e8)  # 128 rows x K/32 = 8 scales
+    sb = torch.empty(128 * 8, dtype=torch.uint8, device="meta").view(e8)
+    try:
+        if entry == "torch._scaled_mm":
+            torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
+        else:
+            enums = scaled_mm_enums()
+            if enums is None:
+                return False
+            torch.nn.functional.scaled_mm(a, b, sa, enums["block32"], sb, enums["block32"],
+                                          swizzle_a=enums["swizzle"], swizzle_b=enums["swizzle"],
+                                          output_dtype=torch.bfloat16)
+    except (RuntimeError, ValueError, TypeError, AttributeError):
+        return False
+    return True
+
+
 def api_report() -> list[str]:
     """One line per API: present, or the guarded path this torch takes instead."""
     enums = scaled_mm_enums()
@@ -103,6 +141,10 @@ def api_report() -> list[str]:
         ("SDPA enable_gqa", sdpa_has_enable_gqa(), "grouped-query attention unavailable"),
         ("allow_bf16_reduced_precision_reduction", has_bf16_reduction_flag(),
          "BF16-output GEMMs may reduce split-K partial sums in BF16"),
+        ("torch._scaled_mm meta check of MXFP4 scales", has_scaled_mm() and fp4_meta_check_ok("torch._scaled_mm"),
+         "counts the packed K: MXFP4 calls run outside torch.compile graphs"),
+        ("F.scaled_mm meta check of MXFP4 scales", enums is not None and fp4_meta_check_ok("F.scaled_mm"),
+         "counts the packed K: MXFP4 calls run outside torch.compile graphs"),
     ]
     return [f"torch {torch.__version__}"] + [
         f"  {name}: {'yes' if ok else 'MISSING -> ' + fallback}" for name, ok, fallback in rows]
