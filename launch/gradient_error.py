@@ -163,38 +163,37 @@ def main(argv: list[str] | None = None) -> int:
     ours, flags = parse(sys.argv[1:] if argv is None else argv)
     from model.gpt import apply_precision_plan, policy_linear_names, policy_linears
     from precision import PrecisionPolicy, SpecError
-    from pretrain.arguments import ConfigError, parse_args, validate_args
+    from pretrain.arguments import ConfigError, parse_run_config
     from pretrain.data import batches
     from pretrain.engine import _to
     from pretrain.train import setup
 
-    args = parse_args(flags + ["--precision", ours.reference])
     try:
-        args = validate_args(args, 1, False)
-        if args.tensor_model_parallel_size != 1 or args.pipeline_model_parallel_size != 1:
+        run = parse_run_config(flags + ["--precision", ours.reference], 1, False)
+        if run.parallel.tensor_model_parallel_size != 1 or run.parallel.pipeline_model_parallel_size != 1:
             raise ConfigError("gradient_error.py measures at TP=1, PP=1: drop the parallelism flags")
-        trainer = setup(args)
+        trainer = setup(run)
         model = trainer.model
         names = policy_linear_names(model)
         plans = {}
         for p in [ours.reference, *ours.precisions]:
             try:
                 preset, *rules = p.split(";")
-                policy = PrecisionPolicy.from_args(preset, [*rules, *args.precision_rule])
-                policy.check_rules(args.num_layers, names)
-                plans[p] = policy.resolve(names, args.num_layers)
+                policy = PrecisionPolicy.from_args(preset, [*rules, *run.precision.precision_rule])
+                policy.check_rules(run.model.num_layers, names)
+                plans[p] = policy.resolve(names, run.model.num_layers)
             except (SpecError, ValueError) as e:
                 raise ConfigError(f"--precisions {p!r}: {e}") from None
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if not os.path.exists(os.path.join(args.load, "latest_checkpointed_iteration.txt")):
-        print(f"warning: --load {args.load} holds no checkpoint: measuring an untrained model", file=sys.stderr)
+    if not os.path.exists(os.path.join(run.checkpoint.load, "latest_checkpointed_iteration.txt")):
+        print(f"warning: --load {run.checkpoint.load} holds no checkpoint: measuring an untrained model", file=sys.stderr)
 
     # Each precision keeps its own quantization state per layer (SR counters, delayed amaxes).
     from precision.state import LayerQuantState
 
-    states = {p: {n: LayerQuantState(seed=args.seed, name=n) for n in names} for p in plans}
+    states = {p: {n: LayerQuantState(seed=run.training.seed, name=n) for n in names} for p in plans}
     params = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
     size = sum(q.numel() for _, q in params)
     kind_slices: dict[str, list[slice]] = {k: [] for k in KINDS}
@@ -203,10 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         kind_slices[parameter_kind(n)].append(slice(off, off + q.numel()))
         off += q.numel()
 
-    nmb = args.global_batch_size // args.micro_batch_size
-    data = batches(trainer.train_ds, trainer.consumed_samples, args.micro_batch_size)
+    nmb = run.training.global_batch_size // run.training.micro_batch_size
+    data = batches(trainer.train_ds, trainer.consumed_samples, run.training.micro_batch_size)
     per_group = ours.batches // ours.groups
-    tokens_per_step = args.global_batch_size * args.seq_length
+    tokens_per_step = run.training.global_batch_size * run.model.seq_length
 
     def gradient(precision: str, micro: list) -> tuple[torch.Tensor, float]:
         apply_precision_plan(model, plans[precision])
@@ -227,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     ref = Moments(ours.groups, size)
     err = {p: Moments(ours.groups, size) for p in ours.precisions}
     dloss = {p: [] for p in ours.precisions}
-    print(f"gradient error at iteration {trainer.iteration} of --load {args.load}: {ours.batches} global batches "
+    print(f"gradient error at iteration {trainer.iteration} of --load {run.checkpoint.load}: {ours.batches} global batches "
           f"of {tokens_per_step:,} tokens from sample {trainer.consumed_samples:,}, reference {ours.reference}",
           flush=True)
     model.train()
@@ -252,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     noise = math.sqrt(max(noise_sq, 0.0)) / g_norm
     print(f"\nmean gradient |G| = {g_norm:.4g}; one step's sampling noise = {noise:.3f} |G| "
           f"({tokens_per_step:,} tokens per step)\n")
-    steps = args.train_iters or 0
+    steps = run.training.train_iters or 0
     print("| precision | loss - ref (s.e.) | step error / abs(G) | bias / abs(G) (s.e.) | break-even tokens/step "
           f"| <G, E[e]> / abs(G)^2 (s.e.) | break-even steps (tokens in total) | drift ratio at {steps} steps |")
     print("|---|---|---|---|---|---|---|---|")

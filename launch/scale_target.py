@@ -58,12 +58,14 @@ def hif8(k: int):
 def checkpoint_operands(flags: list[str]) -> dict[str, list[torch.Tensor]]:
     """``x``, ``w`` and ``dy`` of every policy linear, one forward/backward on the next global batch."""
     from model.gpt import policy_linears
-    from pretrain.arguments import parse_args, validate_args
+    from pretrain.arguments import ConfigError, fail, parse_run_config
     from pretrain.train import setup
 
-    args = parse_args(flags + ["--precision", "bf16"])
-    args = validate_args(args, 1, False)
-    trainer = setup(args)
+    try:
+        run = parse_run_config(flags + ["--precision", "bf16"], 1, False)
+    except ConfigError as e:
+        fail(str(e))
+    trainer = setup(run)
     model = trainer.model
     got: dict[str, list[torch.Tensor]] = {"x": [], "w": [], "dy": []}
     hooks = []
@@ -82,7 +84,7 @@ def checkpoint_operands(flags: list[str]) -> dict[str, list[torch.Tensor]]:
 
     model.train()
     tokens, labels, pos, mask = _to(next(batches(trainer.train_ds, trainer.consumed_samples,
-                                                  args.micro_batch_size)), trainer.device)
+                                                  run.training.micro_batch_size)), trainer.device)
     per_token = model(tokens, pos, None, labels=labels).float()
     ((per_token * mask).sum() / mask.sum()).backward()
     for h in hooks:

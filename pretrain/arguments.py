@@ -534,14 +534,6 @@ def _validate(args: argparse.Namespace, world_size: int, cuda: bool) -> tuple[ar
     return args, resolved
 
 
-def recompute_config(args):
-    """The ``model.gpt.RecomputeConfig`` of ``--recompute-*`` (None: no recomputation); ``args`` is a
-    Namespace or a ``pretrain.config.MemoryConfig``."""
-    from pretrain.config import MemoryConfig, from_namespace
-
-    return (args if isinstance(args, MemoryConfig) else from_namespace(MemoryConfig, args)).recompute()
-
-
 def validate_and_freeze(args: argparse.Namespace, world_size: int, cuda: bool) -> tuple[argparse.Namespace, RunConfig]:
     """:func:`validate_args` and the frozen :class:`pretrain.config.RunConfig` of its values (the
     precision flags parsed once, on the way); for parsers that add groups of their own (RL)."""

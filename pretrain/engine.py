@@ -46,7 +46,7 @@ One optimizer step, whatever computed the gradients: ``optimizer_step``
     ``optimizer_step(schedule, loss=loss)``. RL calls the same two around its own losses (the
     gradients of a policy loss that the caller backpropagated)::
 
-        engine = TorchEngine(model, run, device)  # run: pretrain.config.RunConfig (or a parsed Namespace)
+        engine = TorchEngine(model, run, device)  # run: pretrain.config.RunConfig
         engine.begin_step()                      # zero the gradients; snapshot what a skip restores
         loss.backward()                          # any loss whose gradients are this rank's share
         result = engine.optimizer_step(schedule) # reduce, clip, set the lr, step, end the quant step
@@ -85,6 +85,8 @@ from dataclasses import dataclass, field
 
 import torch
 from megatron.core import parallel_state
+
+from pretrain.config import RunConfig
 
 DISTRIBUTED_OPTIMIZER_FILE = "distrib_optim.pt"  # Megatron-LM's name, beside model_optim_rng.pt
 
@@ -225,7 +227,7 @@ class TorchEngine(_StepMixin):
     def __init__(self, model: torch.nn.Module, run, device: torch.device, nonfinite: NonFinitePolicy | None = None):
         from pretrain.optim import MainParams, build_optimizer
 
-        self.run = run = _run_config(run)
+        self.run = run = RunConfig.of(run)
         self.model, self.device = model, device
         self.main = MainParams(model) if run.memory.bf16 else None  # --bf16: FP32 mains
         self.optimizer = build_optimizer(model, run.training, self.main)
@@ -361,7 +363,7 @@ class MegatronEngine(_StepMixin):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        self.run = run = _run_config(run)
+        self.run = run = RunConfig.of(run)
         self.model, self.device = model, device
         t = run.training
         config = model.config
@@ -508,15 +510,7 @@ class MegatronEngine(_StepMixin):
 def build_engine(model: torch.nn.Module, run, device: torch.device, nonfinite: NonFinitePolicy | None = None):
     """The engine ``--ddp-impl`` names (``auto``: megatron on CUDA, torch on CPU); ``nonfinite``
     defaults to the run's ``--check-for-nan-in-loss-and-grad`` / ``--skip-nonfinite-steps``."""
-    run = _run_config(run)
     impl = run.parallel.ddp_impl
     if impl == "auto":
         impl = "megatron" if device.type == "cuda" else "torch"
     return (MegatronEngine if impl == "megatron" else TorchEngine)(model, run, device, nonfinite)
-
-
-def _run_config(run):
-    """``run`` as a ``pretrain.config.RunConfig`` (a validated Namespace is read into one)."""
-    from pretrain.config import RunConfig
-
-    return run if isinstance(run, RunConfig) else RunConfig.from_namespace(run)

@@ -38,6 +38,8 @@ from megatron.core.tensor_parallel import (
     param_is_not_tensor_parallel_duplicate,
 )
 
+from pretrain.config import RunConfig, TrainingConfig
+
 
 class MainParams:
     """FP32 main copies of a (BF16) model's trainable parameters; see the module docstring.
@@ -99,11 +101,10 @@ class MainParams:
         return state
 
 
-def build_optimizer(model: torch.nn.Module, training, main: MainParams | None = None) -> torch.optim.AdamW:
+def build_optimizer(model: torch.nn.Module, training: TrainingConfig, main: MainParams | None = None) -> torch.optim.AdamW:
     """AdamW over ``model``'s parameters (or their FP32 mains), weight decay on matrices only; lr is
-    set per step. ``training``: the run's ``pretrain.config.TrainingConfig`` (a parsed Namespace is
-    read into one)."""
-    t = _training(training)
+    set per step. ``training``: the run's ``pretrain.config.TrainingConfig``."""
+    t = training
     decay, no_decay = [], []
     for name, p in (main or model).named_parameters():
         if p.requires_grad:
@@ -113,13 +114,6 @@ def build_optimizer(model: torch.nn.Module, training, main: MainParams | None = 
         {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0},  # the schedule's weight decay x wd_mult
     ]
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
-
-
-def _training(training):
-    """``training`` as a ``TrainingConfig`` (a Namespace of another program's parser is read into one)."""
-    from pretrain.config import TrainingConfig, from_namespace
-
-    return training if isinstance(training, TrainingConfig) else from_namespace(TrainingConfig, training)
 
 
 # old (pre-megatron-core) checkpoint key -> OptimizerParamScheduler key
@@ -160,9 +154,9 @@ class LRScheduleConfig:
     ``--override-opt_param-scheduler``) this run's flags win and a note names what changed."""
 
     @classmethod
-    def from_training(cls, training) -> LRScheduleConfig:
+    def from_training(cls, training: TrainingConfig) -> LRScheduleConfig:
         """The schedule of the run's validated ``pretrain.config.TrainingConfig``."""
-        t = _training(training)
+        t = training
         fraction = t.lr_warmup_fraction
         warmup = fraction * t.lr_decay_iters if fraction is not None else t.lr_warmup_iters
         incr = t.weight_decay_incr_style
@@ -176,7 +170,6 @@ class LRScheduleConfig:
             use_checkpoint=bool(t.use_checkpoint_opt_param_scheduler),
         )  # fmt: skip
 
-    from_args = from_training  # a validated Namespace (pretrain.arguments.validate_args) is read alike
 
 
 class LRSchedule(OptimizerParamScheduler):
@@ -244,11 +237,14 @@ class LRSchedule(OptimizerParamScheduler):
         )  # fmt: skip
 
     @classmethod
-    def from_training(cls, optimizer, training) -> LRSchedule:
-        """The schedule of the run's ``pretrain.config.TrainingConfig`` (or a validated Namespace)."""
+    def from_training(cls, optimizer, training: TrainingConfig) -> LRSchedule:
+        """The schedule of the run's ``pretrain.config.TrainingConfig``."""
         return cls.from_config(optimizer, LRScheduleConfig.from_training(training))
 
-    from_args = from_training
+    @classmethod
+    def from_args(cls, optimizer, args) -> LRSchedule:
+        """:meth:`from_training` of a validated Namespace's run (``RunConfig.of``)."""
+        return cls.from_training(optimizer, RunConfig.of(args).training)
 
     def lr_at(self, iteration: int) -> float:
         """Learning rate of (1-based) ``iteration``, without moving the schedule."""

@@ -87,7 +87,6 @@ from pretrain.trainer.metrics import VAL_BATCHES_FILE, MetricsLogger, hms, open_
 from pretrain.trainer.phases import PrecisionPhases
 from pretrain.trainer.plans import (  # noqa: F401 - re-exported (RL, tools, tests)
     SchedulePlans,
-    as_run,
     build_model,
     build_scheduled_model,
     check_gemm_backends,
@@ -114,9 +113,8 @@ def _refuse(message: str, status: int):
     runtime.refuse(message, status, PROG)
 
 
-def init_distributed(run) -> torch.device:
+def init_distributed(run: RunConfig) -> torch.device:
     """Process group (``runtime.init_process_group``), parallel state, seeds."""
-    run = as_run(run)
     init_process_group()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=run.parallel.tensor_model_parallel_size,
@@ -237,10 +235,8 @@ class Trainer:
 # ================================================================================================
 
 
-def setup(run) -> Trainer:
-    """Steps 2-3 of the module docstring; returns a ready Trainer (after ``--load``). ``run``: the
-    run's ``RunConfig`` (a validated Namespace is read into one)."""
-    run = as_run(run)
+def setup(run: RunConfig) -> Trainer:
+    """Steps 2-3 of the module docstring; returns a ready Trainer (after ``--load``)."""
     m, p, par, t, d, c = run.model, run.precision, run.parallel, run.training, run.data, run.checkpoint
     device = init_distributed(run)
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size

@@ -17,18 +17,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from pretrain.arguments import ConfigError
+from pretrain.config import RunConfig
 from pretrain.runtime import rank0_print
 
 if TYPE_CHECKING:
     from precision import PrecisionPlan
     from precision.schedule import PrecisionSchedule
-
-
-def as_run(run):
-    """``run`` as a ``pretrain.config.RunConfig`` (a validated Namespace is read into one)."""
-    from pretrain.config import RunConfig
-
-    return run if isinstance(run, RunConfig) else RunConfig.from_namespace(run)
 
 
 def override_amax(plan, algo: str | None, history_len: int | None):
@@ -189,7 +183,7 @@ def build_scheduled_model(run, vocab_size: int, device: torch.device):
     its GEMM backends checked, so a bad phase is refused before training; phase 0's plan applied."""
     from model.gpt import apply_precision_plan, build_gpt, policy_linear_names, policy_linears
 
-    run = as_run(run)
+    run = RunConfig.of(run)
     p, num_layers = run.precision, run.model.num_layers
     sequence_parallel = run.parallel.sequence_parallel and run.parallel.tensor_model_parallel_size > 1
     model = build_gpt(run.model_config(vocab_size), sequence_parallel=sequence_parallel, seed=run.training.seed,

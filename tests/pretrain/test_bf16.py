@@ -102,14 +102,13 @@ def test_bf16_data_parallel_sums_the_fp32_gradients(bf16_runs, tmp_path, data_ca
 def test_weights_loaded_into_a_bf16_model_keep_their_fp32_bits_in_the_mains():
     """--pretrained-checkpoint under --bf16: the loaders copy into the model, which is FP32 while
     ``full_precision_weights`` is open, so the mains hold the file's FP32 values exactly."""
-    import argparse
-
+    from pretrain.arguments import parse_run_config
     from pretrain.engine import TorchEngine
 
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 8).to(torch.bfloat16)
-    args = argparse.Namespace(bf16=True, lr=1e-3, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, weight_decay=0.1)
-    engine = TorchEngine(model, args, torch.device("cpu"))
+    run = parse_run_config([*TINY, "--train-iters", "4", "--bf16", "--lr", "1e-3", "--weight-decay", "0.1"], 1, False)
+    engine = TorchEngine(model, run, torch.device("cpu"))
     pretrained = {"weight": torch.randn(8, 16), "bias": torch.randn(8)}  # FP32 values BF16 cannot hold
     with engine.full_precision_weights():
         model.load_state_dict(pretrained)

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from pretrain.arguments import parse_args, validate_args
+from pretrain.arguments import parse_run_config
 
 from ._launch import TINY
 
@@ -21,12 +21,12 @@ def _engine(max_skips: int = 0, check: bool = True):
     from pretrain.optim import LRSchedule
     from pretrain.train import build_model
 
-    args = parse_args(["--train-iters", "4", *TINY, "--precision", "mxfp4_sr", "--gemm-backend", "reference"])
-    args = validate_args(args, world_size=1, cuda=False)
+    run = parse_run_config(["--train-iters", "4", *TINY, "--precision", "mxfp4_sr", "--gemm-backend", "reference"],
+                           world_size=1, cuda=False)
     torch.manual_seed(0)
-    model, _, _ = build_model(args, vocab_size=VOCAB, device=torch.device("cpu"))
-    engine = TorchEngine(model, args, torch.device("cpu"), NonFinitePolicy(check=check, max_skips=max_skips))
-    return engine, LRSchedule.from_args(engine.optimizer, args)
+    model, _, _ = build_model(run, vocab_size=VOCAB, device=torch.device("cpu"))
+    engine = TorchEngine(model, run, torch.device("cpu"), NonFinitePolicy(check=check, max_skips=max_skips))
+    return engine, LRSchedule.from_training(engine.optimizer, run.training)
 
 
 def _micro(seed: int, n: int = 2) -> list[dict]:

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pretrain import runtime
 from pretrain import train as pretrain_train
-from pretrain.arguments import parse_args_or_raise, validate_args
+from pretrain.arguments import parse_run_config
 from pretrain.trainer.checkpointer import Checkpointer
 from pretrain.trainer.metrics import MetricsLogger
 from pretrain.trainer.phases import PrecisionPhases
@@ -77,11 +77,10 @@ def trainer(tmp_path, data_cache):
             "--precision", "mxfp4_sr", "--precision-rule", "kind:mlp=hif8_w8a8", "--num-workers", "0",
             "--data-cache-dir", str(data_cache), "--tensorboard-dir", str(tmp_path / "tb"),
             "--save", str(tmp_path / "ckpt")]  # fmt: skip
-    args = parse_args_or_raise(argv)
-    args = validate_args(args, 1, False)
+    run = parse_run_config(argv, 1, False)
     before = signal.getsignal(signal.SIGTERM)
     environ = dict(os.environ)  # setup() writes a world of one's RANK / MASTER_PORT into it
-    t = pretrain_train.setup(args)
+    t = pretrain_train.setup(run)
     yield t
     if t.tb is not None:
         t.tb.close()

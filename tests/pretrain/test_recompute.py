@@ -135,12 +135,10 @@ def test_bad_flags_are_one_line_naming_the_flag(extra, expected):
 
 
 def test_flag_defaults_follow_the_device():
-    from pretrain.arguments import parse_args_or_raise, recompute_config, validate_args
+    from pretrain.arguments import parse_run_config
 
     for cuda, bf16, workers in ((False, False, 0), (True, True, 2)):
-        args = parse_args_or_raise(TINY_FLAGS)
-        args = validate_args(args, 1, cuda)
-        assert (args.bf16, args.num_workers, recompute_config(args)) == (bf16, workers, None)
-    args = parse_args_or_raise([*TINY_FLAGS, "--no-bf16", "--recompute-granularity", "full"])
-    args = validate_args(args, 1, True)
-    assert args.bf16 is False and recompute_config(args) == RecomputeConfig("full", "uniform", 1)
+        run = parse_run_config(TINY_FLAGS, 1, cuda)
+        assert (run.memory.bf16, run.data.num_workers, run.memory.recompute()) == (bf16, workers, None)
+    run = parse_run_config([*TINY_FLAGS, "--no-bf16", "--recompute-granularity", "full"], 1, True)
+    assert run.memory.bf16 is False and run.memory.recompute() == RecomputeConfig("full", "uniform", 1)

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from pretrain.arguments import parse_args, validate_args
+from pretrain.arguments import parse_run_config
 from pretrain.optim import LRSchedule, build_optimizer, clip_grad_norm
 
 from ._launch import TINY, load_rank_checkpoint, run_pretrain, scalars
@@ -33,8 +33,8 @@ def test_lr_schedule_warmup_cosine_min():
 
 def test_no_weight_decay_on_biases_and_norms():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
-    args = parse_args(["--train-iters", "1", *TINY, "--weight-decay", "0.05"])
-    decay, no_decay = build_optimizer(model, args).param_groups
+    run = parse_run_config(["--train-iters", "4", *TINY, "--weight-decay", "0.05"], 1, False)
+    decay, no_decay = build_optimizer(model, run.training).param_groups
     assert decay["weight_decay"] == 0.05 and no_decay["weight_decay"] == 0.0
     assert [p.shape for p in decay["params"]] == [torch.Size([4, 4])]
     assert len(no_decay["params"]) == 3  # linear bias, norm weight and bias
@@ -59,21 +59,9 @@ def test_plan_on_the_built_model(world_of_one):
     from precision import presets
     from pretrain.train import build_model
 
-    args = parse_args(
-        [
-            "--train-iters",
-            "10",
-            *TINY,
-            "--precision",
-            "mxfp4",
-            "--precision-rule",
-            "first:1=bf16",
-            "--gemm-backend",
-            "reference",
-        ]
-    )
-    args = validate_args(args, world_size=1, cuda=False)
-    model, plan, whole = build_model(args, vocab_size=512, device=torch.device("cpu"))
+    argv = ["--train-iters", "10", *TINY, "--precision", "mxfp4", "--gemm-backend", "reference"]
+    run = parse_run_config([*argv, "--precision-rule", "first:1=bf16"], world_size=1, cuda=False)
+    model, plan, whole = build_model(run, vocab_size=512, device=torch.device("cpu"))
     assert whole == plan  # one pipeline stage: the whole model
     linears = {
         n: m for n, m in model.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
@@ -89,8 +77,8 @@ def test_plan_on_the_built_model(world_of_one):
     assert plan.rule_for("output_layer") == "preset mxfp4: kind:output=bf16"  # the preset's own rule
     assert plan.rule_for("decoder.layers.1.mlp.linear_fc2") == "--precision mxfp4"
     # a user rule comes before the preset's: the output layer can be lowered too
-    args.precision_rule = ["kind:output=mxfp4"]
-    model, plan, whole = build_model(args, vocab_size=512, device=torch.device("cpu"))
+    run = parse_run_config([*argv, "--precision-rule", "kind:output=mxfp4"], world_size=1, cuda=False)
+    model, plan, whole = build_model(run, vocab_size=512, device=torch.device("cpu"))
     assert whole == plan  # one pipeline stage: the whole model
     assert model.output_layer.precision == mxfp4
 
