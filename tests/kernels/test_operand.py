@@ -131,7 +131,7 @@ def _hw(fmt):
 def test_scaled_mm_falls_back_to_bf16_only_on_the_output_dtype_refusal(monkeypatch, caplog):
     tried = []
 
-    def refuses_fp32(a, b, out_dtype):
+    def refuses_fp32(a, b, out_dtype, entry):
         tried.append((a.fmt, out_dtype))
         if a.fmt == "mxfp4" and out_dtype is torch.float32:
             raise RuntimeError("Block-wise scaling only supports BFloat16 or Half output types")
@@ -153,7 +153,7 @@ def test_scaled_mm_falls_back_to_bf16_only_on_the_output_dtype_refusal(monkeypat
 def test_scaled_mm_other_errors_propagate(monkeypatch):
     tried = []
 
-    def broken(a, b, out_dtype):
+    def broken(a, b, out_dtype, entry):
         tried.append(out_dtype)
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
