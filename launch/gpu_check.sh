@@ -1,43 +1,57 @@
 #!/usr/bin/env bash
-# The device check: on one GPU node (an H200: FP8 tensor cores, no FP4) with no network, in one
-# command of under 9 minutes, the figures the README's "The device check" section explains.
+# The device check: on one bare GPU node (an H100 or H200: FP8 tensor cores, no FP4; Python 3.12,
+# torch and triton installed, no network), in one command of at most 8 minutes including the
+# installation of what the node lacks, the figures the README's "The device check" section explains.
 #
-#   bash launch/gpu_check.sh                  # 1.3B, --bf16, TP=1, micro-batch 8, 6 iterations per recipe
+#   bash launch/gpu_check.sh                  # 1.3B, --bf16, TP=1, micro-batch 8 x 2 (accumulated)
 #   DRY_RUN=1 bash launch/gpu_check.sh        # check the wheels, print every step's command, run nothing
 #   FETCH_WHEELS=1 bash launch/gpu_check.sh   # on a machine with network: download the wheels into .whl/
 #   MODEL_SIZE=350m bash launch/gpu_check.sh  # a smaller model if 1.3B does not fit the time
 #   STEPS="0 2" bash launch/gpu_check.sh      # only some steps (numbered below)
 #   BUDGET_SCALE=3 bash launch/gpu_check.sh   # every step's budget x3 (a slower or shared machine)
 #
-# What the node lacks travels as cp312 wheels in .whl/ beside the checkout (the list is WHEELS
-# below: megatron-core 0.16.x is required, torchao optional; the rest are pure-Python or cp312
-# wheels of what the training path imports, used only where the node lacks them). FETCH_WHEELS=1
-# downloads them with `pip download --no-deps --only-binary=:all: --python-version 3.12`.
-# Before any step the script names each missing module and the wheel that provides it, and stops.
+# What must travel: the checkout and, beside it, the ignored folder .whl/ with the cp312 wheels of
+# WHEELS below (megatron-core 0.16.x required, torchao optional; the rest are what the training
+# path imports, used only where the node lacks them). FETCH_WHEELS=1 downloads them with
+# `pip download --no-deps --only-binary=:all: --python-version 3.12` on a machine with network.
+# Before any step the script installs the carried wheels the node needs (into $SITE, nothing else
+# touched), names in one line each module still missing and the wheel that provides it, and stops.
 #
 # At most 8 files land in $OUT (default runs/gpu_check): environment.txt, pytest_gpu.txt,
-# bench_kernels.txt, bench_kernels.json, bench_pretrain.txt, bench_pretrain.md, bench_pretrain.json;
-# the pretraining runs' own logs stay in $WORK. Steps, each under its own `timeout`, in this order
-# so the slow ones cannot cut the quick ones:
-#   0. versions, the torch APIs the GPU path uses, the GEMM path of each format               (45 s)
-#   1. pytest -m gpu, GEMM backends against the emulated spec, BF16 output = FP32 output rounded (60 s)
-#   2. pytest -m gpu, Triton quantizers and cast-transpose bit-exact (cold compiles)           (100 s)
-#   3. pytest -m gpu, the megatron engine (two-process cases skip on one GPU)                  (40 s)
-#   4. bench_kernels: host work per GEMM (ATen ops, device kernels, Triton launches: counted),
-#      quantizer GB/s, policy_linear per preset vs bf16, bounded set                           (60 s)
-#   5. bench_pretrain: BF16 GEMM ceiling, then bf16, fp8, wgrad_hadamard, mxfp4 tokens/s, MFU
-#      (datasheet and measured ceiling), peak memory, quantizing share, ratios to bf16         (220 s)
-# 45 + 60 + 100 + 40 + 60 + 220 = 525 s at most, plus the wheel check (~10 s): under 9 minutes;
-# each table is written as its rows arrive.
+# bench_pretrain.txt, bench_pretrain.md, bench_pretrain.json, bench_kernels.txt, bench_kernels.json;
+# the pretraining runs' own logs stay in $WORK. Steps in order of value, each in its own session
+# under its own `timeout` (killed with its children at the budget; whatever a step leaves in its
+# session is killed when it ends, so no step leaves a process holding the GPU), each table written
+# as its rows arrive:
+#   0. versions, the torch APIs the GPU path uses, the start-up probe and the path each format's
+#      GEMMs take (kernels.probe), the device found and its dense peaks                       (40 s)
+#   1. pytest -m gpu: Triton quantizers and cast-transpose bit-exact against the reference      (90 s)
+#   2. bench_pretrain 1.3B, hardware paths first: bf16, fp8, wgrad_hadamard tokens/s; global
+#      batch 2 x micro-batch (gradient accumulation: the optimizer step is not every timed
+#      iteration), 10 timed iterations after 3 of warm-up; MFU against the found device's BF16
+#      peak by name and the BF16 GEMM ceiling measured in the run, FP8 rows also against the FP8
+#      peak                                                                                     (200 s)
+#   3. pytest -m gpu: GEMM backends against the emulated spec; BF16 output as cuBLAS promises it (45 s)
+#   4. bench_kernels: host work per GEMM and per linear step (counted), bounded quantizer and
+#      policy_linear tables at the 1.3B's fc1 (2048 -> 11264 under SwiGLU)                      (45 s)
+#   5. pytest -m gpu: the megatron engine (two-process cases skip on one GPU)                   (30 s)
+# 40 + 90 + 200 + 45 + 45 + 30 = 450 s at most, plus the wheel installation (~20 s): under 8 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_check}
 WORK=${WORK:-runs/gpu_check_work}
 MODEL_SIZE=${MODEL_SIZE:-1.3b}
-ITERS=${ITERS:-6}
-PRECISIONS=${PRECISIONS:-bf16,fp8,wgrad_hadamard,mxfp4}
+WARMUP=${WARMUP:-3}
+TIMED=${TIMED:-10}
+ITERS=$(( WARMUP + TIMED ))
+PRECISIONS=${PRECISIONS:-bf16,fp8,wgrad_hadamard}
 MICRO_BATCH=${MICRO_BATCH:-8}
-GLOBAL_BATCH=${GLOBAL_BATCH:-8}
+GLOBAL_BATCH=${GLOBAL_BATCH:-$(( 2 * MICRO_BATCH ))}
+if [ "$GLOBAL_BATCH" -le "$MICRO_BATCH" ] || [ $(( GLOBAL_BATCH % MICRO_BATCH )) != 0 ]; then
+    echo "gpu_check.sh: GLOBAL_BATCH=$GLOBAL_BATCH must be a multiple of MICRO_BATCH=$MICRO_BATCH larger than it" \
+         "(gradient accumulation keeps the optimizer step out of most timed iterations)" >&2
+    exit 2
+fi
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 DRY=${DRY_RUN:-0}
 SITE=${SITE:-${TMPDIR:-/tmp}/lowprec-site}
@@ -111,27 +125,35 @@ if [ ${#missing[@]} -gt 0 ] && { [ "$DRY" != 1 ] || [ ${#files[@]} -eq 0 ]; }; t
     exit 2
 fi
 
+SESSION=$(command -v setsid || true)  # util-linux; without it a step shares the script's session
 step() {  # step N SECONDS LOGFILE CMD...: run (or, with DRY_RUN=1, print) bounded step N, appending to LOGFILE
     local n=$1 secs=$(( $2 * BUDGET_SCALE )) log=$3
     shift 3
     [[ "$STEPS" == *" $n "* ]] || return 0
     if [ "$DRY" = 1 ]; then
-        echo "timeout $secs $*"
+        echo "timeout -k 10 $secs $*"
         return 0
     fi
-    timeout "$secs" "$@" 2>&1 | tee -a "$log"
-    local rc=${PIPESTATUS[0]}
+    # its own session: at the budget timeout signals the step's whole process group (TERM, then KILL
+    # 10 s later); afterwards anything still in the session (a worker that outlived its launcher) is
+    # killed, so the next step finds the GPU free
+    # (stdin passed on through fd 3: an asynchronous command's own stdin would be /dev/null)
+    { $SESSION timeout -k 10 "$secs" "$@" <&3 3<&- > >(tee -a "$log") 2>&1 & } 3<&0
+    local pid=$!
+    wait "$pid"
+    local rc=$?
+    [ -n "$SESSION" ] && kill -KILL -- "-$pid" 2> /dev/null
     [ "$rc" = 124 ] && echo "(step cut at its ${secs} s budget)" | tee -a "$log"
     return "$rc"
 }
 
 status=0
-echo "== 0. versions, torch APIs, GEMM paths"
+echo "== 0. versions, torch APIs, GEMM paths, the device and its peaks"
 [ "$DRY" != 1 ] && rm -f "$OUT"/*.txt "$OUT"/*.json "$OUT"/*.md
 if [ "$DRY" = 1 ]; then
-    step 0 45 "$OUT/environment.txt" "$PY" - "(versions, kernels.torch_api.api_report, GEMM paths per preset)"
+    step 0 40 "$OUT/environment.txt" "$PY" - "(versions, kernels.torch_api.api_report, the probe, GEMM paths per preset)"
 else
-    step 0 45 "$OUT/environment.txt" "$PY" - <<'EOF' || status=1
+    step 0 40 "$OUT/environment.txt" "$PY" - "$WORK/peaks.env" <<'EOF' || status=1
 import platform, torch
 print("python", platform.python_version(), "| torch", torch.__version__, "| cuda", torch.version.cuda,
       "|", torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device")
@@ -143,47 +165,77 @@ for name in ("triton", "megatron.core", "torchao"):
         print(name, "MISSING:", e)
 from kernels.torch_api import api_report
 print("\n".join(api_report()))
-from kernels.backends import describe_backends
+import sys
+from kernels.probe import startup_report
 from precision import presets
 dev = "cuda" if torch.cuda.is_available() else "cpu"
-for i, p in enumerate(("bf16", "fp8", "mxfp4", "wgrad_hadamard", "nvfp4")):
-    text = describe_backends({p: presets.get(p)}, dev)  # on sm_100 / gfx950 the first runs the format probe
-    if i == 0:
-        print(text.split("GEMM backends on")[0].rstrip() or "(no format probe on this device)")
-    print(p + ": " + next(ln for ln in text.splitlines() if ln.startswith("GEMMs per backend")))
+for p in ("bf16", "fp8", "mxfp4", "wgrad_hadamard", "nvfp4"):
+    lines = startup_report({p: presets.get(p)}, dev).splitlines()  # on a GPU: the probe of each format pair first
+    head = lines[:next(i for i, ln in enumerate(lines) if ln.startswith("GEMM backends on"))]
+    print("\n".join(head) if head else f"{p}: no format probe here")
+    print(p + ": " + next(ln for ln in lines if ln.startswith("GEMMs per backend")))
+    paths = lines.index(next(ln for ln in lines if ln.startswith("GEMM paths per format")))
+    print("\n".join(lines[paths + 1:]))  # each GEMM's path per format pair; the WARNING line if any
+# dense peaks (TFLOP/s) of the device found, by its name: the MFU denominators of step 2
+PEAKS = [("H100 PCIe", 756.0, 1513.0), ("H100 NVL", 835.0, 1671.0), ("H100", 989.0, 1979.0),
+         ("H200", 989.0, 1979.0), ("B200", 2250.0, 4500.0)]
+name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+found = next(((k, b, f) for k, b, f in PEAKS if k.replace(" ", "") in name.replace(" ", "")), None)
+with open(sys.argv[1], "w") as env:
+    if found:
+        print(f"device: {name} -> {found[0]}: dense BF16 {found[1]:g}, FP8 {found[2]:g} TFLOP/s")
+        env.write(f"PEAK_BF16={found[1]:g}\nPEAK_FP8={found[2]:g}\nDEVICE='{found[0]}'\n")
+    else:
+        print(f"device: {name}: no known dense peak (MFU against the measured BF16 GEMM ceiling only)")
 EOF
 fi
 
 PYTEST=("$PY" -m pytest -q -m gpu -rs -p no:cacheprovider)
-echo "== 1. GEMM backends against the emulated spec"
-step 1 60 "$OUT/pytest_gpu.txt" "${PYTEST[@]}" tests/kernels/test_scaled_mm.py tests/kernels/test_bf16_path.py || status=1
-echo "== 2. Triton quantizers and cast-transpose, bit-exact against the reference"
-step 2 100 "$OUT/pytest_gpu.txt" "${PYTEST[@]}" tests/kernels/test_triton_quant.py tests/kernels/test_triton_bf16.py \
+echo "== 1. Triton quantizers and cast-transpose, bit-exact against the reference"
+step 1 90 "$OUT/pytest_gpu.txt" "${PYTEST[@]}" tests/kernels/test_triton_quant.py tests/kernels/test_triton_bf16.py \
     tests/kernels/test_cast_transpose.py || status=1
-echo "== 3. the megatron engine"
-step 3 40 "$OUT/pytest_gpu.txt" "${PYTEST[@]}" tests/pretrain/test_megatron_engine.py || status=1
 
-echo "== 4. kernel benchmarks"
-KB=(--formats mxfp4,nvfp4,fp8_e4m3 --impls triton,triton_bf16,cast_transpose_bf16 --presets bf16,fp8,mxfp4,wgrad_hadamard
-    --repeats 3)
-if [ "$DRY" = 1 ] || "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    KB+=(--size 8192 --tokens 16384 --hidden 2048 --ffn 5632)  # the 1.3B model's fc1 at micro-batch 8
-else
-    KB+=(--size 256 --tokens 256 --hidden 128 --ffn 64 --impls reference)  # a CPU smoke run
-fi
-step 4 60 "$OUT/bench_kernels.txt" "$PY" launch/bench_kernels.py "${KB[@]}" --json "$OUT/bench_kernels.json" || status=1
-
-echo "== 5. end-to-end pretraining ($MODEL_SIZE, --bf16, TP=1, micro-batch $MICRO_BATCH, $ITERS iterations per recipe)"
+echo "== 2. end-to-end pretraining ($MODEL_SIZE, --bf16, TP=1, micro-batch $MICRO_BATCH, global batch $GLOBAL_BATCH," \
+     "$TIMED timed iterations after $WARMUP per recipe: $PRECISIONS)"
+PEAK_FLAGS=()
+[ -f "$WORK/peaks.env" ] && . "$WORK/peaks.env"
+[ -n "${PEAK_BF16:-}" ] && PEAK_FLAGS=(--peak-tflops "$PEAK_BF16")
 BENCH=("$PY" launch/bench_pretrain.py --model-size "$MODEL_SIZE" --precisions "$PRECISIONS" --bf16-modes on
-       --train-iters "$ITERS" --skip $(( ITERS / 3 )) --goals --out "$WORK/bench_pretrain")
+       --train-iters "$ITERS" --skip "$WARMUP" --goals "${PEAK_FLAGS[@]}" --out "$WORK/bench_pretrain")
 PRETRAIN_FLAGS=(--tensor-model-parallel-size 1 --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH"
                 --lr-warmup-iters 0)
-step 5 220 "$OUT/bench_pretrain.txt" "${BENCH[@]}" -- "${PRETRAIN_FLAGS[@]}" || status=1
-if [[ "$STEPS" != *" 5 "* ]]; then
+step 2 200 "$OUT/bench_pretrain.txt" "${BENCH[@]}" -- "${PRETRAIN_FLAGS[@]}" || status=1
+if [[ "$STEPS" != *" 2 "* ]]; then
     :
 elif [ "$DRY" = 1 ]; then
     "${BENCH[@]}" --dry-run -- "${PRETRAIN_FLAGS[@]}"  # the runs it would start
 else
     cp "$WORK/bench_pretrain/bench_pretrain.md" "$WORK/bench_pretrain/bench_pretrain.json" "$OUT/" 2> /dev/null
+    if [ -n "${PEAK_FP8:-}" ] && [ -f "$OUT/bench_pretrain.json" ]; then  # FP8 rows also against the FP8 peak
+        "$PY" - "$OUT/bench_pretrain.json" "$PEAK_FP8" "${DEVICE:-}" <<'EOF' | tee -a "$OUT/bench_pretrain.txt"
+import json, sys
+peak = float(sys.argv[2])
+for r in json.load(open(sys.argv[1]))["runs"]:
+    if r.get("precision", "").startswith("fp8") and r.get("tflops_per_device") == r.get("tflops_per_device"):
+        print(f"{r['precision']}: {r['tflops_per_device']:.0f} TFLOP/s = {100 * r['tflops_per_device'] / peak:.1f}% "
+              f"of the {sys.argv[3]} dense FP8 peak ({peak:g} TFLOP/s)")
+EOF
+    fi
 fi
+
+echo "== 3. GEMM backends against the emulated spec"
+step 3 45 "$OUT/pytest_gpu.txt" "${PYTEST[@]}" tests/kernels/test_scaled_mm.py tests/kernels/test_bf16_path.py || status=1
+
+echo "== 4. kernel benchmarks"
+KB=(--formats mxfp4,nvfp4,fp8_e4m3 --impls triton,triton_bf16,cast_transpose_bf16 --presets bf16,fp8,mxfp4,wgrad_hadamard
+    --repeats 3)
+if [ "$DRY" = 1 ] || "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    KB+=(--size 8192 --tokens 16384 --hidden 2048 --ffn 11264)  # the 1.3B model's fc1 (SwiGLU) at micro-batch 8
+else
+    KB+=(--size 256 --tokens 256 --hidden 128 --ffn 64 --impls reference)  # a CPU smoke run
+fi
+step 4 45 "$OUT/bench_kernels.txt" "$PY" launch/bench_kernels.py "${KB[@]}" --json "$OUT/bench_kernels.json" || status=1
+
+echo "== 5. the megatron engine"
+step 5 30 "$OUT/pytest_gpu.txt" "${PYTEST[@]}" tests/pretrain/test_megatron_engine.py || status=1
 exit $status
