@@ -112,6 +112,14 @@ class ModelConfig:
                 raise ValueError(f"{flag} {getattr(self, field)!r} is not one of {', '.join(valid)}")
 
 
+# ModelConfig fields megatron-core's TransformerConfig takes under the same name (the rest of the
+# TransformerConfig is derived in transformer_config: activation, parallel layout, dtypes, fusions).
+TRANSFORMER_CONFIG_FIELDS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "normalization",
+    "layernorm_epsilon", "add_bias_linear", "add_qkv_bias", "hidden_dropout", "attention_dropout", "init_method_std",
+)  # fmt: skip
+
+
 def validate_config(cfg: ModelConfig, tp_size: int) -> None:
     """Raise ValueError (one line, naming the Megatron-LM flag) if ``cfg`` cannot run at ``tp_size``.
 
@@ -216,20 +224,9 @@ def transformer_config(
     """The megatron ``TransformerConfig`` for ``cfg`` under the current parallel_state."""
     return TransformerConfig(
         **(recompute.transformer_config_fields() if recompute is not None else {}),
-        num_layers=cfg.num_layers,
-        hidden_size=cfg.hidden_size,
-        ffn_hidden_size=cfg.ffn_hidden_size,
-        num_attention_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.num_query_groups,
-        normalization=cfg.normalization,
-        layernorm_epsilon=cfg.layernorm_epsilon,
+        **{name: getattr(cfg, name) for name in TRANSFORMER_CONFIG_FIELDS},
         gated_linear_unit=cfg.activation == "swiglu",
         activation_func=F.silu if cfg.activation == "swiglu" else F.gelu,
-        add_bias_linear=cfg.add_bias_linear,
-        add_qkv_bias=cfg.add_qkv_bias,
-        hidden_dropout=cfg.hidden_dropout,
-        attention_dropout=cfg.attention_dropout,
-        init_method_std=cfg.init_method_std,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         sequence_parallel=sequence_parallel,

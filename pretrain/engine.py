@@ -100,7 +100,13 @@ def _to(mb: dict, device: torch.device) -> tuple[torch.Tensor, ...]:
     )
 
 
-def _dp_sum(t: torch.Tensor) -> torch.Tensor:
+def dp_rank_size() -> tuple[int, int]:
+    """This rank's data-parallel rank and the data-parallel size."""
+    return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+
+def dp_sum(t: torch.Tensor) -> torch.Tensor:
+    """``t`` summed in place over the data-parallel ranks (returned)."""
     group = parallel_state.get_data_parallel_group()
     if group.size() > 1:
         torch.distributed.all_reduce(t, group=group)
@@ -255,7 +261,7 @@ class TorchEngine(_StepMixin):
         """One global batch: forward/backward of each micro-batch, then :meth:`optimizer_step`."""
         # counted on the device: a blocking host-to-device copy would wait for the GPU's queue
         masks = [mb["loss_mask"].to(self.device, non_blocking=True) for mb in micro]
-        tokens = _dp_sum(torch.stack([m.sum() for m in masks]).sum().float())
+        tokens = dp_sum(torch.stack([m.sum() for m in masks]).sum().float())
         # torch DDP averages over data-parallel ranks: scale by dp so the result is sum / global tokens
         dp_size = parallel_state.get_data_parallel_world_size() if self.ddp is not self.model else 1
         self.begin_step()
@@ -267,7 +273,7 @@ class TorchEngine(_StepMixin):
                 s, _ = self._loss_sum(self.ddp, mb)
                 (s * (dp_size / tokens)).backward()
             loss_sum += s.detach()
-        return self.optimizer_step(schedule, loss=_dp_sum(loss_sum) / tokens)
+        return self.optimizer_step(schedule, loss=dp_sum(loss_sum) / tokens)
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -282,7 +288,7 @@ class TorchEngine(_StepMixin):
         if self.ddp is self.model:  # no torch DDP: sum this rank's gradients over data-parallel ranks
             for p in params.parameters():
                 if p.grad is not None:
-                    _dp_sum(p.grad)
+                    dp_sum(p.grad)
         allreduce_tp_partial_grads(params)
         norm = clip_grad_norm(params.parameters(), self.run.training.clip_grad, parallel_state.get_tensor_model_parallel_group())
         lr = schedule.step()
@@ -300,7 +306,7 @@ class TorchEngine(_StepMixin):
         for mb in micro:
             s, n = self._loss_sum(self.model, mb)
             sums += torch.stack([s, n])
-        _dp_sum(sums)
+        dp_sum(sums)
         return (sums[0] / sums[1]).item() if sums[1] > 0 else None
 
     # checkpoints: the model with its FP32 mains (--bf16), a plain torch optimizer state dict
@@ -431,7 +437,7 @@ class MegatronEngine(_StepMixin):
         if parallel_state.is_pipeline_last_stage():
             for report in reports:
                 sums += report["lm loss"]
-            _dp_sum(sums)
+            dp_sum(sums)
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             torch.distributed.broadcast(
                 sums,

@@ -52,9 +52,9 @@ The loop is a skeleton of components (``pretrain.trainer``), each owning its cad
         phases.maybe_switch_phase(step - 1); phases.begin_step(step)
         loss, norm, lr, outcome = trainer.train_step(data)      # the engine's optimizer_step
         phases.end_step(step); metrics.record(step, ...)
-        metrics.maybe_log(step, force=...)                       # settles: divergence found here
-        validator.maybe_validate(step, metrics); checkpointer.maybe_save(step)
-        signals / --exit-interval: save and stop
+        metrics.maybe_log(step)        # settles at its interval and before the others act: divergence found here
+        validator.maybe_validate(step, metrics); checkpointer.save(step)
+        if stopper.should_stop(step): checkpointer.save(step, last_step=True); stop    # SIGTERM, --exit-interval
 
 ``pretrain.runtime.run`` is the process around it (process groups, SIGTERM, refusals and exit codes,
 rank-0 printing); nothing in the loop reads an argparse Namespace.
@@ -82,7 +82,7 @@ from pretrain.engine import build_engine
 from pretrain.optim import LRSchedule
 from pretrain.runtime import init_process_group, is_rank0, rank0_print
 from pretrain.status import EXIT_DIVERGED, clear_run_status, write_run_status
-from pretrain.trainer.checkpointer import Checkpointer
+from pretrain.trainer.checkpointer import Checkpointer, Progress
 from pretrain.trainer.metrics import VAL_BATCHES_FILE, MetricsLogger, hms, open_tensorboard  # noqa: F401 - re-exported
 from pretrain.trainer.phases import PrecisionPhases
 from pretrain.trainer.plans import (  # noqa: F401 - re-exported (RL, tools, tests)
@@ -94,6 +94,7 @@ from pretrain.trainer.plans import (  # noqa: F401 - re-exported (RL, tools, tes
     override_amax,
     override_margin,
 )
+from pretrain.trainer.stopper import Stopper
 from pretrain.trainer.validator import ValidationResult, Validator  # noqa: F401 - re-exported
 
 _SigtermFlag = runtime.Signals  # the names these had before they moved to pretrain.runtime
@@ -154,8 +155,7 @@ class Trainer:
     train_ds: torch.utils.data.Dataset
     valid_ds: torch.utils.data.Dataset | None
     device: torch.device
-    iteration: int = 0
-    consumed_samples: int = 0
+    progress: Progress = field(default_factory=Progress)  # iterations done, samples consumed
     metrics: MetricsLogger = field(init=False)
     phases: PrecisionPhases = field(init=False)
     validator: Validator = field(init=False)
@@ -170,7 +170,27 @@ class Trainer:
         self.validator = Validator(self.model, self.engine, self.valid_ds, eval_interval=r.logging.eval_interval,
                                    eval_iters=r.logging.eval_iters, micro_batch_size=r.training.micro_batch_size,
                                    num_micro_batches=self.num_micro_batches, dp=self.dp)
-        self.checkpointer = Checkpointer(self, r.checkpoint)
+        self.checkpointer = Checkpointer(r, self.model, self.engine, self.schedule, self.phases, self.progress,
+                                         model_config=self.model_config, tokenizer_model=self.tokenizer_model)
+        self.metrics.settle_before(self.validator.should_validate, self.checkpointer.should_save)
+
+    @property
+    def iteration(self) -> int:
+        """Iterations done (``progress``)."""
+        return self.progress.iteration
+
+    @iteration.setter
+    def iteration(self, n: int) -> None:
+        self.progress.iteration = n
+
+    @property
+    def consumed_samples(self) -> int:
+        """Training samples consumed (``progress``)."""
+        return self.progress.consumed_samples
+
+    @consumed_samples.setter
+    def consumed_samples(self, n: int) -> None:
+        self.progress.consumed_samples = n
 
     # the state the components keep, read where it was before they existed
     plan = property(lambda self: self.phases.plan, doc="The precision plan in force (its phase's).")
@@ -316,9 +336,10 @@ def setup(run: RunConfig) -> Trainer:
 def train(trainer: Trainer, signals: runtime.Signals) -> int:
     """The loop (step 4-5 of the module docstring); returns the exit status."""
     t, run = trainer, trainer.run
-    n, gbs, save, exit_interval = (run.training.train_iters, run.training.global_batch_size, run.checkpoint.save,
-                                   run.training.exit_interval)
+    n, gbs, save = run.training.train_iters, run.training.global_batch_size, run.checkpoint.save
     phases, metrics, validator, checkpointer = t.phases, t.metrics, t.validator, t.checkpointer
+    stopper = Stopper(signals, run.training.exit_interval, n)
+    metrics.settle_before(stopper.exits_at)
     if t.iteration >= n:
         rank0_print(f"nothing to do: already at iteration {t.iteration} of --train-iters {n}")
         return 0
@@ -343,25 +364,20 @@ def train(trainer: Trainer, signals: runtime.Signals) -> int:
         t.iteration, t.consumed_samples = step, t.consumed_samples + gbs
         phases.end_step(step)
         metrics.record(step, loss, norm, lr, time.perf_counter() - t0, outcome)
-        exits = bool(exit_interval) and step % exit_interval == 0
         # the steps are read to the host (and a divergence found) only here: at a log interval, before
-        # anything that evaluates or saves, and at the end
-        force = outcome != "pending" or validator.due(step) or checkpointer.due(step) or exits
-        if (bad := metrics.maybe_log(step, force=force)) is not None:
+        # a component that evaluates, saves or stops acts (metrics.settle_before), and at the end
+        if (bad := metrics.maybe_log(step, force=outcome != "pending")) is not None:
             return t.diverged(*bad[1:], iteration=bad[0])
         validator.maybe_validate(step, metrics)
-        checkpointer.maybe_save(step)
-        stop = "SIGTERM" if signals.any_rank() else None
-        if stop is None and exits and step < n:
-            stop = f"--exit-interval {exit_interval}"
-        if stop:
+        checkpointer.save(step)
+        if stop := stopper.should_stop(step):
             if (bad := metrics.settle()) is not None:
                 return t.diverged(*bad[1:], iteration=bad[0])
-            checkpointer.save_if_new()
+            checkpointer.save(step, last_step=True)
             rank0_print(f"{stop}: stopping after iteration {step}" + ("" if save else " (no --save: nothing saved)"))
             return 0
 
-    checkpointer.save_if_new()
+    checkpointer.save(t.iteration, last_step=True)
     if validator.last != t.iteration:
         validator.validate(t.iteration, metrics)
     rank0_print(f"done: {n} iterations in {hms(time.perf_counter() - metrics.start)}")

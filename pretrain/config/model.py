@@ -1,8 +1,8 @@
 """The model group of flags (``ModelArgs``) and its one mapping to and from ``model.gpt.ModelConfig``.
 
 ``ModelArgs`` holds the flags as Megatron-LM spells them (``--swiglu``, ``--position-embedding-type``,
-``--norm-epsilon`` ...); ``ModelConfig`` is what the model is built from. ``to_model_config`` and
-``shape_of`` are the two directions, written once: parsing a ``--pretrained-checkpoint`` reads the
+``--norm-epsilon`` ...); ``ModelConfig`` is what the model is built from. One table, :data:`MODEL_FLAGS`,
+maps each flag to its field and back; ``model_config`` and ``shape_of`` are its two directions: parsing a ``--pretrained-checkpoint`` reads the
 shape flags off its config, a checkpoint's ``args`` rebuild its config, and a resume compares the
 :data:`SHAPE_FLAGS` (those fixing parameter shapes) with the checkpoint's.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pretrain.config.fields import arg
@@ -95,56 +96,64 @@ SHAPE_FLAGS = (
 )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class _Maps:
+    """How one model flag becomes a ``ModelConfig`` field and back."""
+
+    field: str
+    """The ``model.gpt.ModelConfig`` field."""
+    to_config: Callable | None = None
+    """flag value -> field value (``None``: the same value)."""
+    from_config: Callable | None = None
+    """field value -> flag value (``None``: the same value)."""
+    read_back: bool = True
+    """Whether ``shape_of`` reads it off a checkpoint's config (the shape a ``--pretrained-checkpoint``
+    or an RL ``--load`` fixes; not the sequence length, initialisation or dropout)."""
+
+
+# The one table between the model flags (ModelArgs) and model.gpt.ModelConfig, both directions: a new
+# model flag is a ModelArgs field, a ModelConfig field and a row here. (--use-rope-scaling with
+# --rope-scaling-factor is the one pair of flags behind one field: model_config / shape_of.)
+MODEL_FLAGS: dict[str, _Maps] = {
+    "num_layers": _Maps("num_layers"),
+    "hidden_size": _Maps("hidden_size"),
+    "ffn_hidden_size": _Maps("ffn_hidden_size"),
+    "num_attention_heads": _Maps("num_attention_heads"),
+    "num_query_groups": _Maps("num_query_groups"),
+    "seq_length": _Maps("seq_length", read_back=False),
+    "normalization": _Maps("normalization"),
+    "swiglu": _Maps("activation", lambda v: "swiglu" if v else "gelu", lambda c: c == "swiglu"),
+    "position_embedding_type": _Maps("position_embedding"),
+    "untie_embeddings_and_output_weights": _Maps("untie_embeddings"),
+    "add_bias_linear": _Maps("add_bias_linear"),
+    "add_qkv_bias": _Maps("add_qkv_bias"),
+    "init_method_std": _Maps("init_method_std", read_back=False),
+    "rotary_base": _Maps("rotary_base"),
+    "norm_epsilon": _Maps("layernorm_epsilon"),
+    "hidden_dropout": _Maps("hidden_dropout", read_back=False),
+    "attention_dropout": _Maps("attention_dropout", read_back=False),
+    "make_vocab_size_divisible_by": _Maps("make_vocab_size_divisible_by"),
+}
+
+
 def model_config(a, vocab_size: int, kv_quant: str | None = None):
     """The ``model.gpt.ModelConfig`` of the model flags in ``a`` (``ModelArgs``, or any object with
-    their names, e.g. a checkpoint's saved arguments read by ``argparse.Namespace(**saved)``);
-    ``kv_quant`` defaults to ``a.kv_quant`` where ``a`` has it."""
-    from model.gpt import ModelConfig
+    their names, e.g. a checkpoint's saved arguments); ``kv_quant`` defaults to ``a.kv_quant`` where
+    ``a`` has it."""
+    from model.gpt import ModelConfig  # megatron-core: only once a model config is built, not for --help
 
     if kv_quant is None:
         kv_quant = getattr(a, "kv_quant", None)
-    return ModelConfig(
-        num_layers=a.num_layers,
-        hidden_size=a.hidden_size,
-        ffn_hidden_size=a.ffn_hidden_size,
-        num_attention_heads=a.num_attention_heads,
-        num_query_groups=a.num_query_groups,
-        seq_length=a.seq_length,
-        vocab_size=vocab_size,
-        normalization=a.normalization,
-        activation="swiglu" if a.swiglu else "gelu",
-        position_embedding=a.position_embedding_type,
-        untie_embeddings=a.untie_embeddings_and_output_weights,
-        add_bias_linear=a.add_bias_linear,
-        add_qkv_bias=a.add_qkv_bias,
-        init_method_std=a.init_method_std,
-        rotary_base=a.rotary_base,
-        rope_scaling_factor=a.rope_scaling_factor if a.use_rope_scaling else None,
-        layernorm_epsilon=a.norm_epsilon,
-        hidden_dropout=a.hidden_dropout,
-        attention_dropout=a.attention_dropout,
-        make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
-        kv_quant=kv_quant,
-    )
+    fields = {m.field: (m.to_config or (lambda v: v))(getattr(a, flag)) for flag, m in MODEL_FLAGS.items()}
+    return ModelConfig(**fields, vocab_size=vocab_size, kv_quant=kv_quant,
+                       rope_scaling_factor=a.rope_scaling_factor if a.use_rope_scaling else None)
 
 
-# Flag name -> how to read it off a ModelConfig (the inverse of model_config).
+# Flag name -> how to read it off a ModelConfig (the inverse of model_config), from MODEL_FLAGS.
 SHAPE_FROM_CONFIG = {
-    "num_layers": lambda c: c.num_layers,
-    "hidden_size": lambda c: c.hidden_size,
-    "ffn_hidden_size": lambda c: c.ffn_hidden_size,
-    "num_attention_heads": lambda c: c.num_attention_heads,
-    "num_query_groups": lambda c: c.num_query_groups,
-    "normalization": lambda c: c.normalization,
-    "swiglu": lambda c: c.activation == "swiglu",
-    "position_embedding_type": lambda c: c.position_embedding,
-    "rotary_base": lambda c: c.rotary_base,
+    **{flag: (lambda c, m=m: (m.from_config or (lambda v: v))(getattr(c, m.field)))
+       for flag, m in MODEL_FLAGS.items() if m.read_back},
     "use_rope_scaling": lambda c: c.rope_scaling_factor is not None,
-    "untie_embeddings_and_output_weights": lambda c: c.untie_embeddings,
-    "add_bias_linear": lambda c: c.add_bias_linear,
-    "add_qkv_bias": lambda c: c.add_qkv_bias,
-    "norm_epsilon": lambda c: c.layernorm_epsilon,
-    "make_vocab_size_divisible_by": lambda c: c.make_vocab_size_divisible_by,
 }
 
 

@@ -16,6 +16,13 @@ import math
 import os
 import time
 
+from pretrain.checkpointing import (
+    TRACKER,
+    CheckpointError,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+)
 from pretrain.runtime import is_rank0, rank0_print
 
 __all__ = ["SUMMARY_FILE", "load", "model_state", "save", "summary", "write_summary"]
@@ -30,8 +37,6 @@ def model_state(t) -> dict:
 
 def save(t) -> str:
     """An atomic checkpoint of the run at its iteration (``pretrain.checkpointing``); its path."""
-    from pretrain.checkpointing import save_checkpoint
-
     t0 = time.perf_counter()
     state = {
         "model": model_state(t),
@@ -60,7 +65,6 @@ def save(t) -> str:
 def load(t) -> None:
     """Resume from an RL checkpoint (``--save`` first, then ``--load``), else the starting weights
     from ``--load`` (weights only, iteration 0), else keep the random initialisation."""
-    from pretrain.checkpointing import TRACKER, CheckpointError, load_checkpoint, restore_rng_state
 
     a = t.run.checkpoint
     source = None

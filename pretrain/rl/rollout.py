@@ -18,16 +18,18 @@ from __future__ import annotations
 import time
 
 import torch
+from megatron.core import parallel_state
 
+from model.generate import Engine, SamplingParams
+from model.gpt import policy_linear_names
+from model.rollout import RolloutModel
+from model.rollout_plan import resolve_rollout_plan
 from pretrain.arguments import ConfigError
+from pretrain.engine import dp_rank_size
+from pretrain.rl.qat import RolloutQAT
+from pretrain.rl.task import train_problems
 
-__all__ = ["build_rollout", "dp_rank_size", "fallback_check", "generate", "rollout_memory", "sampling"]
-
-
-def dp_rank_size() -> tuple[int, int]:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+__all__ = ["build_rollout", "fallback_check", "generate", "rollout_memory", "sampling"]
 
 
 def rollout_rules(t) -> list[str]:
@@ -41,12 +43,6 @@ def rollout_rules(t) -> list[str]:
 def build_rollout(t) -> None:
     """The rollout plan over the model's linears, its packed weights, the QAT view and the engine;
     a plan the model cannot take is one line naming the flag."""
-    from model.generate import Engine
-    from model.gpt import policy_linear_names
-    from model.rollout import RolloutModel
-    from model.rollout_plan import resolve_rollout_plan
-    from pretrain.rl.qat import RolloutQAT
-
     c = t.model_config
     try:
         plan = resolve_rollout_plan(t.cfg.rollout_precision, rollout_rules(t), policy_linear_names(t.model),
@@ -70,8 +66,6 @@ def build_rollout(t) -> None:
 
 
 def sampling(t, seed: int, greedy: bool = False):
-    from model.generate import SamplingParams
-
     c, eod = t.cfg, t.tokenizer.eod
     if greedy:
         return SamplingParams(temperature=0.0, max_new_tokens=c.max_new_tokens, stop_tokens=(eod,))
@@ -85,8 +79,6 @@ def sampling_seed(t, iteration: int) -> int:
 
 def generate(t, iteration: int):
     """This rank's prompts, G responses each; returns (problems, generation, seconds)."""
-    from pretrain.rl.task import train_problems
-
     dp_rank, dp = dp_rank_size()
     n = t.cfg.prompts_per_step // dp
     problems = train_problems(t.spec, iteration, n, rank_offset=dp_rank * n)
@@ -108,8 +100,6 @@ def rollout_memory(t, batch) -> dict[str, float]:
     packed linear weights, and the peak -- CUDA's peak while generating (each rank's, summed),
     else the engine's KV-cache of the batch (every slot of every row) plus every parameter's bytes
     (packed linears, embeddings and norms at their dtype)."""
-    from megatron.core import parallel_state
-
     w = t.rollout.weight_bytes()
     slots = int(batch.prompt_mask.shape[0] * (batch.prompt_mask.shape[1] + batch.response_mask.shape[1]))
     kv = t.engine.kv_bytes_per_token()

@@ -42,6 +42,14 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+from model.generate import attention_mask
+from pretrain.rl.attribution import sequences
+from pretrain.rl.mismatch import mismatch_metrics
+from pretrain.rl.objective import Correction, group_advantages, overlong_reward, rollout_correction
+from pretrain.rl.task import reward
 
 __all__ = ["Scored", "policy_logprobs", "score", "support_mask", "truncated_entropy"]
 
@@ -81,11 +89,6 @@ def policy_logprobs(model, tokens: torch.Tensor, valid: torch.Tensor, slot: torc
     """``(logprobs [b, R], entropy [b, R] or None, keep [b, R, V] or None)`` of ``response_ids`` at
     ``slot`` under the sampling distribution (module docstring): ``keep`` given, the support it
     names; else the top-k / top-p set of these logits (None: the full distribution)."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    from model.generate import attention_mask
-
     positions = (valid.long().cumsum(1) - 1).clamp(min=0)
     logits = model(tokens, positions, attention_mask(valid, tokens.shape[1]))  # [b, s, V / tp]
     rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
@@ -164,8 +167,6 @@ class Scored:
 
 
 def _gather(obj) -> list:
-    from megatron.core import parallel_state
-
     group = parallel_state.get_data_parallel_group()
     if group.size() == 1:
         return [obj]
@@ -183,9 +184,6 @@ def _pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
 def rewards_of(t, problems, gen) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rewards [N], truncated [N])``: the task's (or --reward-function's) reward of each response
     plus DAPO's overlong penalty (--overlong-buffer-len); truncated: no stop token."""
-    from pretrain.rl.objective import overlong_reward
-    from pretrain.rl.task import reward
-
     c, G, eod = t.cfg, t.cfg.group_size, t.tokenizer.eod
     fn = t.reward_fn or reward
     rewards = torch.tensor([fn(problems[i // G], t.response_text(toks), t.spec) for i, toks in enumerate(gen.tokens)],
@@ -200,10 +198,6 @@ def rewards_of(t, problems, gen) -> tuple[torch.Tensor, torch.Tensor]:
 def score(t, problems, gen) -> Scored:
     """Rewards, advantages, the recompute (and the reference's, and the own-numerics one under QAT),
     mismatch metrics over the global batch and the rollout correction."""
-    from pretrain.rl.attribution import sequences
-    from pretrain.rl.mismatch import mismatch_metrics
-    from pretrain.rl.objective import Correction, group_advantages, rollout_correction
-
     c, dev = t.cfg, t.device
     batch = gen.rollout_batch()
     rewards, truncated = rewards_of(t, problems, gen)

@@ -58,30 +58,43 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from megatron.core import parallel_state
 
+if TYPE_CHECKING:  # annotations only
+    from torch.utils.tensorboard import SummaryWriter
+
+    from pretrain.data.hf_tokenizer import HFTokenizer
+    from pretrain.data.tokenizer import Tokenizer
+
 from model.generate import Engine
-from model.gpt import policy_linears
+from model.gpt import ModelConfig, policy_linears
+from model.rollout import RolloutModel
+from model.rollout_plan import RolloutPlan
+from precision import PrecisionPlan
 from pretrain import runtime
 from pretrain.arguments import ConfigError
 from pretrain.config import RunConfig
 from pretrain.data import load_tokenizer
-from pretrain.engine import TorchEngine
-from pretrain.optim import LRSchedule
+from pretrain.engine import TorchEngine, dp_rank_size, dp_sum
+from pretrain.optim import LRSchedule, MainParams
 from pretrain.rl import checkpoint as rl_checkpoint
 from pretrain.rl import rollout as rollout_side
 from pretrain.rl.arguments import PROG, RLConfig, parse_rl_args
 from pretrain.rl.checkpoint import SUMMARY_FILE
 from pretrain.rl.fallback import RolloutFallback
+from pretrain.rl.qat import RolloutQAT
 from pretrain.rl.score import policy_logprobs, score
-from pretrain.rl.task import eval_problems, load_task, reward
-from pretrain.rl.update import RLDiverged, _dp_group, _dp_sum_, update
+from pretrain.rl.task import TaskSpec, eval_problems, load_task, reward
+from pretrain.rl.update import RLDiverged, update
 from pretrain.runtime import is_rank0, rank0_print
 from pretrain.status import EXIT_DIVERGED
 from pretrain.train import build_model, init_distributed, open_tensorboard, seed_everything
+from pretrain.trainer.stopper import Stopper
 
 __all__ = ["SUMMARY_FILE", "RLTrainer", "policy_logprobs", "setup", "train"]
 
@@ -93,30 +106,30 @@ class RLTrainer:
 
     run: RunConfig  # pretraining's flags, frozen (model, optimizer, seed, checkpoints, logging)
     cfg: RLConfig  # the RL flags, frozen
-    spec: object  # pretrain.rl.task.TaskSpec
+    spec: TaskSpec
     model: torch.nn.Module
-    main: object  # pretrain.optim.MainParams with --bf16, else None
+    main: MainParams | None  # the FP32 mains with --bf16
     optimizer: torch.optim.Optimizer
-    schedule: object  # pretrain.optim.LRSchedule
-    plan: object  # the trainer's PrecisionPlan
-    model_config: object
-    tokenizer: object
+    schedule: LRSchedule
+    plan: PrecisionPlan  # the trainer's
+    model_config: ModelConfig
+    tokenizer: Tokenizer | HFTokenizer
     device: torch.device
     vocab_size: int  # the tokenizer's
-    train_engine: object = None  # pretrain.engine.TorchEngine: the optimizer step shared with pretraining
+    train_engine: TorchEngine | None = None  # the optimizer step shared with pretraining
     flags: dict = field(default_factory=dict)  # every flag's value, as checkpoints and rl_summary.json record them
-    fallback: object = None  # pretrain.rl.fallback.RolloutFallback
+    fallback: RolloutFallback | None = None  # --rollout-fallback
     ref_state: dict | None = None  # the reference policy's parameters (--kl-coef)
     iteration: int = 0
     history: list[dict] = field(default_factory=list)  # one dict of scalars per iteration (rl_summary.json)
     evals: list[tuple[int, float, float]] = field(default_factory=list)  # (iteration, accuracy, under the rollout plan)
     last_saved: int | None = None
-    tb: object = None
-    rollout_plan: object = None
-    rollout: object = None
-    engine: object = None
-    qat: object = None
-    reward_fn: object = None  # (problem, response text, spec) -> float; None: pretrain.rl.task.reward
+    tb: SummaryWriter | None = None  # rank 0's, with --tensorboard-dir
+    rollout_plan: RolloutPlan | None = None  # built by build_rollout
+    rollout: RolloutModel | None = None  # the rollout engine's packed weights and KV format
+    engine: Engine | None = None  # the generation engine under the rollout plan
+    qat: RolloutQAT | None = None  # --rollout-qat
+    reward_fn: Callable | None = None  # (problem, response text, spec) -> float; None: pretrain.rl.task.reward
 
     # ---------------------------------------------------------------- the pieces the sides use
     def build_rollout(self) -> None:
@@ -174,7 +187,7 @@ class RLTrainer:
         self.rollout.update()
         moved = rollout_side.fallback_check(self, scored.mismatch, scored.batch) if self.fallback is not None else []
         timing = torch.tensor([float(scored.batch.response_mask.sum()), gen_seconds, gen_seconds], dtype=torch.float64)
-        group = _dp_group()
+        group = parallel_state.get_data_parallel_group()
         if group.size() > 1:
             torch.distributed.all_reduce(timing[:2], group=group)
             slowest = timing[2:].clone()
@@ -200,7 +213,7 @@ class RLTrainer:
         ``rl/heldout_accuracy``) and under the rollout plan (the policy as the rollout engine serves
         it; ``rl/heldout_accuracy_rollout``). Returns the first."""
         problems = eval_problems(self.spec)[: self.cfg.eval_prompts]
-        dp_rank, dp = rollout_side.dp_rank_size()
+        dp_rank, dp = dp_rank_size()
         mine = problems[dp_rank::dp]
         correct = [0.0, 0.0]
         if mine:
@@ -208,7 +221,7 @@ class RLTrainer:
             for k, engine in enumerate((Engine(self.model, vocab_size=self.vocab_size), self.engine)):
                 gen = engine.generate(prompts, rollout_side.sampling(self, 0, greedy=True))
                 correct[k] = sum(reward(p, self.response_text(t), self.spec) == 1.0 for p, t in zip(mine, gen.tokens))
-        total = _dp_sum_(torch.tensor(correct, dtype=torch.float64)) / len(problems)
+        total = dp_sum(torch.tensor(correct, dtype=torch.float64)) / len(problems)
         acc, acc_rollout = float(total[0]), float(total[1])
         self.evals.append((self.iteration, acc, acc_rollout))
         if self.tb is not None:
@@ -217,7 +230,17 @@ class RLTrainer:
             self.tb.flush()
         return acc
 
+    def should_evaluate(self, iteration: int) -> bool:
+        """Whether held-out accuracy is measured after ``iteration``: every ``--eval-interval`` and at the end."""
+        every = self.cfg.eval_interval
+        return bool(every) and iteration % every == 0 or iteration == self.cfg.rl_iters
+
     # ---------------------------------------------------------------- checkpoints, summary (pretrain.rl.checkpoint)
+    def should_save(self, iteration: int) -> bool:
+        """Whether ``iteration`` is a ``--save-interval`` iteration (with ``--save``)."""
+        c = self.run.checkpoint
+        return bool(c.save and c.save_interval) and iteration % c.save_interval == 0
+
     def save(self) -> str:
         return rl_checkpoint.save(self)
 
@@ -333,8 +356,8 @@ def setup(run: RunConfig, cfg: RLConfig) -> RLTrainer:
 
 def train(trainer: RLTrainer, sigterm) -> int:
     """The loop; returns the exit status (0)."""
-    c, save, save_interval = trainer.cfg, trainer.run.checkpoint.save, trainer.run.checkpoint.save_interval
-    exit_interval = trainer.run.training.exit_interval
+    c, save = trainer.cfg, trainer.run.checkpoint.save
+    stopper = Stopper(sigterm, trainer.run.training.exit_interval, c.rl_iters)  # pretraining's
     if trainer.iteration == 0:
         trainer.evaluate()
         _, acc, acc_rollout = trainer.evals[-1]
@@ -343,15 +366,12 @@ def train(trainer: RLTrainer, sigterm) -> int:
     while trainer.iteration < c.rl_iters:
         scalars = trainer.step()
         it = trainer.iteration
-        if (c.eval_interval and it % c.eval_interval == 0) or it == c.rl_iters:
+        if trainer.should_evaluate(it):
             trainer.evaluate()
         trainer.log(scalars)
-        if save and save_interval and it % save_interval == 0:
+        if trainer.should_save(it):
             trainer.save()
-        stop = "SIGTERM" if sigterm.any_rank() else None
-        if stop is None and exit_interval and it % exit_interval == 0 and it < c.rl_iters:
-            stop = f"--exit-interval {exit_interval}"
-        if stop:
+        if stop := stopper.should_stop(it):
             if save and trainer.last_saved != it:
                 trainer.save()
             trainer.write_summary()  # the iterations so far; the resumed run rewrites it

@@ -19,16 +19,11 @@ from __future__ import annotations
 
 import torch
 
+from pretrain.engine import dp_rank_size, dp_sum
+from pretrain.rl.objective import agg_loss, kl_penalty, policy_loss
+from pretrain.rl.score import policy_logprobs
+
 __all__ = ["RLDiverged", "optimizer_step", "update"]
-
-
-def _dp_sum_(t: torch.Tensor) -> torch.Tensor:
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_data_parallel_group()
-    if group.size() > 1:
-        torch.distributed.all_reduce(t, group=group)
-    return t
 
 
 class RLDiverged(RuntimeError):
@@ -52,9 +47,6 @@ def optimizer_step(t) -> tuple[float, float]:
 
 def update(t, s) -> dict[str, float]:
     """The PPO passes over ``s`` (module docstring); returns their scalars (the same on every rank)."""
-    from pretrain.rl.objective import agg_loss, kl_penalty, policy_loss
-    from pretrain.rl.score import policy_logprobs
-
     c, dev, G = t.cfg, t.device, t.cfg.group_size
     n_local = s.advantages.numel() // G
     per_mb = n_local // c.ppo_mini_batches
@@ -65,7 +57,7 @@ def update(t, s) -> dict[str, float]:
             rows = list(range(m * per_mb * G, (m + 1) * per_mb * G))
             idx = torch.tensor(rows, device=dev)
             mb_mask = s.loss_mask[idx]
-            counts = _dp_sum_(torch.tensor([float(mb_mask.sum()), float(len(rows))], dtype=torch.float64))
+            counts = dp_sum(torch.tensor([float(mb_mask.sum()), float(len(rows))], dtype=torch.float64))
             norm_kw = {"global_tokens": counts[0].item(), "global_seqs": counts[1].item(),
                        "norm_length": c.max_new_tokens}
             t.train_engine.begin_step()  # zero the gradients; note what a skipped step restores
@@ -97,8 +89,8 @@ def update(t, s) -> dict[str, float]:
     t.optimizer.zero_grad(set_to_none=True)
 
     # losses: each rank's is its share of the global mini-batch loss
-    sums = _dp_sum_(torch.tensor([sum(pg), sum(kl_refs), sum(clipfracs), sum(ppo_kls), sum(ents)], dtype=torch.float64))
-    dp, n = torch.distributed.get_world_size(_dp_group()), len(pg)
+    sums = dp_sum(torch.tensor([sum(pg), sum(kl_refs), sum(clipfracs), sum(ppo_kls), sum(ents)], dtype=torch.float64))
+    dp, n = dp_rank_size()[1], len(pg)
     out = {"rl/pg_loss": float(sums[0]) / n, "rl/clipfrac": float(sums[2]) / (n * dp),
            "rl/ppo_kl": float(sums[3]) / (n * dp), "rl/grad_norm": norms[-1], "rl/lr": lrs[-1]}
     if kl_refs:
@@ -106,9 +98,3 @@ def update(t, s) -> dict[str, float]:
     if ents:
         out["rl/entropy_loss"] = float(sums[4]) / n
     return out
-
-
-def _dp_group():
-    from megatron.core import parallel_state
-
-    return parallel_state.get_data_parallel_group()

@@ -1,5 +1,10 @@
 """The checkpointer: ``--save`` / ``--load`` / ``--finetune`` / ``--pretrained-checkpoint`` of a
-training run, and the ``--save-interval`` cadence (:meth:`Checkpointer.maybe_save`).
+training run; it owns the ``--save-interval`` cadence (``save(step)`` saves when one is due,
+``save(step, last_step=True)`` at the end or a stop unless ``step`` is saved already).
+
+It is handed only what it saves and restores: the model, the engine (optimizer, FP32 mains, the
+non-finite count), the lr schedule, the precision phases, the run's position (:class:`Progress`),
+the run's config, the model config and the tokenizer file.
 
 What a checkpoint holds (``pretrain.checkpointing`` writes and reads the files): the model (FP32
 mains with ``--bf16`` on the torch engine), the optimizer, the lr schedule, the samples consumed, the
@@ -20,71 +25,87 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from dataclasses import dataclass
 
+import torch
+
+from kernels.probe import last_paths
+from precision.schedule import PrecisionSchedule
 from pretrain.arguments import ConfigError
-from pretrain.config import SHAPE_FLAGS, flag_name
+from pretrain.checkpointing import (
+    CheckpointError,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+    this_rank_file,
+)
+from pretrain.config import SHAPE_FLAGS, RunConfig, flag_name
+from pretrain.pretrained import PretrainedError, load_pretrained_weights, read_pretrained
 from pretrain.runtime import rank0_print
 
 
-class Checkpointer:
-    """Saves and loads the state of ``trainer`` (``pretrain.train.Trainer``); ``last_saved`` /
-    ``last_checkpoint``: the iteration and directory of the last checkpoint written or loaded."""
+@dataclass
+class Progress:
+    """Where a run is: iterations done and samples consumed (saved, and restored by a resume)."""
 
-    def __init__(self, trainer, ckpt):
-        self.t, self.cfg = trainer, ckpt  # ckpt: the run's pretrain.config.CheckpointConfig
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+class Checkpointer:
+    """Saves and loads a run's state; ``last_saved`` / ``last_checkpoint``: the iteration and
+    directory of the last checkpoint written or loaded."""
+
+    def __init__(self, run: RunConfig, model: torch.nn.Module, engine, lr_schedule, phases, progress: Progress, *,
+                 model_config, tokenizer_model: str):
+        self.run, self.cfg = run, run.checkpoint
+        self.model, self.engine, self.lr_schedule, self.phases = model, engine, lr_schedule, phases
+        self.progress, self.model_config, self.tokenizer_model = progress, model_config, tokenizer_model
         self.last_saved: int | None = None
         self.last_checkpoint: str | None = None  # the last good one, should the run diverge
 
-    def due(self, step: int) -> bool:
+    def should_save(self, step: int) -> bool:
+        """Whether ``step`` is a ``--save-interval`` step (with ``--save``)."""
         return bool(self.cfg.save and self.cfg.save_interval) and step % self.cfg.save_interval == 0
 
-    def maybe_save(self, step: int) -> None:
-        """At a ``--save-interval``: save."""
-        if self.due(step):
-            self.save()
+    def save(self, step: int, last_step: bool = False) -> str | None:
+        """Save the state after ``step`` if it is a ``--save-interval`` step, or, with ``last_step``
+        (the end or a stop), unless it is saved already; with ``--save`` only. Returns the path."""
+        if not self.cfg.save or (self.last_saved == step if last_step else not self.should_save(step)):
+            return None
+        return self._write()
 
-    def save_if_new(self) -> None:
-        """At the end or a stop: save unless the last iteration is saved already (with ``--save``)."""
-        if self.cfg.save and self.last_saved != self.t.iteration:
-            self.save()
-
-    def save(self) -> str:
-        from kernels.probe import last_paths
-        from pretrain.checkpointing import save_checkpoint
-
-        t = self.t
+    def _write(self) -> str:
         t0 = time.perf_counter()
+        iteration = self.progress.iteration
         state = {
-            "model": t.engine.model_state_dict(),  # FP32 main weights with --bf16 (torch engine)
-            "optimizer": t.engine.optimizer_state_dict(),
-            "opt_param_scheduler": t.schedule.state_dict(),
-            "consumed_train_samples": t.consumed_samples,
-            "precision_plan": t.plan.to_dict(),  # the plan in force (its phase's)
-            "precision_schedule": t.precision_schedule.to_dict(),
-            "precision_phase": t.phases.phase,  # the phase that trained the last iteration
-            "model_config": dataclasses.asdict(t.model_config),
-            "tokenizer_model": t.tokenizer_model,
-            "args": t.run.to_dict(),
-            "nonfinite_steps": t.nonfinite_steps,
+            "model": self.engine.model_state_dict(),  # FP32 main weights with --bf16 (torch engine)
+            "optimizer": self.engine.optimizer_state_dict(),
+            "opt_param_scheduler": self.lr_schedule.state_dict(),
+            "consumed_train_samples": self.progress.consumed_samples,
+            "precision_plan": self.phases.plan.to_dict(),  # the plan in force (its phase's)
+            "precision_schedule": self.phases.schedule.to_dict(),
+            "precision_phase": self.phases.phase,  # the phase that trained the last iteration
+            "model_config": dataclasses.asdict(self.model_config),
+            "tokenizer_model": self.tokenizer_model,
+            "args": self.run.to_dict(),
+            "nonfinite_steps": self.engine.nonfinite.count,
             "gemm_paths": last_paths(),  # which path each format's GEMMs took here, probe refusals included
         }
-        path = save_checkpoint(self.cfg.save, t.iteration, state, write_beside=t.engine.save_extra,
+        path = save_checkpoint(self.cfg.save, iteration, state, write_beside=self.engine.save_extra,
                                retain=self.cfg.save_retain)
         rank0_print(f"saved checkpoint {path} ({time.perf_counter() - t0:.1f}s)")
-        self.last_saved, self.last_checkpoint = t.iteration, path
+        self.last_saved, self.last_checkpoint = iteration, path
         return path
 
     def load_pretrained(self) -> None:
         """``--pretrained-checkpoint`` (``--load`` holds no checkpoint yet): initial model weights."""
-        from pretrain.pretrained import PretrainedError, load_pretrained_weights, read_pretrained
-
-        t = self.t
         t0 = time.perf_counter()
         try:
             pre = read_pretrained(self.cfg.pretrained_checkpoint)
-            with t.engine.full_precision_weights():  # --bf16: the FP32 mains get the file's FP32 values
-                load_pretrained_weights(t.model, pre, t.run.parallel.tensor_model_parallel_size)
-                t.engine.weights_loaded()
+            with self.engine.full_precision_weights():  # --bf16: the FP32 mains get the file's FP32 values
+                load_pretrained_weights(self.model, pre, self.run.parallel.tensor_model_parallel_size)
+                self.engine.weights_loaded()
         except PretrainedError as e:
             raise ConfigError(str(e)) from None
         rank0_print(
@@ -96,8 +117,6 @@ class Checkpointer:
     def _check_saved_schedule(self, ckpt: dict, saved_args: dict, iteration: int) -> bool:
         """Whether the checkpoint was saved under this run's precision schedule; if not, a note says
         which phase each schedule puts the resumed iterations in (this run's schedule is followed)."""
-        from precision.schedule import PrecisionSchedule
-
         try:
             if "precision_schedule" in ckpt:
                 theirs = PrecisionSchedule.from_dict(ckpt["precision_schedule"])
@@ -106,9 +125,9 @@ class Checkpointer:
                                                       saved_args.get("precision") or "bf16")
         except (ValueError, TypeError, KeyError):
             rank0_print(f"note: {ckpt['path']} holds no readable precision schedule; following this run's "
-                        f"({self.t.precision_schedule})")
+                        f"({self.phases.schedule})")
             return False
-        ours = self.t.precision_schedule
+        ours = self.phases.schedule
         if str(theirs) == str(ours):
             return True
         past = [str(p) for p in ours.phases if p.start < iteration] == [str(p) for p in theirs.phases
@@ -126,11 +145,9 @@ class Checkpointer:
         """``--load``: everything (resume), or model weights only (``--finetune``); False if
         ``--load`` holds no checkpoint yet. A checkpoint saved under another precision schedule is
         noted (this run's schedule is followed from the saved iteration on)."""
-        from pretrain.checkpointing import CheckpointError, load_checkpoint, restore_rng_state, this_rank_file
-
-        t, c = self.t, self.cfg
+        c, run, engine, pos = self.cfg, self.run, self.engine, self.progress
         # --finetune takes model weights only, so a checkpoint of another TP size is resharded
-        ckpt = load_checkpoint(c.load, t.run.parallel.tensor_model_parallel_size, reshard_model=c.finetune,
+        ckpt = load_checkpoint(c.load, run.parallel.tensor_model_parallel_size, reshard_model=c.finetune,
                                iteration=c.ckpt_step)
         if ckpt is None:
             rank0_print(
@@ -141,20 +158,21 @@ class Checkpointer:
             return False
         saved = ckpt.get("args", {})
         for key in SHAPE_FLAGS:
-            ours = getattr(t.run.model, key)
+            ours = getattr(run.model, key)
             if key in saved and saved[key] != ours:
                 raise CheckpointError(f"--load: {ckpt['path']} has {flag_name(key)} {saved[key]}, this run {ours}")
         try:
-            t.model.load_state_dict(ckpt["model"], strict=True)
+            self.model.load_state_dict(ckpt["model"], strict=True)
         except RuntimeError as e:
             raise CheckpointError(
                 f"--load: {ckpt['path']} does not fit this model: {' '.join(str(e).split())[:300]}"
             ) from None
-        t.engine.weights_loaded(ckpt["model"])
+        engine.weights_loaded(ckpt["model"])
         saved_iter = int(ckpt["iteration"]) if ckpt["iteration"] != "release" else 0
         same_schedule = c.finetune or self._check_saved_schedule(ckpt, saved, saved_iter)
         # the plan that trained the checkpoint's last iteration, in this run's schedule
-        ours = t.plan if c.finetune or saved_iter == 0 else t.plans.stage[t.precision_schedule.index_at(saved_iter - 1)]
+        phases = self.phases
+        ours = phases.plan if c.finetune or saved_iter == 0 else phases.plans.stage[phases.schedule.index_at(saved_iter - 1)]
         changed = [
             n
             for n, v in ckpt.get("precision_plan", {}).items()
@@ -168,26 +186,26 @@ class Checkpointer:
         if c.finetune:
             rank0_print(f"--finetune: loaded model weights of {ckpt['path']}; starting at iteration 0")
             return True
-        if t.engine.name == "megatron" and bool(saved.get("bf16", False)) != bool(t.run.memory.bf16):
+        if engine.name == "megatron" and bool(saved.get("bf16", False)) != bool(run.memory.bf16):
             raise CheckpointError(  # megatron's FP32 and mixed-precision optimizers hold different states
                 f"--load: {ckpt['path']} was saved with{'' if saved.get('bf16') else 'out'} --bf16 on the megatron "
                 f"engine; resume with the same setting (or load its weights with --finetune)"
             )
-        t.engine.load_optimizer(ckpt["optimizer"], os.path.dirname(this_rank_file(ckpt["path"])))
-        t.schedule.load_state_dict(ckpt["opt_param_scheduler"])
-        for note in t.schedule.load_notes:  # a schedule value the flags changed (or kept from --load)
+        engine.load_optimizer(ckpt["optimizer"], os.path.dirname(this_rank_file(ckpt["path"])))
+        self.lr_schedule.load_state_dict(ckpt["opt_param_scheduler"])
+        for note in self.lr_schedule.load_notes:  # a schedule value the flags changed (or kept from --load)
             rank0_print(f"note: --load {ckpt['path']}: {note}")
-        t.iteration = int(ckpt["iteration"]) if ckpt["iteration"] != "release" else 0
-        t.consumed_samples = int(
-            ckpt.get("consumed_train_samples", t.iteration * t.run.training.global_batch_size)
+        pos.iteration = int(ckpt["iteration"]) if ckpt["iteration"] != "release" else 0
+        pos.consumed_samples = int(
+            ckpt.get("consumed_train_samples", pos.iteration * run.training.global_batch_size)
         )
         if not restore_rng_state(ckpt):
             rank0_print("note: data-parallel size differs from the checkpoint's: RNG states not restored")
-        self.last_saved, self.last_checkpoint = t.iteration, ckpt["path"]
-        t.nonfinite_steps = int(ckpt.get("nonfinite_steps", 0))
+        self.last_saved, self.last_checkpoint = pos.iteration, ckpt["path"]
+        engine.nonfinite.count = int(ckpt.get("nonfinite_steps", 0))
         rank0_print(
-            f"resumed from {ckpt['path']}: iteration {t.iteration}, "
-            f"{t.consumed_samples} samples consumed"
+            f"resumed from {ckpt['path']}: iteration {pos.iteration}, "
+            f"{pos.consumed_samples} samples consumed"
         )
         return True
 

@@ -21,7 +21,9 @@ import time
 
 import numpy as np
 import torch
+from megatron.core import parallel_state
 
+from model.gpt import padded_vocab_size, training_flops_per_token
 from pretrain.runtime import is_rank0, rank0_print
 
 VAL_BATCHES_FILE = "val_batches.jsonl"  # in --tensorboard-dir: one line per evaluation
@@ -44,8 +46,6 @@ class MetricsLogger:
     """Progress lines every ``--log-interval`` and TensorBoard scalars for every iteration (rank 0)."""
 
     def __init__(self, run, model_config, device: torch.device, nonfinite, precision_schedule):
-        from model.gpt import padded_vocab_size, training_flops_per_token
-
         self.run, self.device, self.nonfinite, self.precision_schedule = run, device, nonfinite, precision_schedule
         t, lg = run.training, run.logging
         self.train_iters, self.log_interval, self.tensorboard_dir = t.train_iters, lg.log_interval, lg.tensorboard_dir
@@ -54,7 +54,13 @@ class MetricsLogger:
         self.flops_per_token = training_flops_per_token(model_config, run.model.seq_length, vocab)
         self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self.tb = None  # rank 0's SummaryWriter with --tensorboard-dir (open)
+        self.readers: list = []  # should_*(step) of the components that read the trained state at a step
         self.begin()
+
+    def settle_before(self, *should) -> None:
+        """Components that read the trained state at the steps their ``should(step)`` names (an
+        evaluation, a checkpoint, a stop): the recorded steps are settled before they act."""
+        self.readers.extend(should)
 
     @property
     def enabled(self) -> bool:
@@ -86,13 +92,15 @@ class MetricsLogger:
         when the loop next settles the steps."""
         self.pending.append((step, loss, norm, lr, seconds, outcome, time.perf_counter()))
 
-    def due(self, step: int) -> bool:
-        return step % self.log_interval == 0
+    def should_log(self, step: int) -> bool:
+        """Whether ``step`` is a ``--log-interval`` step, the last one, or one after which a component
+        reads the trained state (:meth:`settle_before`)."""
+        return step % self.log_interval == 0 or step == self.train_iters or any(r(step) for r in self.readers)
 
     def maybe_log(self, step: int, force: bool = False) -> tuple[int, float, float] | None:
-        """At a log interval (or when ``force``d: before an evaluation, a checkpoint or a stop, after a
-        step read at once), settle the recorded steps (:meth:`settle`)."""
-        return self.settle() if force or self.due(step) or step == self.train_iters else None
+        """When :meth:`should_log` (or ``force``: a step already read at once), settle the recorded
+        steps (:meth:`settle`)."""
+        return self.settle() if force or self.should_log(step) else None
 
     def settle(self) -> tuple[int, float, float] | None:
         """Read the recorded steps' losses and norms to the host in one transfer and log them in
@@ -193,8 +201,6 @@ class MetricsLogger:
     def write_layer_scalars(self, scalars: list[tuple[str, float]], step: int) -> None:
         """Write per-layer scalars to rank 0's TensorBoard. With pipeline parallelism every stage
         contributes its own layers (gathered over the pipeline group; all ranks call this)."""
-        from megatron.core import parallel_state
-
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             parts = [None] * parallel_state.get_pipeline_model_parallel_world_size()
             torch.distributed.all_gather_object(

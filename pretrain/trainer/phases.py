@@ -28,6 +28,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from model.gpt import apply_precision_plan, policy_linears
+from precision import Gemm
+from precision.telemetry import METRICS
 from pretrain.runtime import rank0_print
 
 if TYPE_CHECKING:
@@ -61,8 +64,6 @@ class PrecisionPhases:
     def policy_linears(self) -> list[tuple[str, torch.nn.Module]]:
         """(plan name, module) of this stage's policy linears (plan names number layers globally)."""
         if self._linears is None:
-            from model.gpt import policy_linears
-
             self._linears = policy_linears(self.model)
         return self._linears
 
@@ -80,8 +81,6 @@ class PrecisionPhases:
         an ``observe`` phase filled it. SR call counters carry on. Rank 0 logs the switch
         (``iteration N: precision phase K -> PLAN``; after an observe phase ``iteration N: QAT warm-up
         done (...): precision phase K -> PLAN``), the plan table and TensorBoard text."""
-        from model.gpt import apply_precision_plan
-
         sched = self.schedule
         k = sched.index_at(iteration)
         if k == self.phase:
@@ -114,8 +113,6 @@ class PrecisionPhases:
     def _keep_recorded_histories(self, before: PrecisionPlan, after: PrecisionPlan) -> None:
         """Drop every layer's amax histories that ``before`` (the previous phase's plan) did not record
         into with the rotation ``after`` uses (``maybe_switch_phase``)."""
-        from precision import Gemm
-
         for name, m in self.policy_linears():
             for g in Gemm:
                 old, new = before[name].recipe(g), after[name].recipe(g)
@@ -150,8 +147,6 @@ class PrecisionPhases:
     def log_numerics(self, step: int) -> None:
         """TensorBoard ``numerics/<layer>/<gemm>/<operand>/<metric>`` from the last micro-batch of
         this iteration (each layer's TP rank 0 shard of each operand)."""
-        from precision.telemetry import METRICS
-
         scalars = [
             (f"numerics/{name}/{key}/{metric}", float(numbers[metric]))
             for name, m in self.policy_linears()

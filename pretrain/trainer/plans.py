@@ -12,70 +12,63 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
+from megatron.core import parallel_state
 
+from kernels.backends import BackendError, select_backend
+from kernels.probe import startup_report
+from model.gpt import apply_precision_plan, build_gpt, policy_linear_names, policy_linears
+from precision import FORMATS, PrecisionPlan, SpecError
+from precision.schedule import PrecisionSchedule
 from pretrain.arguments import ConfigError
 from pretrain.config import RunConfig
 from pretrain.runtime import rank0_print
 
-if TYPE_CHECKING:
-    from precision import PrecisionPlan
-    from precision.schedule import PrecisionSchedule
+
+def _override_tensor_operands(plan, change, note: str):
+    """``plan`` with ``change(op)`` applied to every per-tensor operand (FP8, HiF8) of every GEMM; block
+    formats and BF16 are left alone. A linear that changed has ``note`` added to its rule label."""
+    def operand(op):
+        return change(op) if FORMATS[op.fmt].scaling == "tensor" else op
+
+    def recipe(r):
+        return dataclasses.replace(r, a=operand(r.a), b=operand(r.b))
+
+    entries = {}
+    for name, p in plan.items():
+        q = dataclasses.replace(p, fprop=recipe(p.fprop), dgrad=recipe(p.dgrad), wgrad=recipe(p.wgrad))
+        entries[name] = (q, plan.rule_for(name) + ("" if q == p else f" + {note}"))
+    return PrecisionPlan(entries)
 
 
 def override_amax(plan, algo: str | None, history_len: int | None):
     """``--amax-algo`` / ``--amax-history-len``: new delayed-scaling settings for every per-tensor
     operand (FP8, HiF8) of the plan; block formats and BF16 are left alone."""
-    from precision import FORMATS, PrecisionPlan
 
-    def operand(op):
-        if FORMATS[op.fmt].scaling != "tensor":
-            return op
+    def change(op):
         new_algo = algo or op.amax_algo
         n = history_len or (op.amax_history_len if op.amax_algo != "current" else 64)
         return dataclasses.replace(op, amax_algo=new_algo, amax_history_len=1 if new_algo == "current" else n)
 
-    def recipe(r):
-        return dataclasses.replace(r, a=operand(r.a), b=operand(r.b))
-
-    entries = {}
-    for name, p in plan.items():
-        q = dataclasses.replace(p, fprop=recipe(p.fprop), dgrad=recipe(p.dgrad), wgrad=recipe(p.wgrad))
-        entries[name] = (q, plan.rule_for(name) + ("" if q == p else " + --amax-algo/--amax-history-len"))
-    return PrecisionPlan(entries)
+    return _override_tensor_operands(plan, change, "--amax-algo/--amax-history-len")
 
 
 def override_margin(plan, margin: int):
     """``--fp8-margin N``: ``margin=N`` on every per-tensor operand (FP8, HiF8) of the plan, so its
     scale is the format's scale target / amax / 2^N; block formats and BF16 are left alone."""
-    from precision import FORMATS, PrecisionPlan, SpecError
-
-    def operand(op):
-        if FORMATS[op.fmt].kind != "tensor":
-            return op
+    def change(op):
         try:  # the range depends on the format: FP8 >= 0, HiF8 >= -12
             return dataclasses.replace(op, margin=margin)
         except SpecError as e:
             raise ConfigError(f"--fp8-margin {margin}: {e}") from None
 
-    def recipe(r):
-        return dataclasses.replace(r, a=operand(r.a), b=operand(r.b))
-
-    entries = {}
-    for name, p in plan.items():
-        q = dataclasses.replace(p, fprop=recipe(p.fprop), dgrad=recipe(p.dgrad), wgrad=recipe(p.wgrad))
-        entries[name] = (q, plan.rule_for(name) + ("" if q == p else f" + --fp8-margin {margin}"))
-    return PrecisionPlan(entries)
+    return _override_tensor_operands(plan, change, f"--fp8-margin {margin}")
 
 
 def check_gemm_backends(plan, device: torch.device, requested: str, label: str = "") -> None:
     """Refuse (one line) a forced hardware backend that cannot run some layer's GEMM here, and print
     once which GEMM of which layer runs on what (after ``label:``, e.g. a schedule's phase)."""
-    from kernels.backends import BackendError, select_backend
-    from kernels.probe import startup_report
-
     if requested in ("fp8_scaled_mm", "mx_scaled_mm"):
         for name, p in plan.items():
             try:
@@ -112,8 +105,6 @@ class SchedulePlans:
 def _resolve_plan(run, precision: str, every: list[str], names: list[str], label: str | None):
     """``(stage plan, whole plan)`` of ``precision`` with ``--precision-rule`` (and ``--amax-*``);
     ``label`` replaces the default's rule label ``--precision P`` (a schedule's phase)."""
-    from precision import PrecisionPlan, SpecError
-
     # resolved once over the whole model's names, so first:/last: rules mean the whole model's layers
     p, num_layers = run.precision, run.model.num_layers
     policy = p.resolved.policy(precision)  # parsed once, when the flags were validated
@@ -181,8 +172,6 @@ def build_scheduled_model(run, vocab_size: int, device: torch.device):
     """This rank's model and every phase's plan (``(model, SchedulePlans)``): each quantized phase of
     the run's schedule (``pretrain.arguments.precision_schedule``) resolved by global layer names and
     its GEMM backends checked, so a bad phase is refused before training; phase 0's plan applied."""
-    from model.gpt import apply_precision_plan, build_gpt, policy_linear_names, policy_linears
-
     run = RunConfig.of(run)
     p, num_layers = run.precision, run.model.num_layers
     sequence_parallel = run.parallel.sequence_parallel and run.parallel.tensor_model_parallel_size > 1
@@ -223,8 +212,6 @@ def build_model(run, vocab_size: int, device: torch.device):
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """(whole model over all TP ranks and pipeline stages, this rank's part)."""
-    from megatron.core import parallel_state
-
     tp = parallel_state.get_tensor_model_parallel_world_size()
     local = sum(p.numel() for p in model.parameters())
     total = torch.tensor(

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pretrain.data import batches
+
 
 @dataclass(frozen=True)
 class ValidationResult:
@@ -39,12 +41,13 @@ class Validator:
         self.micro_batch_size, self.num_micro_batches, self.dp = micro_batch_size, num_micro_batches, dp
         self.last: int | None = None  # the iteration of the last evaluation
 
-    def due(self, step: int) -> bool:
+    def should_validate(self, step: int) -> bool:
+        """Whether ``step`` is an ``--eval-interval`` step."""
         return bool(self.eval_interval) and step % self.eval_interval == 0
 
     def maybe_validate(self, step: int, metrics) -> None:
         """At an ``--eval-interval``: evaluate and log (``metrics.validation``)."""
-        if self.due(step):
+        if self.should_validate(step):
             self.validate(step, metrics)
 
     def validate(self, step: int, metrics) -> None:
@@ -57,8 +60,6 @@ class Validator:
         Every global batch is evaluated on its own, so the result carries its sampling noise: the
         standard error of the mean over batches (``sem``) and the per-batch losses, which the sweep
         pairs across runs (same batches, so the paired difference has a much smaller noise)."""
-        from pretrain.data import batches
-
         if self.valid_ds is None or self.eval_iters == 0:
             return None
         self.model.eval()

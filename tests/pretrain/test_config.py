@@ -88,6 +88,16 @@ def test_the_model_flags_map_to_the_model_config_and_back():
     assert isinstance(run.model, ModelArgs)
 
 
+def test_one_table_maps_every_model_flag_to_its_model_config_field():
+    from model.gpt import ModelConfig
+    from pretrain.config.model import MODEL_FLAGS
+
+    flags = {f.name for f in dataclasses.fields(ModelArgs)} - {"model_size", "use_rope_scaling", "rope_scaling_factor"}
+    assert set(MODEL_FLAGS) == flags  # the rope pair is the one two-flags-to-one-field case
+    assert {m.field for m in MODEL_FLAGS.values()} == {f.name for f in dataclasses.fields(ModelConfig)} - {
+        "vocab_size", "kv_quant", "rope_scaling_factor"}
+
+
 def test_the_training_loop_and_its_components_read_no_namespace():
     import pretrain.train
     import pretrain.trainer.checkpointer
