@@ -37,6 +37,7 @@ here reads a device value to the host (telemetry on ``collect_stats`` steps asid
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -154,9 +155,23 @@ def pad_and_rotation(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmReci
     a_axis, b_axis = CONTRACTION_AXES[g]
     a, b = _pad_axis(a, a_axis, multiple), _pad_axis(b, b_axis, multiple)
     signs = fixed_signs(recipe.rotation, a.device)  # rht16_te: TransformerEngine's constant
-    if signs is None and recipe.rotation.startswith("rht"):
-        signs = state.rotation_signs(g, n, call if recipe.rotation.endswith("resample") else None)
+    if signs is None and recipe.rotation.endswith("resample"):  # new signs every call
+        signs = state.rotation_signs(g, n, call)
+    elif signs is None and recipe.rotation.startswith("rht"):  # fixed per layer: on the device once
+        signs = _layer_signs(state, g, n, a.device)
     return a, b, signs
+
+
+_LAYER_SIGNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # state -> {key: device signs}
+
+
+def _layer_signs(state: LayerQuantState, g: Gemm, n: int, device) -> torch.Tensor:
+    """A layer's fixed random signs for GEMM ``g`` on ``device``, drawn and copied there once."""
+    kept = _LAYER_SIGNS.setdefault(state, {})
+    key = (state.seed, state.name, g, n, torch.device(device))
+    if key not in kept:
+        kept[key] = state.rotation_signs(g, n, None).to(device)
+    return kept[key]
 
 
 def gemm_operands(g: Gemm, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe, state: LayerQuantState, *,

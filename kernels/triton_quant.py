@@ -163,16 +163,18 @@ def _mix32(x):
 
 
 @triton.jit
-def _key_uniforms(srp_ptr, o2, i2, k2, N, INNER, C, NAT: tl.constexpr):
+def _key_uniforms(sr_ka, sr_kb, sr_row, sr_col, sr_gcols, o2, i2, k2, N, INNER, C, NAT: tl.constexpr):
     """``precision.srand`` uniforms of the tile's elements from the SRKey params
-    ``[k_a, k_b, row_offset, col_offset, global_cols]``. The element's natural 2-D position
+    ``k_a, k_b, row_offset, col_offset, global_cols``, each passed as a kernel argument plus 2^32
+    (``_sr_args``: Triton then types every one int64 whatever its value, so one compiled kernel
+    serves every key, and no tensor is copied to the device per call). The element's natural 2-D position
     ``(row, col)`` of ``x.reshape(-1, C)``: NAT 0 -- blocks along the last axis (row o, col k);
     1 -- along the second-to-last (row o*N + k, col i); 2 -- any other axis (from the flat index)."""
-    ka = tl.load(srp_ptr).to(tl.uint32)
-    kb = tl.load(srp_ptr + 1).to(tl.uint32)
-    row_off = tl.load(srp_ptr + 2)
-    col_off = tl.load(srp_ptr + 3)
-    gcols = tl.load(srp_ptr + 4)
+    ka = (sr_ka - 4294967296).to(tl.uint32)
+    kb = (sr_kb - 4294967296).to(tl.uint32)
+    row_off = sr_row - 4294967296
+    col_off = sr_col - 4294967296
+    gcols = sr_gcols - 4294967296
     if NAT == 0:
         row = o2 + k2 * 0
         col = k2 + o2 * 0
@@ -240,9 +242,9 @@ def _amax_kernel(x_ptr, signs_ptr, amax_ptr, R, N, INNER, sx_o, sx_i, sx_k,
     tl.atomic_max(amax_ptr, m.to(tl.int32, bitcast=True).to(amax_ptr.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sr_ka", "sr_kb", "sr_row", "sr_col", "sr_gcols"])
 def _quant_kernel(
-    x_ptr, signs_ptr, u_ptr, seed_ptr, srp_ptr, gs_ptr,
+    x_ptr, signs_ptr, u_ptr, seed_ptr, sr_ka, sr_kb, sr_row, sr_col, sr_gcols, gs_ptr,
     codes_ptr, scales_ptr, dq_ptr, aux_ptr, ts_ptr,
     R, N, INNER, NPAD, NBLK, C,
     sx_o, sx_i, sx_k, sc_o, sc_i, sc_k, ss_o, ss_i, ss_k, sd_o, sd_i, sd_k, su_o, su_i, su_k,
@@ -270,8 +272,8 @@ def _quant_kernel(
     x, r2, o2, i2, k2, row_ok, valid = _load_tile(x_ptr, signs_ptr, R, N, INNER, sx_o, sx_i, sx_k, TILE_R, TK,
                                                   ROT, LOG_ROT, ROT_C, HAS_SIGNS)
     _quant_store(x, r2, o2, i2, k2, row_ok, valid, tl.program_id(0), tl.program_id(1), tl.num_programs(1),
-                 u_ptr, seed_ptr, srp_ptr, gs_ptr, codes_ptr, scales_ptr, dq_ptr, aux_ptr, ts_ptr,
-                 N, INNER, NPAD, NBLK, C, sc_o, sc_i, sc_k, ss_o, ss_i, ss_k, sd_o, sd_i, sd_k, su_o, su_i, su_k,
+                 u_ptr, seed_ptr, sr_ka, sr_kb, sr_row, sr_col, sr_gcols, gs_ptr, codes_ptr, scales_ptr, dq_ptr,
+                 aux_ptr, ts_ptr, N, INNER, NPAD, NBLK, C, sc_o, sc_i, sc_k, ss_o, ss_i, ss_k, sd_o, sd_i, sd_k, su_o, su_i, su_k,
                  prescale, MODE, BLOCK, NB, TILE_R, ELEM, EMIN, EMAX, MBITS, BIAS, MAXN, SUBSCALE, SIGN_SHIFT,
                  RCEIL, SR, U_GIVEN, KEYED, NAT, PRESCALE, TARGET, MARGIN, AMAX_OUT, WRITE_CODES, WRITE_DQ, PACK,
                  BF16_FORM)
@@ -280,7 +282,7 @@ def _quant_kernel(
 @triton.jit
 def _quant_store(
     x, r2, o2, i2, k2, row_ok, valid, pid_r, pid_k, nprog_k,
-    u_ptr, seed_ptr, srp_ptr, gs_ptr, codes_ptr, scales_ptr, dq_ptr, aux_ptr, ts_ptr,
+    u_ptr, seed_ptr, sr_ka, sr_kb, sr_row, sr_col, sr_gcols, gs_ptr, codes_ptr, scales_ptr, dq_ptr, aux_ptr, ts_ptr,
     N, INNER, NPAD, NBLK, C, sc_o, sc_i, sc_k, ss_o, ss_i, ss_k, sd_o, sd_i, sd_k, su_o, su_i, su_k,
     prescale,
     MODE: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, TILE_R: tl.constexpr,
@@ -302,7 +304,7 @@ def _quant_store(
         if U_GIVEN:
             u = tl.load(u_ptr + o2 * su_o + i2 * su_i + k2 * su_k, mask=valid, other=0.0)
         elif KEYED:
-            u = _key_uniforms(srp_ptr, o2, i2, k2, N, INNER, C, NAT)
+            u = _key_uniforms(sr_ka, sr_kb, sr_row, sr_col, sr_gcols, o2, i2, k2, N, INNER, C, NAT)
         else:
             seed = tl.load(seed_ptr)
             u = tl.rand(seed, r2 * NPAD + k2)
@@ -649,7 +651,7 @@ def quantize_triton(
     def run(mode, gs, codes_o, scales_o, dq_o, aux, ts, u_t, seed_t, amax_out=False):
         none = (0, 0, 0)
         args = (x, signs_t, u_t if u_t is not None else dummy_f, seed_t if seed_t is not None else dummy_f,
-                srp_t if srp_t is not None else dummy_i, gs if gs is not None else dummy_f,
+                *sr_args, gs if gs is not None else dummy_f,
                 codes_o.tensor if codes_o is not None else dummy_f,
                 scales_o.tensor if scales_o is not None else dummy_f,
                 dq_o.tensor if dq_o is not None else dummy_f, aux if aux is not None else dummy_f,
@@ -674,10 +676,9 @@ def quantize_triton(
                      HAS_SIGNS=launch["HAS_SIGNS"]))
 
     # ---- SR random numbers ---------------------------------------------------------------------
-    u_t = seed_t = srp_t = None
-    if key is not None:
-        srp_t = key.params(x.shape, dev)
-    elif uniforms is not None:
+    u_t = seed_t = None
+    sr_args = _sr_args(key, x.shape)  # a key: kernel arguments, no tensor
+    if uniforms is not None:
         u_t = _uniforms_view(uniforms.to(dev, torch.float32), x.shape, axis, npad, spec.blocked)
     elif seed is not None:
         seed_t = seed.reshape(1).to(device=dev, dtype=torch.int64)
@@ -735,18 +736,18 @@ def _amax_tensor(amax, dev) -> torch.Tensor:
 
 # ====================================================================== cast-transpose
 # Per-layout kernel arguments of _quant_store, in _quant_kernel's order (see _split_args).
-_LAYOUT_ARGS = slice(2, 11), slice(14, 17), slice(20, 33)
+_LAYOUT_ARGS = slice(2, 15), slice(18, 21), slice(24, 37)
 _LAYOUT_META = ("MODE", "BLOCK", "NB", "TILE_R", "ELEM", "EMIN", "EMAX", "MBITS", "BIAS", "MAXN", "SUBSCALE",
                 "SIGN_SHIFT", "RCEIL", "SR", "U_GIVEN", "KEYED", "NAT", "PRESCALE", "TARGET", "MARGIN", "AMAX_OUT",
                 "WRITE_CODES", "WRITE_DQ", "PACK", "BF16_FORM")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=[f"{p}_{k}" for p in "ab" for k in ("ka", "kb", "row", "col", "gcols")])
 def _cast_transpose_kernel(
     x_ptr, T, H, sx_t, sx_h,
-    a_u, a_seed, a_srp, a_gs, a_codes, a_scales, a_dq, a_aux, a_ts, a_NPAD, a_NBLK, a_C, a_sc_o, a_sc_i, a_sc_k,
+    a_u, a_seed, a_ka, a_kb, a_row, a_col, a_gcols, a_gs, a_codes, a_scales, a_dq, a_aux, a_ts, a_NPAD, a_NBLK, a_C, a_sc_o, a_sc_i, a_sc_k,
     a_ss_o, a_ss_i, a_ss_k, a_sd_o, a_sd_i, a_sd_k, a_su_o, a_su_i, a_su_k, a_prescale,
-    b_u, b_seed, b_srp, b_gs, b_codes, b_scales, b_dq, b_aux, b_ts, b_NPAD, b_NBLK, b_C, b_sc_o, b_sc_i, b_sc_k,
+    b_u, b_seed, b_ka, b_kb, b_row, b_col, b_gcols, b_gs, b_codes, b_scales, b_dq, b_aux, b_ts, b_NPAD, b_NBLK, b_C, b_sc_o, b_sc_i, b_sc_k,
     b_ss_o, b_ss_i, b_ss_k, b_sd_o, b_sd_i, b_sd_k, b_su_o, b_su_i, b_su_k, b_prescale,
     BT: tl.constexpr, BH: tl.constexpr,
     A_MODE: tl.constexpr, A_BLOCK: tl.constexpr, A_NB: tl.constexpr, A_TILE_R: tl.constexpr,
@@ -778,7 +779,7 @@ def _cast_transpose_kernel(
     # === A: blocks along h -- rows r = t (o = t, i = 0), k = h
     _quant_store(x, t1[:, None], t1[:, None], tl.zeros([BT, 1], dtype=tl.int64), h1[None, :], t_ok, valid,
                  pid_t, pid_h, tl.num_programs(1),
-                 a_u, a_seed, a_srp, a_gs, a_codes, a_scales, a_dq, a_aux, a_ts, H, 1, a_NPAD, a_NBLK, a_C, a_sc_o, a_sc_i,
+                 a_u, a_seed, a_ka, a_kb, a_row, a_col, a_gcols, a_gs, a_codes, a_scales, a_dq, a_aux, a_ts, H, 1, a_NPAD, a_NBLK, a_C, a_sc_o, a_sc_i,
                  a_sc_k, a_ss_o, a_ss_i, a_ss_k, a_sd_o, a_sd_i, a_sd_k, a_su_o, a_su_i, a_su_k, a_prescale,
                  A_MODE, A_BLOCK, A_NB, A_TILE_R, A_ELEM, A_EMIN, A_EMAX, A_MBITS, A_BIAS, A_MAXN, A_SUBSCALE,
                  A_SIGN_SHIFT, A_RCEIL, A_SR, A_U_GIVEN, A_KEYED, A_NAT, A_PRESCALE, A_TARGET, A_MARGIN,
@@ -787,7 +788,7 @@ def _cast_transpose_kernel(
     # === B: blocks along t (the transposed tile) -- rows r = h (o = 0, i = h), k = t
     _quant_store(tl.trans(x), h1[:, None], tl.zeros([BH, 1], dtype=tl.int64), h1[:, None], t1[None, :], h_ok,
                  tl.trans(valid), pid_h, pid_t, tl.num_programs(0),
-                 b_u, b_seed, b_srp, b_gs, b_codes, b_scales, b_dq, b_aux, b_ts, T, H, b_NPAD, b_NBLK, b_C, b_sc_o, b_sc_i,
+                 b_u, b_seed, b_ka, b_kb, b_row, b_col, b_gcols, b_gs, b_codes, b_scales, b_dq, b_aux, b_ts, T, H, b_NPAD, b_NBLK, b_C, b_sc_o, b_sc_i,
                  b_sc_k, b_ss_o, b_ss_i, b_ss_k, b_sd_o, b_sd_i, b_sd_k, b_su_o, b_su_i, b_su_k, b_prescale,
                  B_MODE, B_BLOCK, B_NB, B_TILE_R, B_ELEM, B_EMIN, B_EMAX, B_MBITS, B_BIAS, B_MAXN, B_SUBSCALE,
                  B_SIGN_SHIFT, B_RCEIL, B_SR, B_U_GIVEN, B_KEYED, B_NAT, B_PRESCALE, B_TARGET, B_MARGIN,
@@ -852,6 +853,18 @@ def cast_transpose_triton(
     _launch(_cast_transpose_kernel, grid, (x, t_len, h_len, *x.stride(), *per[0], *per[1]),
             dict(BT=tile, BH=tile, **meta))
     return row, col
+
+
+_I32 = 1 << 32  # added to each SR key argument (see _key_uniforms)
+
+
+def _sr_args(key: SRKey | None, shape) -> tuple[int, int, int, int, int]:
+    """The SR key's ``(k_a, k_b, row_offset, col_offset, global_cols)``, each plus 2^32, as kernel
+    arguments (zeros plus 2^32 without a key)."""
+    if key is None:
+        return (_I32,) * 5
+    ka, kb = key.key_words()
+    return ka + _I32, kb + _I32, key.row_offset + _I32, key.col_offset + _I32, key.cols(shape) + _I32
 
 
 def _launch(kernel, grid, args, meta) -> None:

@@ -19,8 +19,10 @@
    CUDA also with the ``auto`` GEMM backend (FP8 / MX tensor cores where the device has them).
 4. torchao's float8 and MXFP8 training paths on the same linear, where torchao can run them.
 5. Host work per GEMM on the hardware path (Triton quantizer, operands in the GEMM's form): ATen
-   ops dispatched, how many of them launch a device kernel, and Triton launches -- counted, not
-   timed, so the same on any machine; runs wherever Triton does (CUDA, or ``TRITON_INTERPRET=1``
+   ops dispatched, how many of them launch a device kernel, Triton launches and host-to-device
+   copies (tensors made from host data) -- counted, not timed, so the same on any machine; and the
+   total for one linear layer over one optimizer step of 2 micro-batches (weight quantized once per
+   step, ``dy`` shared by Dgrad and Wgrad); runs wherever Triton does (CUDA, or ``TRITON_INTERPRET=1``
    on CPU: ``TRITON_INTERPRET=1 python launch/bench_kernels.py --skip-quantizers --skip-linear``).
 
 ``--json`` is rewritten after each table (and each ``--ffn`` size), so a run cut short keeps its
@@ -222,8 +224,10 @@ _NO_KERNEL = {"view", "_unsafe_view", "as_strided", "select", "slice", "permute"
 
 def host_work(fn) -> dict:
     """What ``fn()`` asks of the host, counted (not timed): ATen ops dispatched (``aten``), those of
-    them that launch a device kernel (``kernels``: not a view or an allocation) and Triton kernel
-    launches (``triton``), with the ops by name. ATen ops inside a Triton launch (Triton's CPU
+    them that launch a device kernel (``kernels``: not a view or an allocation), Triton kernel
+    launches (``triton``) and tensors made from host data (``host_data``: ``torch.tensor(...)`` of
+    Python values, or a copy from the CPU to a device -- each a synchronous host-to-device copy on a
+    GPU), with the ops by name. ATen ops inside a Triton launch (Triton's CPU
     interpreter copies tensors) are not counted: on a GPU a launch dispatches none. The counts are
     the same on any machine: the host code path does not depend on the device's speed."""
     from collections import Counter
@@ -236,11 +240,14 @@ def host_work(fn) -> dict:
     class Count(TorchDispatchMode):
         def __init__(self):
             super().__init__()
-            self.ops, self.paused, self.launches = Counter(), 0, Counter()
+            self.ops, self.paused, self.launches, self.host_data = Counter(), 0, Counter(), 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if not self.paused:
-                self.ops[func.overloadpacket.__name__] += 1
+                name = func.overloadpacket.__name__
+                self.ops[name] += 1
+                if name == "lift_fresh" or (name in ("_to_copy", "copy_") and _from_host(func, args, kwargs)):
+                    self.host_data += 1
             return func(*args, **(kwargs or {}))
 
     counter = Count()
@@ -258,7 +265,17 @@ def host_work(fn) -> dict:
         fn()
     kernels = sum(n for op, n in counter.ops.items() if op not in _NO_KERNEL)
     return {"aten": sum(counter.ops.values()), "kernels": kernels, "triton": sum(counter.launches.values()),
-            "ops": dict(counter.ops.most_common()), "launches": dict(counter.launches)}
+            "host_data": counter.host_data, "ops": dict(counter.ops.most_common()), "launches": dict(counter.launches)}
+
+
+def _from_host(func, args, kwargs) -> bool:
+    """Whether a copy op moves data from the CPU to another device (a host-to-device copy)."""
+    kwargs = kwargs or {}
+    if func.overloadpacket.__name__ == "copy_":
+        dst, src = args[0], args[1]
+        return src.device.type == "cpu" and dst.device.type != "cpu"
+    dev = kwargs.get("device")
+    return args[0].device.type == "cpu" and dev is not None and torch.device(dev).type != "cpu"
 
 
 def host_work_cases(device: str) -> list[dict]:
@@ -291,15 +308,57 @@ def host_work_cases(device: str) -> list[dict]:
     delayed = LayerQuantState(0, "l")
     scaled_mm_form(Gemm.FPROP, "fp8_e4m3/delayed(most_recent)", delayed)  # one step: the history has an amax
     delayed.end_step()
-    cases.append(("fp8 fprop, delayed scaling", "fp8_scaled_mm",
-                  lambda: scaled_mm_form(Gemm.FPROP, "fp8_e4m3/delayed(most_recent)", delayed)))
+    cases.append(("fp8 fprop, delayed scaling", "fp8_scaled_mm",  # both operands (the kept weight dropped)
+                  lambda: (delayed.step_cache.clear(), scaled_mm_form(Gemm.FPROP, "fp8_e4m3/delayed(most_recent)",
+                                                                      delayed))))
+    rht_state, sr_state = LayerQuantState(0, "l"), LayerQuantState(0, "l")
     cases += [("mxfp4 fprop", "bf16_mm", lambda: bf16_form(Gemm.FPROP, "mxfp4", LayerQuantState(0, "l"))),
               ("wgrad_hadamard wgrad (had16)", "bf16_mm",
-               lambda: bf16_form(Gemm.WGRAD, "mxfp4+had16", LayerQuantState(0, "l")))]
+               lambda: bf16_form(Gemm.WGRAD, "mxfp4+had16", LayerQuantState(0, "l"))),
+              ("mxfp4_rht wgrad (rht16: the layer's signs)", "bf16_mm",
+               lambda: bf16_form(Gemm.WGRAD, "mxfp4+rht16", rht_state)),
+              ("mxfp4_sr dgrad (stochastic rounding)", "bf16_mm",
+               lambda: bf16_form(Gemm.DGRAD, "mxfp4/sr", sr_state))]
     for label, backend, fn in cases:
         fn()  # first calls fill caches (rotation constants, compiled kernels): count the steady state
         r = host_work(fn)
         rows.append({"case": label, "backend": backend, "operands": 2, **r})
+
+    # ---- one linear layer, one optimizer step of MICRO micro-batches (Fprop, Dgrad, Wgrad each; the
+    #      weight quantized once per step; dy shared by Dgrad and Wgrad where the layer shares it)
+    from kernels.cast_transpose import SharedDy
+    from precision import presets
+
+    micro = 2
+
+    def linear_step(preset, state, form):
+        p = presets.get(preset)
+        for _ in range(micro):
+            form(Gemm.FPROP, p.fprop, state, None)
+            shared = None
+            if p.dgrad.rotation == p.wgrad.rotation == "none" and p.dgrad.a.format.blocked == p.wgrad.a.format.blocked:
+                shared = SharedDy(dy, state, p.dgrad.a, p.wgrad.a, form is bf16_recipe_form)
+            form(Gemm.DGRAD, p.dgrad, state, shared)
+            form(Gemm.WGRAD, p.wgrad, state, shared)
+        state.end_step()
+
+    def scaled_mm_recipe_form(g_, recipe, state, shared):
+        ops = gemm_operands(g_, *operands[g_], recipe, state, impl="triton", codes=True, shared_dy=shared)
+        for q in (ops.a, ops.b):
+            hw = hw_operand(q, "blocked")
+            _ = hw.data, hw.scale
+
+    def bf16_recipe_form(g_, recipe, state, shared):
+        gemm_operands(g_, *operands[g_], recipe, state, impl="triton", bf16=True, shared_dy=shared)
+
+    for preset, backend, form in (("fp8", "fp8_scaled_mm", scaled_mm_recipe_form),
+                                  ("mxfp4", "bf16_mm", bf16_recipe_form),
+                                  ("wgrad_hadamard", "bf16_mm", bf16_recipe_form)):
+        state = LayerQuantState(0, "l")
+        linear_step(preset, state, form)  # the first step fills caches
+        r = host_work(lambda: linear_step(preset, state, form))
+        rows.append({"case": f"{preset} linear, one step of {micro} micro-batches (total)", "backend": backend,
+                     "operands": 6 * micro, **r})
     return rows
 
 
@@ -388,7 +447,8 @@ def main(argv=None) -> dict:
             _print_table("host work per GEMM on the hardware path (2 operands; counted, not timed)",
                          results["host_work"],
                          [("case", "GEMM", "{}"), ("backend", "backend", "{}"), ("aten", "ATen ops", "{}"),
-                          ("kernels", "of them device kernels", "{}"), ("triton", "Triton launches", "{}")])
+                          ("kernels", "of them device kernels", "{}"), ("triton", "Triton launches", "{}"),
+                          ("host_data", "host-to-device copies", "{}")])
         else:
             print(f"\n== host work per GEMM: not measured ({why})")
     if not args.skip_quantizers:

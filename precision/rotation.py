@@ -35,10 +35,16 @@ def rotation_size(rotation: str) -> int:
 
 
 def fixed_signs(rotation: str, device=None) -> torch.Tensor | None:
-    """The constant sign vector of a rotation that has one (``rht16_te``), float32; else None."""
+    """The constant sign vector of a rotation that has one (``rht16_te``), float32; else None. Made
+    once per device (a host-to-device copy once, not on every call); callers must not write to it."""
     if rotation == "rht16_te":
-        return torch.tensor(TE_SIGNS, dtype=torch.float32, device=device)
+        return _te_signs(torch.device(device) if device is not None else torch.device("cpu"))
     return None
+
+
+@functools.cache
+def _te_signs(device: torch.device) -> torch.Tensor:
+    return torch.tensor(TE_SIGNS, dtype=torch.float32, device=device)
 
 
 @functools.cache
@@ -53,7 +59,13 @@ def _hadamard_cpu(n: int) -> torch.Tensor:
 
 
 def hadamard_matrix(n: int, device=None) -> torch.Tensor:
-    """Normalized Sylvester Hadamard matrix of size ``n`` (float32)."""
+    """Normalized Sylvester Hadamard matrix of size ``n`` (float32), made once per device; callers
+    must not write to it."""
+    return _hadamard_on(n, torch.device(device) if device is not None else torch.device("cpu"))
+
+
+@functools.cache
+def _hadamard_on(n: int, device: torch.device) -> torch.Tensor:
     return _hadamard_cpu(n).to(device)
 
 

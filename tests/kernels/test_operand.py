@@ -214,3 +214,25 @@ def test_forwards_without_autograd_read_the_state_and_change_nothing():
     a = policy_linear(x, w, sr, state=st, backend="reference")
     b = policy_linear(x, w, sr, state=fresh, backend="reference")
     assert torch.equal(a, b)
+
+
+def test_rotation_signs_are_made_once_per_device():
+    """The sign vectors a rotation multiplies by are made on the device once (not copied from the host
+    on every call): TransformerEngine's constant and a layer's fixed random signs; resampled signs
+    are new on every call."""
+    from kernels.operand import pad_and_rotation
+    from precision.recipe import parse_gemm
+
+    x, dy = torch.randn(32, 16), torch.randn(32, 8)
+    state = LayerQuantState(seed=4, name="l")
+    for spec in ("mxfp4+rht16_te", "mxfp4+rht16"):
+        recipe = parse_gemm(spec, Gemm.WGRAD)
+        first = pad_and_rotation(Gemm.WGRAD, dy, x, recipe, state, 0)[2]
+        again = pad_and_rotation(Gemm.WGRAD, dy, x, recipe, state, 1)[2]
+        assert first is again and first.shape == (16,)
+    other = pad_and_rotation(Gemm.WGRAD, dy, x, parse_gemm("mxfp4+rht16", Gemm.WGRAD), LayerQuantState(5, "l"), 0)[2]
+    assert not torch.equal(other, first)  # another layer seed: other signs
+    resample = parse_gemm("mxfp4+rht16_resample", Gemm.WGRAD)
+    a = pad_and_rotation(Gemm.WGRAD, dy, x, resample, state, 0)[2]
+    b = pad_and_rotation(Gemm.WGRAD, dy, x, resample, state, 1)[2]
+    assert not torch.equal(a, b)
