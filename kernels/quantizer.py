@@ -26,8 +26,8 @@ import torch
 
 from precision.enums import Rounding
 from precision.formats import QuantizedTensor, Scaling, format_names
-from precision.quantize import operand_format
 from precision.quantize import quantize as reference_quantize
+from precision.quantize import quantize_call
 from precision.recipe import OperandFormat
 from precision.rotation import rotate, rotation_size
 from precision.srand import SRKey
@@ -79,27 +79,28 @@ def quantize(
     backend: str = "auto",
     rotation: str = "none",
     signs: torch.Tensor | None = None,
-    rounding: str | None = None,
-    scale_rule: str | None = None,
-    prescale: float | None = None,
-    generator: torch.Generator | None = None,
+    **older,
 ) -> QuantizedTensor:
     """Quantize ``x`` to ``fmt`` with blocks along ``axis``; returns a ``precision.QuantizedTensor``.
 
     ``fmt``: an ``OperandFormat`` (its format, rounding, scale rule and prescale are used), or a
-    format name with the older keyword settings ``rounding`` / ``scale_rule`` / ``prescale`` (the
-    one adapter, ``precision.quantize.operand_format``). ``amax`` and ``sr`` (an ``SRKey``, or a
-    ``torch.Generator``; ``generator=`` is the older name) are as in ``precision.quantize``.
+    format name with the older keyword settings ``rounding`` / ``scale_rule`` / ``prescale`` /
+    ``generator`` (``older``: read by the one adapter, ``precision.quantize.quantize_call``).
+    ``amax`` and ``sr`` (an ``SRKey``, or a ``torch.Generator``) are as in ``precision.quantize``;
+    this entry point adds the backend choice and the rotation.
 
     ``rotation``: a ``GemmRecipe``'s rotation name (``none``, ``had16``, ``had32``, ``rht16*``; the
     ``rht*`` ones with ``signs``, the +-1 vector): the tensor is rotated by ``diag(signs)·H_n``
     along ``axis`` first (whose length must be a multiple of ``n``), and the codes are those of the
     rotated tensor.
     """
-    op = operand_format(fmt, rounding, scale_rule, prescale)
+    unknown = set(older) - {"rounding", "scale_rule", "prescale", "generator"}
+    if unknown:
+        raise TypeError(f"kernels.quantize: unknown argument(s) {', '.join(sorted(unknown))}; valid besides the "
+                        "named ones: rounding, scale_rule, prescale, generator")
+    op, sr = quantize_call(fmt, sr, **older)
     op = OperandFormat(op.fmt, op.rounding, op.scale_rule, op.prescale)  # this entry point's settings
     spec = op.format
-    sr = generator if sr is None else sr  # an SRKey wins over a generator (the older behaviour)
     if backend not in QUANTIZE_BACKENDS:
         raise ValueError(f"quantize backend: unknown {backend!r}; valid: {', '.join(QUANTIZE_BACKENDS)}")
     n = rotation_size(rotation)

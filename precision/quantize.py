@@ -33,6 +33,7 @@ __all__ = [
     "margin_amax",
     "operand_format",
     "quantize",
+    "quantize_call",
 ]
 
 FormatSpec = Format  # the registry's format objects (kept under their older name)
@@ -70,6 +71,14 @@ def operand_format(fmt, rounding=None, scale_rule=None, prescale=None, block2d=N
     if scaled and not (f.has_scale_rules and r.stochastic):
         raise ValueError(f"{f.name}: prescale needs an MX format with stochastic rounding")
     return OperandFormat(f.name, rounding=r, scale_rule=s, prescale=scaled, block2d=bool(block2d))
+
+
+def quantize_call(fmt, sr=None, *, rounding=None, scale_rule=None, prescale=None, block2d=None, generator=None):
+    """``(OperandFormat, sr)`` of a public quantize call, whatever form it took: the one adapter of the
+    older keyword settings (:func:`operand_format`) and of ``generator=`` (the older name of ``sr``;
+    an ``SRKey`` given as ``sr`` wins). Both public entry points, ``precision.quantize`` and
+    ``kernels.quantize``, read their arguments through it."""
+    return operand_format(fmt, rounding, scale_rule, prescale, block2d), generator if sr is None else sr
 
 
 def margin_amax(fmt, x: torch.Tensor, amax):
@@ -113,8 +122,8 @@ def quantize(
     float32 tensor; default the tensor's own. The scale is ``scale_target / amax``
     (``Format.scale_target``; an ``OperandFormat`` divides it by 2^``margin``).
     """
-    op = operand_format(fmt, rounding, scale_rule, prescale, block2d)
-    sr = generator if sr is None else sr  # an SRKey wins over a generator (the older behaviour)
+    op, sr = quantize_call(fmt, sr, rounding=rounding, scale_rule=scale_rule, prescale=prescale, block2d=block2d,
+                           generator=generator)
     return op.format.quantize(x, op, axis=axis, amax=margin_amax(op, x, amax), sr=sr)
 
 

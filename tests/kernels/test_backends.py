@@ -164,3 +164,21 @@ def test_kernels_quantize_cpu_without_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match=r"the tensor is on cpu, Triton needs a CUDA device \(or TRITON_INTERPRET"):
         kernels.quantize(torch.randn(4, 32), "mxfp4", backend="triton")
+
+
+def test_both_public_quantizers_read_their_arguments_through_one_adapter():
+    """``kernels.quantize`` and ``precision.quantize`` take the same older keyword forms through
+    ``precision.quantize.quantize_call`` and give the same codes; a misspelt keyword is one line."""
+    import kernels
+    from precision.quantize import quantize as precision_quantize
+    from precision.recipe import OperandFormat
+
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
+    g1, g2 = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    a = kernels.quantize(x, "mxfp4", rounding="stochastic", scale_rule="rceil", generator=g1, backend="reference")
+    b = precision_quantize(x, "mxfp4", rounding="stochastic", scale_rule="rceil", generator=g2)
+    assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
+    with pytest.raises(ValueError, match="is an OperandFormat, which carries its own rounding"):
+        kernels.quantize(x, OperandFormat("mxfp4"), rounding="stochastic")
+    with pytest.raises(TypeError, match=r"^kernels.quantize: unknown argument\(s\) roundng; valid besides"):
+        kernels.quantize(x, "mxfp4", roundng="stochastic")
