@@ -30,7 +30,6 @@ from __future__ import annotations
 import torch
 
 from kernels.backends import (
-    HW_BACKENDS,
     REFUSED_FORMATS,
     _recipe_backend,
     capability_name,
@@ -191,13 +190,16 @@ def gemm_paths(plan, device, requested: str = "auto") -> dict:
             n_hw_formats += 1
             if backend not in _TENSOR_CORE:
                 n_emulated += 1
+                refusal = REFUSED_FORMATS.get(cap, {}).get((r.a.fmt, r.b.fmt))
                 if hw not in device_backends(cap):
                     why = f"no {hw} on {capability_name(cap)}"
+                elif refusal is not None:
+                    why = f"torch refused it at the start-up probe ({refusal})"
                 else:
-                    why = f"torch refused it at the start-up probe ({REFUSED_FORMATS[cap][(r.a.fmt, r.b.fmt)]})"
+                    why = f"--gemm-backend {requested}"
                 gemms, _ = emulated.setdefault(_pair(r), (set(), why))
                 gemms.add(g.value)
-    asked = requested in ("auto", *HW_BACKENDS) and cap is not None  # a GPU, real or simulated
+    asked = requested in ("auto", *_TENSOR_CORE) and cap is not None  # a GPU, real or simulated
     warning = ""
     if asked and n_emulated:
         parts = [f"{pair} ({', '.join(g.value for g in Gemm if g.value in gemms)}): {why}"

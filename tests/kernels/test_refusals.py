@@ -285,3 +285,11 @@ def test_a_refused_2d_weight_probe_reroutes_its_format(clean_refusals):
     assert lines[1] == ("  nvfp4@nvfp4/2d: mx_scaled_mm refused (torch._scaled_mm: RuntimeError: CUDA error: invalid "
                         "argument; F.scaled_mm: RuntimeError: CUDA error: invalid argument) -> bf16_mm")
     assert kb.select_backend(parse_gemm("nvfp4", Gemm.FPROP), SM100) == "bf16_mm"
+
+
+def test_a_run_that_asked_for_emulation_gets_no_warning(clean_refusals):
+    plan = {"l": presets.get("fp8")}
+    for requested in ("bf16_mm", "emulated", "reference"):
+        text = kp.startup_report(plan, SM90, requested)
+        assert "WARNING" not in text and f"  fprop: fp8_e4m3 -> {requested}" in text
+    assert kp.gemm_paths(plan, "cpu")["warning"] == ""  # a CPU run asks for no hardware
