@@ -35,6 +35,7 @@ from typing import NoReturn
 import yaml
 
 from model.kv_cache import KVFormat
+from pretrain.checkpoint_files import TRACKER, iter_dir_name
 from pretrain.config import (  # noqa: F401 - re-exported: launchers, RL and the sweep import them from here
     GROUPS,
     LR_DECAY_STYLES,
@@ -126,7 +127,11 @@ def given_flags(argv: list[str] | None, parser: argparse.ArgumentParser | None =
 def _apply_pretrained(args: argparse.Namespace, given: set[str]) -> None:
     """``--pretrained-checkpoint``: the model shape (and, unless given, the tokenizer) from the
     checkpoint; a shape value given by a flag or the ``--model-size`` file must agree with it."""
-    from pretrain.pretrained import PretrainedError, read_pretrained, shape_args
+    from pretrain.pretrained import (  # loads megatron-core: only with the flag
+        PretrainedError,
+        read_pretrained,
+        shape_args,
+    )
 
     try:
         pre = read_pretrained(args.pretrained_checkpoint)
@@ -271,7 +276,9 @@ def data_prefixes(paths: list[str]) -> list[str]:
 
 
 def _check_data(args) -> None:
-    from pretrain.data.indexed import check_indexed_prefix
+    from pretrain.data.indexed import (
+        check_indexed_prefix,  # pretrain.data loads megatron-core: not for --help
+    )
 
     for flag, paths in (("--data-path", args.data_path), ("--valid-data-path", args.valid_data_path)):
         for prefix in data_prefixes(paths or []):
@@ -292,7 +299,11 @@ def _check_data(args) -> None:
 def _check_tokenizer(model: str | None, tokenizer_type: str) -> None:
     """``--tokenizer-model`` is what ``--tokenizer-type`` reads: a file (sentencepiece) or a folder (HF)."""
     if tokenizer_type == "HuggingFaceTokenizer":
-        from pretrain.data.hf_tokenizer import FLAG, HINT, hf_tokenizer_dir_problem
+        from pretrain.data.hf_tokenizer import (  # pretrain.data: megatron-core
+            FLAG,
+            HINT,
+            hf_tokenizer_dir_problem,
+        )
 
         if model is None:
             raise ConfigError(f"--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model DIR ({HINT})")
@@ -317,7 +328,6 @@ def _check_checkpoints(args) -> None:
                 f"earlier run; --load equal to --save may not exist yet)"
             )
     if args.finetune:
-        from pretrain.checkpointing import TRACKER
 
         if args.load is None:
             raise ConfigError("--finetune needs --load (the checkpoint whose weights to start from)")
@@ -331,7 +341,6 @@ def _check_checkpoints(args) -> None:
     if args.save_retain is not None and args.save is None:
         raise ConfigError("--save-retain needs --save (the directory whose old checkpoints it deletes)")
     if args.ckpt_step is not None:
-        from pretrain.checkpointing import iter_dir_name
 
         if args.load is None:
             raise ConfigError("--ckpt-step needs --load (the directory holding that iteration)")
@@ -353,7 +362,7 @@ def _check_mixed_precision_and_memory(args, cuda: bool) -> dict:
         raise ConfigError(f"{flag} needs --recompute-granularity full (selective recomputes core attention "
                           f"only; without the flag nothing is recomputed)")
     if granularity == "full":
-        from model.gpt import RecomputeConfig
+        from model.gpt import RecomputeConfig  # megatron-core: only with --recompute-granularity full
 
         layers = args.num_layers // args.pipeline_model_parallel_size
         try:

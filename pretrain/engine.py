@@ -85,8 +85,16 @@ from dataclasses import dataclass, field
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel as MegatronDDP
+from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from model.gpt import allreduce_tp_partial_grads, policy_linears
+from pretrain.checkpointing import CheckpointError
 from pretrain.config import RunConfig
+from pretrain.optim import MainParams, build_optimizer, clip_grad_norm
 
 DISTRIBUTED_OPTIMIZER_FILE = "distrib_optim.pt"  # Megatron-LM's name, beside model_optim_rng.pt
 
@@ -174,8 +182,6 @@ class _StepMixin:
     def policy_linears(self) -> list[tuple[str, torch.nn.Module]]:
         """(plan name, module) of this stage's policy linears (their quantization state)."""
         if getattr(self, "_linears", None) is None:
-            from model.gpt import policy_linears
-
             self._linears = policy_linears(self.model)
         return self._linears
 
@@ -231,8 +237,6 @@ class TorchEngine(_StepMixin):
     name = "torch"
 
     def __init__(self, model: torch.nn.Module, run, device: torch.device, nonfinite: NonFinitePolicy | None = None):
-        from pretrain.optim import MainParams, build_optimizer
-
         self.run = run = RunConfig.of(run)
         self.model, self.device = model, device
         self.main = MainParams(model) if run.memory.bf16 else None  # --bf16: FP32 mains
@@ -243,10 +247,8 @@ class TorchEngine(_StepMixin):
 
     def wrap(self) -> None:
         """torch DDP over the data-parallel group (after a checkpoint is loaded into the model)."""
-        from torch.nn.parallel import DistributedDataParallel
-
         if parallel_state.get_data_parallel_world_size() > 1 and self.main is None:
-            self.ddp = DistributedDataParallel(
+            self.ddp = TorchDDP(
                 self.model,
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 process_group=parallel_state.get_data_parallel_group(),
@@ -281,9 +283,6 @@ class TorchEngine(_StepMixin):
     def _reduce_and_step(self, schedule, loss, check_finite: bool):
         """(loss, norm before clipping, lr): gradients summed over DP (unless DDP did) and TP
         partials, clipped; the optimizer steps unless ``check_finite`` finds loss or norm non-finite."""
-        from model.gpt import allreduce_tp_partial_grads
-        from pretrain.optim import clip_grad_norm
-
         params = self.main if self.main is not None else self.model
         if self.ddp is self.model:  # no torch DDP: sum this rank's gradients over data-parallel ranks
             for p in params.parameters():
@@ -361,14 +360,6 @@ class MegatronEngine(_StepMixin):
     name = "megatron"
 
     def __init__(self, model: torch.nn.Module, run, device: torch.device, nonfinite: NonFinitePolicy | None = None):
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         self.run = run = RunConfig.of(run)
         self.model, self.device = model, device
         t = run.training
@@ -383,7 +374,7 @@ class MegatronEngine(_StepMixin):
             overlap_grad_reduce=False,
             use_distributed_optimizer=self.distributed_optimizer,
         )
-        self.ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+        self.ddp = MegatronDDP(config=config, ddp_config=ddp_config, module=model)
         config.no_sync_func = self.ddp.no_sync
         config.finalize_model_grads_func = finalize_model_grads
         opt_config = OptimizerConfig(
@@ -494,8 +485,6 @@ class MegatronEngine(_StepMixin):
         if self.distributed_optimizer:
             path = os.path.join(rank_dir, DISTRIBUTED_OPTIMIZER_FILE)
             if not os.path.isfile(path):
-                from pretrain.checkpointing import CheckpointError
-
                 raise CheckpointError(
                     f"--load: {path} missing: the checkpoint was saved without --use-distributed-optimizer "
                     "(load it with --finetune, or drop the flag)"
