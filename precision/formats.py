@@ -401,9 +401,9 @@ class MXFormat(Format):
     def _quantize(self, xf, axis, rounding, scale_rule, generator, prescale, amax, u, block2d=False):
         n = xf.shape[axis]
         if scale_rule == ScaleRule.QUEST:  # precision.quest: the block scale from its std, clipping
-            if block2d or rounding != Rounding.NEAREST or prescale != 1.0:
-                raise ValueError(f"{self.name}/quest: 1-D blocks, nearest rounding and no pre-scale only")
-            codes, sbytes = quest_quantize(xf, axis)
+            if block2d or prescale != 1.0:
+                raise ValueError(f"{self.name}/quest: 1-D blocks and no pre-scale only")
+            codes, sbytes = quest_quantize(xf, axis, rounding, generator, u)
             return QuantizedTensor(self.name, codes, sbytes, axis)
         xb = blocks.to_blocks(xf, axis, self.block)
         ub = blocks.to_blocks(u, axis, self.block) if u is not None else None

@@ -11,6 +11,7 @@ that, with the scale rounded down to a power of two so that it is an E8M0 byte::
     sigma = sqrt(mean(x^2) - mean(x)^2)            # over the 32-block (the rotated values)
     e     = floor(log2(2.92247856 / 6 * sigma + 1e-8))     # the block's E8M0 exponent
     q     = e2m1(x / 2^e)   nearest, a midpoint rounds towards zero; |x / 2^e| > 5 -> 6 (clipped)
+                            (or stochastic, as the kernel's ``stochastic_round``; beyond 6 -> 6)
     x_hat = q * 2^e
 
 So the clipping level ``6 * 2^e`` lies between 1.46 and 2.92 sigma. Differences from the
@@ -28,7 +29,8 @@ from __future__ import annotations
 import torch
 
 from precision.blocks import SCALE_NAN, from_blocks, to_blocks
-from precision.elements import E2M1, e2m1_encode, exponent_floor, pow2
+from precision.elements import E2M1, e2m1_encode, exponent_floor, pow2, round_to_grid
+from precision.enums import Rounding
 
 __all__ = ["GAUSSIAN_CLIP", "QUEST_SCALE", "quest_quantize", "quest_quantize_blocks", "rtn_e2m1_toward_zero"]
 
@@ -45,9 +47,13 @@ def rtn_e2m1_toward_zero(v: torch.Tensor) -> torch.Tensor:
     return torch.copysign(torch.tensor(_VALUES, device=v.device)[idx], v)
 
 
-def quest_quantize_blocks(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quest_quantize_blocks(xb: torch.Tensor, rounding: Rounding | str = Rounding.NEAREST,
+                          generator: torch.Generator | None = None,
+                          u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """QuEST MXFP4 of float32 blocks ``[..., nblocks, 32]``: ``(E2M1 codes, E8M0 scale bytes,
-    clipped [..., nblocks, 32] bool: |x / 2^e| >= 6, the elements QuEST's trust mask drops)``."""
+    clipped [..., nblocks, 32] bool: |x / 2^e| >= 6, the elements QuEST's trust mask drops)``.
+    ``rounding`` stochastic (the authors' kernel has it too: between the two neighbouring grid
+    values, everything beyond 6 to 6) takes ``u`` (uniforms shaped like ``xb``) or ``generator``."""
     xb = xb.float()
     n = float(xb.shape[-1])
     finite = torch.isfinite(xb).all(dim=-1)
@@ -57,17 +63,23 @@ def quest_quantize_blocks(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     sigma = torch.sqrt(torch.clamp(mean_sq - mean * mean, min=0.0))
     e = exponent_floor(QUEST_SCALE * sigma + EPS).clamp(-127, 127)
     v = x * pow2(-e).unsqueeze(-1)  # exact: a power of two
-    q = rtn_e2m1_toward_zero(v)
+    if Rounding.parse(rounding, "quest rounding").stochastic:
+        q = round_to_grid(v, E2M1, Rounding.STOCHASTIC, generator, u)
+    else:
+        q = rtn_e2m1_toward_zero(v)
     codes = e2m1_encode(torch.where(q == 0, torch.copysign(torch.zeros_like(q), xb), q))  # q is on the grid
     sbytes = torch.where(finite, e + 127, torch.full_like(e, SCALE_NAN)).to(torch.uint8)
     codes = torch.where(finite.unsqueeze(-1), codes, torch.zeros_like(codes))
     return codes, sbytes, v.abs() >= E2M1.max_normal
 
 
-def quest_quantize(xf: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quest_quantize(xf: torch.Tensor, axis: int, rounding: Rounding | str = Rounding.NEAREST,
+                   generator: torch.Generator | None = None,
+                   u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """QuEST MXFP4 of a float32 tensor, 32-blocks along ``axis``: ``(codes shaped like xf, scale
     bytes with ``axis`` shrunk to ceil(n / 32))``. A partial last block is zero-padded for its
     statistics (as every MX block here)."""
     n = xf.shape[axis]
-    codes, sbytes, _ = quest_quantize_blocks(to_blocks(xf, axis, 32))
+    ub = to_blocks(u, axis, 32) if u is not None else None
+    codes, sbytes, _ = quest_quantize_blocks(to_blocks(xf, axis, 32), rounding, generator, ub)
     return from_blocks(codes, axis, n), sbytes.movedim(-1, axis)

@@ -143,9 +143,9 @@ class OperandFormat:
         if self.scale_rule == ScaleRule.QUEST and self.scale_rule not in spec.scale_rules:
             raise SpecError(f"{self.fmt}: the quest scale rule (a Gaussian fit to E2M1's grid) applies to "
                             f"{', '.join(format_names(lambda f: ScaleRule.QUEST in f.scale_rules))} only")
-        if self.scale_rule == ScaleRule.QUEST and (self.rounding != Rounding.NEAREST or self.block2d):
-            raise SpecError(f"{self.fmt}: quest rounds 1-D blocks to nearest (Quartet's forward); "
-                            f"drop {'2d' if self.block2d else self.rounding.modifier}")
+        if self.scale_rule == ScaleRule.QUEST and (self.block2d or self.prescale):
+            raise SpecError(f"{self.fmt}: quest scales 1-D blocks from their own statistics; "
+                            f"drop {'2d' if self.block2d else 'prescale'}")
         if self.scale_rule not in spec.scale_rules:
             raise SpecError(f"{self.fmt}: scale rule {str(self.scale_rule)!r} applies to MX formats only "
                             f"({', '.join(format_names(lambda f: f.has_scale_rules))})")

@@ -16,12 +16,14 @@ from precision.elements import e2m1_decode
 from precision.quantize import quantize
 from precision.recipe import Gemm, OperandFormat, SpecError, parse_gemm
 from precision.rotation import rotate
+from precision.srand import SRKey
 
 F32 = np.float32
 
 
-def oracle(x: np.ndarray):
-    """32-blocks along the last axis of a 2-D float32 ``x`` -> (E2M1 values, power-of-two units)."""
+def oracle(x: np.ndarray, u: np.ndarray | None = None):
+    """32-blocks along the last axis of a 2-D float32 ``x`` -> (E2M1 values, power-of-two units);
+    with uniforms ``u`` (shaped like ``x``) the kernel's stochastic rounding instead of nearest."""
     xb = x.reshape(x.shape[0], -1, 32).astype(F32)
     mean_sq = (xb * xb).sum(-1, dtype=F32) / F32(32)
     mean = xb.sum(-1, dtype=F32) / F32(32)
@@ -32,6 +34,13 @@ def oracle(x: np.ndarray):
     a = np.abs(xb / unit[..., None])
     q = np.where(a > 5, 6, np.where(a > 3.5, 4, np.where(a > 2.5, 3, np.where(
         a > 1.75, 2, np.where(a > 1.25, 1.5, np.where(a > 0.75, 1, np.where(a > 0.25, 0.5, 0)))))))
+    if u is not None:  # the kernel's stochastic_round branch
+        high = np.where(a > 4, 6, np.where(a > 3, 4, np.where(a > 2, 3, np.where(
+            a > 1.5, 2, np.where(a > 1.0, 1.5, np.where(a > 0.5, 1, 0.5))))))
+        low = np.where(a > 4, 4, np.where(a > 3, 3, np.where(a > 2, 2, np.where(
+            a > 1.5, 1.5, np.where(a > 1.0, 1.0, np.where(a > 0.5, 0.5, 0.0))))))
+        p_up = ((a - low) / (high - low)).astype(F32)
+        q = np.where(u.reshape(a.shape) < p_up, high, low)
     return (q * np.sign(xb)).reshape(x.shape).astype(F32), unit
 
 
@@ -54,6 +63,11 @@ def test_equals_the_authors_quantizer(kind):
         assert np.array_equal(e2m1_decode(q.codes).numpy(), ref_q)
         assert np.array_equal(2.0 ** (q.scales.numpy().astype(np.float64) - 127), unit.astype(np.float64))
         assert np.array_equal(q.dequantize().numpy(), (ref_q.reshape(16, -1, 32) * unit[..., None]).reshape(shape))
+        key = SRKey(seed)  # the kernel's stochastic rounding, fed the same uniforms
+        q = quantize(xr, OperandFormat("mxfp4", scale_rule="quest", rounding="stochastic"), sr=key)
+        ref_q, unit = oracle(xr.numpy(), key.uniforms(xr.shape, xr.device).numpy())
+        assert np.array_equal(e2m1_decode(q.codes).numpy(), ref_q)
+        assert np.array_equal(2.0 ** (q.scales.numpy().astype(np.float64) - 127), unit.astype(np.float64))
 
 
 def test_hand_vectors_scale_from_the_std_and_clip_a_spike():
@@ -91,9 +105,10 @@ def test_spec_rules_and_refusals():
         parse_gemm("mxfp8_e4m3/quest+had32", Gemm.FPROP)
     with pytest.raises(SpecError, match=r"nvfp4: the quest scale rule .* applies to mxfp4 only"):
         parse_gemm("nvfp4/quest+had16", Gemm.FPROP)
-    with pytest.raises(SpecError, match=r"quest rounds 1-D blocks to nearest .*; drop sr"):
-        OperandFormat("mxfp4", scale_rule="quest", rounding="stochastic")
-    with pytest.raises(SpecError, match=r"quest rounds 1-D blocks to nearest .*; drop 2d"):
+    assert str(parse_gemm("mxfp4/quest/sr+had32", Gemm.WGRAD)) == "mxfp4+sr+quest+had32"
+    with pytest.raises(SpecError, match=r"quest scales 1-D blocks from their own statistics; drop prescale"):
+        OperandFormat("mxfp4", scale_rule="quest", rounding="stochastic", prescale=True)
+    with pytest.raises(SpecError, match=r"quest scales 1-D blocks from their own statistics; drop 2d"):
         OperandFormat("mxfp4", scale_rule="quest", block2d=True)
 
 
