@@ -69,7 +69,11 @@ def assert_same(ref, out):
     assert bits_equal(ref.dequantize().cpu(), out.dequantized.cpu()), "dequantized values differ"
 
 
-CASES = [(f, axis, str(rule)) for f in ALL_FORMATS for axis in (0, 1) for rule in FORMATS[f].scale_rules]
+ALL_CASES = [(f, axis, str(rule)) for f in ALL_FORMATS for axis in (0, 1) for rule in FORMATS[f].scale_rules]
+# scale rules only the reference quantizer implements (quest): the kernels refuse them, the dispatch
+# sends them to the reference (test_reference_only_rules_refused below)
+CASES = [c for c in ALL_CASES if not OperandFormat(c[0], scale_rule=c[2]).reference_only]
+REFERENCE_ONLY = [c for c in ALL_CASES if c not in CASES]
 
 
 @pytest.mark.parametrize("fmt,axis,rule", CASES)
@@ -78,6 +82,19 @@ def test_nearest_bit_exact(fmt, axis, rule):
     ref = ref_quantize(x, fmt, axis=axis, scale_rule=rule)
     out = quantize_triton(x, OperandFormat(fmt, scale_rule=rule), axis=axis, dequantize=True)
     assert_same(ref, out)
+
+
+@pytest.mark.parametrize("fmt,axis,rule", REFERENCE_ONLY)
+def test_reference_only_rules_refused(fmt, axis, rule):
+    """A scale rule without a kernel is refused in one line, never quantized with another rule's
+    scale; the quantizer dispatch gives it the reference's bits."""
+    x = data()
+    op = OperandFormat(fmt, scale_rule=rule)
+    with pytest.raises(ValueError, match="reference quantizer only"):
+        quantize_triton(x, op, axis=axis, dequantize=True)
+    out = kernels.quantize(x, op, axis=axis, backend="auto")
+    ref = ref_quantize(x, fmt, axis=axis, scale_rule=rule)
+    assert torch.equal(ref.codes.cpu(), out.codes.cpu()) and torch.equal(ref.scales.cpu(), out.scales.cpu())
     if fmt.startswith("fp8"):
         assert torch.equal(ref.amax.cpu(), out.amax.cpu())
         assert int(ref.num_clipped) == int(out.num_clipped)
