@@ -18,6 +18,11 @@ Selectors (all anchored -- ``decoder.layers.1.*`` never matches layer 10):
 
 On the command line a rule is ``SELECTOR=VALUE`` where VALUE is a preset name or a per-GEMM spec
 (``--precision-rule first:2=bf16``, ``--precision-rule 'kind:mlp=base=fp8,wgrad=mxfp4+had16'``).
+A spec that names only some GEMMs and no ``base`` overrides just those GEMMs, on top of what the layer
+would get without the rule (the next matching rule, or the default): with ``--precision fp8``,
+``--precision-rule 'kind:mlp=wgrad=mxfp4+had16'`` gives the MLP linears FP8 Fprop and Dgrad and an
+MXFP4 + Hadamard Wgrad. As ``--precision`` (or a spec file, or a plan's ``default``) the GEMMs a spec
+does not name are BF16, the default precision.
 A command-line rule that selects nothing is refused (``PrecisionPolicy.check_rules``): a reversed
 range, layer numbers beyond the model, no matching layer, or every match taken by an earlier rule.
 
@@ -49,10 +54,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from precision import presets
-from precision.recipe import LinearPrecision, SpecError
+from precision.recipe import LinearPrecision, PartialPrecision, SpecError
 
 __all__ = ["KINDS", "PlanFile", "PrecisionPlan", "PrecisionPolicy", "Rule", "is_plan_file", "load_plan_file",
-           "parse_precision", "write_plan_file"]
+           "parse_precision", "parse_rule_value", "write_plan_file"]
 
 KINDS = {
     "qkv": ("linear_qkv",),
@@ -87,8 +92,16 @@ def layer_index(name: str) -> int | None:
 
 
 def parse_precision(value: str) -> LinearPrecision:
-    """A preset name, a per-GEMM spec string, or a path to a YAML/JSON spec file; for a plan file,
-    its ``default`` (its per-linear entries need the layer names: ``PrecisionPolicy.from_args``)."""
+    """A preset name, a per-GEMM spec string, or a path to a YAML/JSON spec file (GEMMs a spec does not
+    name: BF16); for a plan file, its ``default`` (its per-linear entries need the layer names:
+    ``PrecisionPolicy.from_args``)."""
+    got = parse_rule_value(value)
+    return got.over(LinearPrecision()) if isinstance(got, PartialPrecision) else got
+
+
+def parse_rule_value(value: str) -> LinearPrecision | PartialPrecision:
+    """What a rule's ``VALUE`` takes (what ``--precision`` takes): a spec or spec file naming only some
+    GEMMs and no ``base`` is a :class:`PartialPrecision`, applied over what the layer would get."""
     value = value.strip()
     if value in presets.names():
         return presets.get(value)
@@ -99,7 +112,7 @@ def parse_precision(value: str) -> LinearPrecision:
     if "=" not in value:
         raise SpecError(f"unknown precision {value!r}: not a preset, a spec (GEMM=RECIPE,...) or a "
                         f"file; presets: {', '.join(presets.names())}")
-    return LinearPrecision.parse(value)
+    return LinearPrecision.parse_partial(value)
 
 
 def _read_mapping_file(path: str) -> tuple[str, object]:
@@ -118,7 +131,7 @@ def _read_mapping_file(path: str) -> tuple[str, object]:
     return text, data
 
 
-def _load_spec_file(path: str) -> LinearPrecision:
+def _load_spec_file(path: str) -> LinearPrecision | PartialPrecision:
     text, data = _read_mapping_file(path)
     if not isinstance(data, dict):
         raise SpecError(f"{path}: expected a mapping with keys {', '.join(_SPEC_FILE_KEYS)}")
@@ -131,7 +144,7 @@ def _load_spec_file(path: str) -> LinearPrecision:
     if empty := next((k for k, v in data.items() if v is None or not str(v).strip()), None):
         raise SpecError(f"{path}: {empty}: empty value; give a preset name or a recipe, e.g. {empty}: mxfp4")
     try:
-        return LinearPrecision.parse(",".join(f"{k}={v}" for k, v in data.items()))
+        return LinearPrecision.parse_partial(",".join(f"{k}={v}" for k, v in data.items()))
     except SpecError as e:
         raise SpecError(f"{path}: {e}") from None
 
@@ -163,11 +176,11 @@ class PlanFile:
     def policy_rules(self) -> list[tuple[str, Rule]]:
         """``(text, Rule)`` of the file's entries in match order (linears, then rules)."""
         where = f"--precision {self.path}"
-        out = [(f"linears: {name}", Rule(name, parse_precision(value), f"{where}: {name}={value}"))
+        out = [(f"linears: {name}", Rule(name, parse_rule_value(value), f"{where}: {name}={value}"))
                for name, value in self.linears]
         for text in self.rules:
             selector, value = (t.strip() for t in text.split("=", 1))
-            out.append((f"rules: {text}", Rule(selector, parse_precision(value), f"{where}: {text}")))
+            out.append((f"rules: {text}", Rule(selector, parse_rule_value(value), f"{where}: {text}")))
         return out
 
 
@@ -220,7 +233,7 @@ def load_plan_file(path: str) -> PlanFile:
             raise SpecError(f"{where}: linears: {name}: an exact layer name (no glob or selector); "
                             "put selectors under rules:")
         try:
-            parse_precision(value)
+            parse_rule_value(value)
         except SpecError as e:
             raise SpecError(f"{where}: linears: {name}: {e}") from None
     rules = data.get("rules") or []
@@ -232,7 +245,7 @@ def load_plan_file(path: str) -> PlanFile:
                             "e.g. first:1=bf16")
         selector, value = (t.strip() for t in text_rule.split("=", 1))
         try:
-            Rule(selector, parse_precision(value))
+            Rule(selector, parse_rule_value(value))
         except SpecError as e:
             raise SpecError(f"{where}: rules[{i}] {text_rule!r}: {e}") from None
     metadata = data.get("metadata") or {}
@@ -261,10 +274,11 @@ def write_plan_file(path: str, default: str, rules: Iterable[str] = (), linears:
 
 @dataclass(frozen=True)
 class Rule:
-    """``selector`` (see the module docstring) -> ``precision``; ``label`` says where it came from."""
+    """``selector`` (see the module docstring) -> ``precision``; ``label`` says where it came from. A
+    ``PartialPrecision`` replaces only its GEMMs in what the layer would get without this rule."""
 
     selector: str
-    precision: LinearPrecision
+    precision: LinearPrecision | PartialPrecision
     label: str = ""
 
     def __post_init__(self):
@@ -291,7 +305,7 @@ class Rule:
         if "=" not in text:
             raise SpecError(f"--precision-rule {text!r}: expected SELECTOR=PRESET_OR_SPEC, e.g. first:2=bf16")
         selector, value = (s.strip() for s in text.split("=", 1))
-        return cls(selector, parse_precision(value), f"{label} {text}")
+        return cls(selector, parse_rule_value(value), f"{label} {text}")
 
     def range_problem(self, num_layers: int) -> str | None:
         """Why this rule's layer numbers select nothing in a model of ``num_layers`` layers, or None."""
@@ -404,7 +418,7 @@ class PrecisionPolicy:
             matched = [n for n in names if rule.matches(n, num_layers)]
             if not matched:
                 raise SpecError(f"--precision-rule {text!r}: matches no layer; layers: {describe_names(names)}")
-            earlier = [r for _, r in self.checked[:i]]
+            earlier = [r for _, r in self.checked[:i] if not isinstance(r.precision, PartialPrecision)]
             owners = [next((r for r in earlier if r.matches(n, num_layers)), None) for n in matched]
             if all(owners):
                 raise SpecError(f"--precision-rule {text!r}: selects no layer: every layer it matches is taken "
@@ -421,16 +435,21 @@ class PrecisionPolicy:
         return self._prepend(f"kind:{kind}", precision)
 
     def _prepend(self, selector: str, precision: LinearPrecision | str) -> "PrecisionPolicy":
-        p = parse_precision(precision) if isinstance(precision, str) else precision
+        p = parse_rule_value(precision) if isinstance(precision, str) else precision
         return PrecisionPolicy(self.default, [Rule(selector, p, selector)] + self.rules, self.default_label)
 
     def resolve(self, names: Iterable[str], num_layers: int) -> PrecisionPlan:
-        entries = {}
-        for name in names:
-            for rule in self.rules:
-                if rule.matches(name, num_layers):
-                    entries[name] = (rule.precision, rule.label or rule.selector)
-                    break
-            else:
-                entries[name] = (self.default, self.default_label)
-        return PrecisionPlan(entries)
+        return PrecisionPlan({name: self._resolve_one(name, num_layers, 0) for name in names})
+
+    def _resolve_one(self, name: str, num_layers: int, start: int) -> tuple[LinearPrecision, str]:
+        """The first rule from ``start`` on that matches ``name``; a partial rule's GEMMs over what the
+        rules after it (or the default) give."""
+        for i in range(start, len(self.rules)):
+            rule = self.rules[i]
+            if rule.matches(name, num_layers):
+                label = rule.label or rule.selector
+                if isinstance(rule.precision, PartialPrecision):
+                    rest, rest_label = self._resolve_one(name, num_layers, i + 1)
+                    return rule.precision.over(rest), f"{label} over {rest_label}"
+                return rule.precision, label
+        return self.default, self.default_label

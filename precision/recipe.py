@@ -18,6 +18,12 @@ Compact spec (``LinearPrecision.parse`` / ``str``)::
     fprop=nvfp4@nvfp4/2d,dgrad=nvfp4/sr@nvfp4/2d   # weights in 16x16 tiles (TransformerEngine's NVFP4)
     fprop=hif8+delayed(max,64)                 # per-tensor delayed scaling, amax algo and window
 
+A spec may name only some GEMMs (a *partial* spec, ``LinearPrecision.parse_partial``). The GEMMs it
+does not name are ``base``'s when it gives one; otherwise, as ``--precision`` (or a spec file, or a
+plan file's ``default``), BF16 -- the default precision -- and, as a per-layer rule
+(``--precision-rule 'kind:mlp=wgrad=mxfp4+had16'``), whatever the layer would get without the rule
+(``precision.policy``).
+
 GEMM spec grammar: ``operand ['@' operand] ('+' modifier)*`` with ``operand = format ('/' mod)*``.
 Operand modifiers: ``sr`` (stochastic rounding), ``prescale`` (3/4 before SR), ``2d`` (weights:
 2-D square tiles, NVFP4 16x16 / MX 32x32), ``rceil`` (MX scale rule; ``floor`` is the default;
@@ -33,6 +39,7 @@ for ``x`` and ``w``, E5M2 for ``dy``.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import re
@@ -43,8 +50,8 @@ from precision.enums import AmaxAlgo, FourOverSix, Rounding, ScaleRule, Scaling
 from precision.formats import FORMATS, format_names
 from precision.rotation import ROTATIONS
 
-__all__ = ["PRESETS", "Gemm", "GemmRecipe", "LinearPrecision", "OperandFormat", "SpecError", "preset",
-           "register_preset"]
+__all__ = ["PRESETS", "Gemm", "GemmRecipe", "LinearPrecision", "OperandFormat", "PartialPrecision", "SpecError",
+           "preset", "register_preset"]
 
 
 class SpecError(ValueError):
@@ -385,7 +392,15 @@ class LinearPrecision:
 
     @classmethod
     def parse(cls, text: str) -> LinearPrecision:
-        """Parse ``fprop=...,dgrad=...,wgrad=...`` (optionally ``base=PRESET`` for the rest)."""
+        """Parse ``fprop=...,dgrad=...,wgrad=...``; the GEMMs not named are ``base=PRESET``'s when it
+        is given, else BF16 (the default precision)."""
+        got = cls.parse_partial(text)
+        return got.over(cls()) if isinstance(got, PartialPrecision) else got
+
+    @classmethod
+    def parse_partial(cls, text: str) -> LinearPrecision | PartialPrecision:
+        """Parse a compact spec: a ``LinearPrecision`` when it names all three GEMMs or a ``base``, else a
+        :class:`PartialPrecision` of the GEMMs it names."""
         items = {}
         for part in _split_top(text):
             if "=" not in part:
@@ -397,16 +412,13 @@ class LinearPrecision:
             if key in items:
                 raise SpecError(f"{key}: given twice")
             items[key] = value
+        if not items:
+            raise SpecError(f"{text!r}: empty spec; give GEMM=RECIPE for one or more of fprop, dgrad, wgrad")
         base = preset(items.pop("base")) if "base" in items else None
-        recipes = {}
-        for g in Gemm:
-            if g.value in items:
-                recipes[g.value] = parse_gemm(items[g.value], g)
-            elif base is not None:
-                recipes[g.value] = base.recipe(g)
-            else:
-                raise SpecError(f"{g.value}: missing; give all of fprop, dgrad, wgrad, or base=PRESET")
-        return cls(**recipes)
+        named = PartialPrecision(tuple((g, parse_gemm(items[g.value], g)) for g in Gemm if g.value in items))
+        if base is not None or len(named.recipes) == len(Gemm):
+            return named.over(base or cls())
+        return named
 
     def table(self) -> str:
         """A small table of what each GEMM consumes."""
@@ -416,6 +428,21 @@ class LinearPrecision:
             rows.append(f"| {g.value} `{g.result} = {'·'.join(g.operands)}` | {g.operands[0]}, {g.operands[1]} "
                         f"| {r.a}, {r.b} | {r.rotation} |")
         return "\n".join(rows)
+
+
+@dataclass(frozen=True)
+class PartialPrecision:
+    """Recipes for some of a linear's GEMMs; the others come from elsewhere (:meth:`over`)."""
+
+    recipes: tuple[tuple[Gemm, GemmRecipe], ...]
+    """``(GEMM, recipe)`` pairs, in Fprop, Dgrad, Wgrad order, each GEMM at most once."""
+
+    def over(self, rest: LinearPrecision) -> LinearPrecision:
+        """``rest`` with the named GEMMs replaced by this spec's recipes."""
+        return dataclasses.replace(rest, **{g.value: r for g, r in self.recipes})
+
+    def __str__(self) -> str:
+        return ",".join(f"{g.value}={r.spec()}" for g, r in self.recipes)
 
 
 def _split_top(text: str) -> list[str]:

@@ -56,7 +56,7 @@ def test_compact_spec_forms():
 @pytest.mark.parametrize("spec,message", [
     ("fprop=mxfp5,dgrad=bf16,wgrad=bf16", "fprop: unknown format 'mxfp5'; valid: "),
     ("fprop=bf16,dgrad=bf16,wgrad=mxfp4+had17", "wgrad: unknown modifier 'had17'"),
-    ("fprop=bf16,dgrad=bf16", "wgrad: missing"),
+    ("fprop=bf16,dgrad=bf16,fprop=mxfp4", "fprop: given twice"),
     ("fprop=bf16,dgrad=bf16,wgrad=bf16,xgrad=bf16", "unknown key 'xgrad'"),
     ("fprop=bf16+sr,dgrad=bf16,wgrad=bf16", "fprop: bf16: stochastic rounding is not supported"),
     ("fprop=fp8+rceil,dgrad=bf16,wgrad=bf16", "fprop: fp8_e4m3: scale rule 'rceil' applies to MX formats only"),
@@ -158,3 +158,54 @@ def test_plan_serialises():
 def test_bad_rules(rule, message):
     with pytest.raises(SpecError, match=message.replace("(", r"\(").replace(")", r"\)")):
         PrecisionPolicy.from_args("bf16", [rule])
+
+
+# ---------------------------------------------------------------- partial specs
+# Oracles: every expected recipe is built field by field from OperandFormat / GemmRecipe, never by
+# the parser under test.
+_E4M3, _E5M2 = OperandFormat("fp8_e4m3"), OperandFormat("fp8_e5m2")
+_FP8 = LinearPrecision(GemmRecipe(_E4M3, _E4M3), GemmRecipe(_E5M2, _E4M3), GemmRecipe(_E5M2, _E4M3))
+_MX = OperandFormat("mxfp4")
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("dgrad=fp8_e5m2@fp8_e4m3", LinearPrecision(dgrad=GemmRecipe(_E5M2, _E4M3))),
+    ("wgrad=mxfp4/sr@mxfp4", LinearPrecision(wgrad=GemmRecipe(OperandFormat("mxfp4", rounding="stochastic"), _MX))),
+    ("fprop=hif8+delayed(max,64)", LinearPrecision(fprop=GemmRecipe(
+        *[OperandFormat("hif8", amax_algo="max", amax_history_len=64)] * 2))),
+])
+def test_partial_spec_as_precision_leaves_the_rest_bf16(spec, expected):
+    assert parse_precision(spec) == expected
+    assert PrecisionPolicy.from_args(spec).default == expected
+
+
+def test_partial_rule_overrides_only_its_gemms_over_what_the_layer_would_get():
+    pol = PrecisionPolicy.from_args("fp8", ["kind:mlp=wgrad=mxfp4+had16"])
+    plan = pol.resolve(NAMES, 12)
+    mlp = dataclasses.replace(_FP8, wgrad=GemmRecipe(_MX, _MX, "had16"))
+    assert plan["decoder.layers.4.mlp.linear_fc1"] == mlp
+    assert plan["decoder.layers.4.self_attention.linear_qkv"] == _FP8
+    assert plan["output_layer"] == LinearPrecision()  # the preset's own output rule still applies
+    assert "over --precision fp8" in plan.rule_for("decoder.layers.4.mlp.linear_fc1")
+    # stacking: a partial rule over a full rule that comes after it, and over another partial rule
+    plan = PrecisionPolicy.from_args("mxfp4", ["first:1=fprop=mxfp4/rceil", "kind:mlp=dgrad=bf16",
+                                               "layers:0-0=fp8"]).resolve(NAMES, 12)
+    fc1_0 = plan["decoder.layers.0.mlp.linear_fc1"]
+    assert fc1_0 == dataclasses.replace(_FP8, fprop=GemmRecipe(*[OperandFormat("mxfp4", scale_rule="rceil")] * 2),
+                                        dgrad=GemmRecipe())
+    assert plan["decoder.layers.0.self_attention.linear_proj"].dgrad == _FP8.dgrad
+
+
+def test_partial_rule_does_not_take_layers_from_later_rules_in_checks():
+    pol = PrecisionPolicy.from_args("fp8", ["kind:mlp=wgrad=mxfp4", "kind:fc1=bf16"])
+    pol.check_rules(12, NAMES)  # the second rule still decides fprop/dgrad of fc1: not shadowed
+    pol = PrecisionPolicy.from_args("fp8", ["kind:mlp=bf16", "kind:fc1=wgrad=mxfp4"])
+    with pytest.raises(SpecError, match="taken by an earlier rule"):
+        pol.check_rules(12, NAMES)
+
+
+def test_partial_spec_and_full_spec_existing_forms_unchanged():
+    assert LinearPrecision.parse("base=fp8,wgrad=mxfp4+had16") == dataclasses.replace(
+        _FP8, wgrad=GemmRecipe(_MX, _MX, "had16"))
+    with pytest.raises(SpecError, match="empty spec"):
+        LinearPrecision.parse(" , ")
