@@ -60,6 +60,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from model.layers import PolicyColumnParallelLinear, PolicyRowParallelLinear
+from model.moe import PolicyRouter, validate_moe
 from model.recompute import RecomputeConfig, RecomputeTransformerBlock
 from model.spec import gpt_block_spec
 
@@ -67,7 +68,7 @@ if TYPE_CHECKING:
     from precision import LinearPrecision
 
 MX_BLOCK = 32  # MX formats scale blocks of 32 elements along a GEMM's contraction axis
-POLICY_LINEARS = (PolicyColumnParallelLinear, PolicyRowParallelLinear)
+POLICY_LINEARS = (PolicyColumnParallelLinear, PolicyRowParallelLinear, PolicyRouter)
 
 
 # ============================================================================================
@@ -100,6 +101,20 @@ class ModelConfig:
     attention_dropout: float = 0.0
     make_vocab_size_divisible_by: int = 128
     kv_quant: str | None = None  # --kv-quant: K and V fake-quantized as the rollout's KV-cache stores them
+    # Mixture of experts (model.moe; Megatron-LM's flags). None experts: a dense model.
+    num_experts: int | None = None  # --num-experts
+    moe_router_topk: int = 2  # --moe-router-topk
+    moe_ffn_hidden_size: int | None = None  # --moe-ffn-hidden-size (None: ffn_hidden_size)
+    moe_shared_expert_intermediate_size: int | None = None  # --moe-shared-expert-intermediate-size
+    moe_layer_freq: int | tuple[int, ...] = 1  # --moe-layer-freq: every N-th layer, or one 0/1 per layer
+    moe_router_load_balancing_type: str = "aux_loss"  # --moe-router-load-balancing-type
+    moe_aux_loss_coeff: float = 0.0  # --moe-aux-loss-coeff
+    moe_z_loss_coeff: float | None = None  # --moe-z-loss-coeff
+    moe_router_score_function: str = "softmax"  # --moe-router-score-function
+    moe_expert_capacity_factor: float | None = None  # --moe-expert-capacity-factor (None: no dropping)
+    moe_token_dispatcher_type: str = "allgather"  # --moe-token-dispatcher-type
+    moe_grouped_gemm: bool = False  # --moe-grouped-gemm (refused: experts are policy linears)
+    moe_router_dtype: str | None = "fp32"  # --moe-router-dtype: the router GEMM's dtype (None: activations')
 
     def __post_init__(self):
         choices = {
@@ -111,6 +126,14 @@ class ModelConfig:
             if getattr(self, field) not in valid:
                 raise ValueError(f"{flag} {getattr(self, field)!r} is not one of {', '.join(valid)}")
 
+
+# ModelConfig MoE fields megatron-core's TransformerConfig takes under the same name (num_experts is
+# TransformerConfig.num_moe_experts; moe_layer_freq a list there when a tuple here).
+MOE_CONFIG_FIELDS = (
+    "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+    "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_score_function",
+    "moe_expert_capacity_factor", "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_router_dtype",
+)  # fmt: skip
 
 # ModelConfig fields megatron-core's TransformerConfig takes under the same name (the rest of the
 # TransformerConfig is derived in transformer_config: activation, parallel layout, dtypes, fusions).
@@ -222,9 +245,18 @@ def transformer_config(
     recompute: RecomputeConfig | None = None,
 ) -> TransformerConfig:
     """The megatron ``TransformerConfig`` for ``cfg`` under the current parallel_state."""
+    moe = {}
+    if cfg.num_experts is not None:
+        freq = cfg.moe_layer_freq
+        moe = {name: getattr(cfg, name) for name in MOE_CONFIG_FIELDS}
+        moe.update(num_moe_experts=cfg.num_experts, moe_layer_freq=freq if isinstance(freq, int) else list(freq),
+                   moe_ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+                   moe_permute_fusion=False, moe_router_fusion=False)
     return TransformerConfig(
         **(recompute.transformer_config_fields() if recompute is not None else {}),
         **{name: getattr(cfg, name) for name in TRANSFORMER_CONFIG_FIELDS},
+        **moe,
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         gated_linear_unit=cfg.activation == "swiglu",
         activation_func=F.silu if cfg.activation == "swiglu" else F.gelu,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
@@ -328,11 +360,16 @@ class PolicyGPTModel(GPTModel):
     def plan_name(self, module_name: str) -> str:
         """The name precision plans, telemetry and quantization seeds use for ``module_name``: the
         module path with the layer numbered *globally* (megatron numbers a pipeline stage's layers
-        from 0 in module paths; ``TransformerLayer.layer_number`` is global and 1-based). Without
-        pipeline parallelism the two are the same."""
+        from 0 in module paths; ``TransformerLayer.layer_number`` is global and 1-based), and an
+        expert numbered globally (``mlp.experts.local_experts.E``: under expert parallelism a rank's
+        local expert 0 is global expert ``rank x experts per rank``). Without pipeline and expert
+        parallelism the names are the module paths."""
         parts = module_name.split(".")
         if parts[:2] == ["decoder", "layers"] and len(parts) > 2:
-            parts[2] = str(self.decoder.layers[int(parts[2])].layer_number - 1)
+            layer = self.decoder.layers[int(parts[2])]
+            parts[2] = str(layer.layer_number - 1)
+            if parts[3:6] == ["mlp", "experts", "local_experts"] and len(parts) > 6:
+                parts[6] = str(layer.mlp.local_expert_indices[int(parts[6])])
         return ".".join(parts)
 
 
@@ -354,6 +391,7 @@ def build_gpt(
     """
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     validate_config(cfg, tp_size)
+    validate_moe(cfg, tp_size, parallel_state.get_expert_model_parallel_world_size(), torch.cuda.is_available())
     if recompute is not None:
         recompute.check(cfg.num_layers // parallel_state.get_pipeline_model_parallel_world_size())
     if sequence_parallel and not torch.cuda.is_available():

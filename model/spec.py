@@ -12,6 +12,9 @@ Megatron-core assembles a transformer layer from a ``ModuleSpec`` whose leaves c
   norm                    ``TorchNorm`` -> ``LayerNorm`` / ``RMSNorm`` (torch's, chosen by
                           ``config.normalization``)
 
+  MLP                     megatron's ``MLP``, or in mixture-of-experts layers ``model.moe.PolicyMoELayer``
+                          (policy router, SequentialMLP experts and shared experts of policy linears)
+
 The output layer is not part of the layer spec; ``model.gpt.PolicyGPTModel`` swaps it in.
 
 Norms and sequence parallelism (SP): megatron's ``WrappedTorchNorm`` refuses SP outright. Our
@@ -41,10 +44,15 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
 
 from model.attention import PortableSelfAttention, SDPAttention
 from model.layers import PolicyColumnParallelLinear, PolicyRowParallelLinear
+from model.moe import expert_mlp_modules, moe_layer_pattern, moe_module_spec
 from model.recompute import checkpoint
 
 
@@ -101,7 +109,8 @@ class RecomputeSelfAttention(PortableSelfAttention):
 
 
 class PolicySpecProvider(BackendSpecProvider):
-    """Backend of policy-routed linears, SDPA core attention and torch norms (no MoE, no TE)."""
+    """Backend of policy-routed linears, SDPA core attention and torch norms (no TE); experts are a
+    ``SequentialMLP`` of policy linears (``model.moe``)."""
 
     def column_parallel_linear(self) -> type:
         return PolicyColumnParallelLinear
@@ -124,7 +133,10 @@ class PolicySpecProvider(BackendSpecProvider):
     def grouped_mlp_modules(
         self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool
     ) -> tuple[type, MLPSubmodules | None]:
-        raise NotImplementedError("mixture-of-experts (--num-experts) is not supported by PolicySpecProvider")
+        if moe_use_grouped_gemm or moe_use_legacy_grouped_gemm:
+            raise ValueError("--moe-grouped-gemm is not supported: experts run as megatron's SequentialMLP of "
+                             "policy linears (one policy GEMM per expert); drop the flag")
+        return expert_mlp_modules()
 
     def activation_func(self) -> type:
         return None  # MLP applies config.activation_func itself
@@ -134,14 +146,19 @@ def gpt_layer_spec(
     backend: BackendSpecProvider | None = None,
     qk_layernorm: bool = False,
     ffn_hidden_size: int | None = None,
+    moe: bool = False,
 ) -> ModuleSpec:
-    """A dense GPT transformer layer (megatron's local spec, non-MLA branch) built from ``backend``."""
+    """A GPT transformer layer (megatron's local spec, non-MLA branch) built from ``backend``: a dense MLP,
+    or with ``moe`` the mixture-of-experts layer of ``model.moe``."""
     backend = backend or PolicySpecProvider()
     norm = backend.layer_norm()
     qk_norm = backend.layer_norm(for_qk=True) if qk_layernorm else IdentityOp
-    mlp = get_mlp_module_spec_for_backend(backend=backend)
-    if ffn_hidden_size is not None:  # megatron warns when the MLP has to fall back to the config's
-        mlp = dataclasses.replace(mlp, params={**mlp.params, "ffn_hidden_size": ffn_hidden_size})
+    if moe:
+        mlp = moe_module_spec()
+    else:
+        mlp = get_mlp_module_spec_for_backend(backend=backend)
+        if ffn_hidden_size is not None:  # megatron warns when the MLP has to fall back to the config's
+            mlp = dataclasses.replace(mlp, params={**mlp.params, "ffn_hidden_size": ffn_hidden_size})
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -172,9 +189,16 @@ def gpt_layer_spec(
 def gpt_block_spec(
     config: TransformerConfig, backend: BackendSpecProvider | None = None, qk_layernorm: bool = False
 ) -> TransformerBlockSubmodules:
-    """The decoder block: this pipeline stage's layers plus the final norm, all from ``backend``."""
+    """The decoder block: this pipeline stage's layers plus the final norm, all from ``backend``. With
+    ``config.num_moe_experts`` the layers ``--moe-layer-freq`` picks are mixture-of-experts layers."""
     backend = backend or PolicySpecProvider()
-    layer = gpt_layer_spec(backend, qk_layernorm=qk_layernorm, ffn_hidden_size=config.ffn_hidden_size)
+    dense = gpt_layer_spec(backend, qk_layernorm=qk_layernorm, ffn_hidden_size=config.ffn_hidden_size)
+    pattern = [0] * config.num_layers
+    if config.num_moe_experts:
+        pattern = moe_layer_pattern(config.num_layers, config.moe_layer_freq)
+        moe = gpt_layer_spec(backend, qk_layernorm=qk_layernorm, moe=True)
+    offset = get_transformer_layer_offset(config)
     return TransformerBlockSubmodules(
-        layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=backend.layer_norm()
+        layer_specs=[moe if pattern[offset + i] else dense for i in range(get_num_layers_to_build(config))],
+        layer_norm=backend.layer_norm(),
     )

@@ -1,0 +1,340 @@
+"""Mixture-of-experts: megatron-core's ``MoELayer`` with every GEMM routed through the precision policy.
+
+A MoE transformer layer replaces the dense MLP by megatron-core 0.16's ``MoELayer``::
+
+    router        PolicyRouter (a TopKRouter)        logits = x . w_routerᵀ   (one policy GEMM)
+    dispatcher    PortableAllGatherTokenDispatcher    all-gather tokens over TP x EP, keep the local experts'
+    experts       SequentialMLP of megatron MLPs      each expert's linear_fc1 / linear_fc2 are policy linears
+    shared        SharedExpertMLP                     its linear_fc1 / linear_fc2 are policy linears
+    combine                                           reduce-scatter over TP x EP, weighted sum of the top-k
+
+So every expert's Fprop, Dgrad and Wgrad, the shared experts' and the router's run under the plan,
+and each has a name the plan's rules select (``precision.policy``: ``kind:expert``, ``kind:router``,
+``kind:shared_expert``, ``experts:A-B``)::
+
+    decoder.layers.L.mlp.router
+    decoder.layers.L.mlp.experts.local_experts.E.linear_fc1   (E: the *global* expert index, any EP size)
+    decoder.layers.L.mlp.shared_experts.linear_fc1
+
+Plan names number experts globally (``model.gpt.PolicyGPTModel.plan_name``): under expert parallelism
+(EP) a rank's ``local_experts.0`` is global expert ``rank x experts-per-rank``, and its quantization
+state is seeded from that name, so stochastic rounding draws the same numbers at any EP size.
+
+The router's GEMM runs in ``--moe-router-dtype`` (FP32 by default, as Megatron recommends) and, unless a
+rule says otherwise, under the FP32 recipe (every preset's built-in ``kind:router=fp32``, like the output
+layer's rule): a quantized router GEMM is an explicit choice (``--precision-rule kind:router=mxfp4``).
+
+What megatron-core 0.16 assumes about CUDA on this path, and what we do (checked on CPU, written for CUDA):
+  - ``Router.gating`` moves a CPU weight to ``torch.cuda.current_device()``: ``PolicyRouter.gating``
+    computes the logits with ``policy_linear`` on the weight's own device.
+  - ``TopKRouter`` allocates the expert-bias and global-aux-loss buffers on CUDA: those options
+    (``--moe-router-enable-expert-bias``, ``global_aux_loss``) are not offered.
+  - The all-gather dispatcher's gather / reduce-scatter allocate their outputs on CUDA (megatron's
+    ``tensor_parallel.mappings``): ``PortableAllGatherTokenDispatcher`` gathers into the tokens' device
+    with ``torch.distributed.all_gather`` and reduce-scatters as an all-reduce plus this rank's slice
+    (gloo has no reduce-scatter).
+  - Tensor parallelism without sequence parallelism (SP is CUDA-only in megatron-core 0.16, ``model.spec``):
+    megatron's dispatcher expects each TP rank to hold a different slice of the tokens. Here every TP
+    rank holds all of them, so the dispatcher takes its rank's slice first (as SP would have given it)
+    and all-gathers the combined output back (backward: the slice of the replicated gradient). The
+    router and the shared experts see all tokens on every rank; the router's aux-loss token counts are
+    then not summed over TP (they are whole already) and its z-loss not divided by TP, so the router's
+    gradient is the TP=1 gradient on every rank without a TP all-reduce. ``MoELayer.forward`` refuses
+    this layout outright (a performance warning raised as an error); ``PolicyMoELayer.forward`` runs it.
+  - gloo has no all-to-all: ``--moe-token-dispatcher-type alltoall`` (megatron's, for NCCL) runs on CUDA
+    only; ``flex`` needs DeepEP (CUDA).
+
+The aux and z losses reach the training loss the way megatron adds them: ``MoEAuxLossAutoScaler``
+attaches each to the router's output, and its backward feeds ``main_loss_backward_scale`` (1 unless set)
+as the gradient of the aux loss -- ``set_aux_loss_scale(1 / micro-batches)`` matches megatron's schedules.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_default_pg_collection
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from model.layers import PolicyColumnParallelLinear, PolicyRowParallelLinear, _PolicyLinearMixin
+from precision.state import LayerQuantState
+
+__all__ = ["PolicyMoELayer", "PolicyRouter", "PortableAllGatherTokenDispatcher", "moe_layer_pattern", "validate_moe",
+           "moe_module_spec", "set_aux_loss_scale"]
+
+ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
+# ============================================================================================
+# Collectives that allocate on the tokens' device (gloo on CPU, NCCL on CUDA)
+# ============================================================================================
+
+
+def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(group.size())]
+    torch.distributed.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=0)
+
+
+def _slice(x: torch.Tensor, group) -> torch.Tensor:
+    n = x.shape[0] // group.size()
+    return x[group.rank() * n:(group.rank() + 1) * n].contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    total = x.contiguous().clone()
+    torch.distributed.all_reduce(total, group=group)
+    return _slice(total, group)
+
+
+class _Gather(torch.autograd.Function):
+    """All-gather along dim 0; backward reduce-scatters (``"sum"``: each rank's copy of the gathered
+    tensor had its own gradient) or slices (``"slice"``: the gradient is replicated on every rank)."""
+
+    @staticmethod
+    def forward(ctx, x, group, backward):
+        ctx.group, ctx.backward = group, backward
+        return _all_gather(x, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return (_reduce_scatter(dy, ctx.group) if ctx.backward == "sum" else _slice(dy, ctx.group)), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """Sum over ranks, keep this rank's slice of dim 0; backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _all_gather(dy, ctx.group), None
+
+
+class _Slice(torch.autograd.Function):
+    """This rank's slice of a TP-replicated tensor; backward all-gathers the slices' gradients."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _slice(x, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _all_gather(dy, ctx.group), None
+
+
+# ============================================================================================
+# Router, dispatcher, layer
+# ============================================================================================
+
+
+class PolicyRouter(_PolicyLinearMixin, TopKRouter):
+    """megatron's ``TopKRouter`` whose gating GEMM (``logits = x . wᵀ``, ``[T, hidden] -> [T, experts]``)
+    is a policy GEMM on the weight's own device. Replicated over TP: its quantization state has no TP
+    layout. Without sequence parallelism every TP rank routes all tokens, so the aux-loss token counts
+    and the z-loss take no TP reduction (module docstring)."""
+
+    def __init__(self, config, pg_collection=None):
+        super().__init__(config=config, pg_collection=pg_collection)
+        self._init_policy(config)
+        if self.tp_group.size() > 1 and not config.sequence_parallel:
+            self.tp_cp_group = pg_collection.cp
+
+    @property
+    def input_size(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def output_size(self) -> int:
+        return self.weight.shape[0]
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        dtype = ROUTER_DTYPES.get(self.config.moe_router_dtype, input.dtype)
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return self._policy_gemm(input.to(dtype), self.weight.to(dtype), bias)
+
+    def set_layer_name(self, name: str, seed: int = 0) -> None:
+        self.layer_name = name
+        self.quant_state = LayerQuantState(seed=seed, name=name)  # replicated weight: no TP layout
+
+    __repr__ = torch.nn.Module.__repr__
+
+
+class PortableAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
+    """megatron's all-gather dispatcher with collectives on the tokens' device; under TP without SP it
+    takes this TP rank's slice of the (replicated) tokens first and gathers the output back."""
+
+    def __init__(self, *args, pg_collection=None, **kwargs):
+        super().__init__(*args, pg_collection=pg_collection, **kwargs)
+        self.attn_tp_group = pg_collection.tp
+        self.slice_tp = self.attn_tp_group.size() > 1 and not self.config.sequence_parallel
+
+    def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        hidden_states, probs = super().dispatch_preprocess(hidden_states, routing_map, probs)
+        if self.slice_tp:
+            tokens = hidden_states.shape[0]
+            if tokens % self.attn_tp_group.size():
+                raise ValueError(f"MoE layer: {tokens} tokens per micro-batch are not divisible by "
+                                 f"--tensor-model-parallel-size {self.attn_tp_group.size()}")
+            hidden_states = _Slice.apply(hidden_states, self.attn_tp_group)
+            probs = _Slice.apply(probs, self.attn_tp_group)
+            self.routing_map = _slice(self.routing_map, self.attn_tp_group)
+        return hidden_states, probs
+
+    def token_dispatch(self, hidden_states, probs):
+        if self.tp_size > 1 or self.ep_size > 1:
+            with torch.no_grad():
+                self.routing_map = _all_gather(self.routing_map, self.tp_ep_group)
+            probs = _Gather.apply(probs, self.tp_ep_group, "sum")
+            hidden_states = _Gather.apply(hidden_states, self.tp_ep_group, "sum")
+        return hidden_states, probs
+
+    def token_combine(self, hidden_states):
+        if self.tp_size > 1 or self.ep_size > 1:
+            dtype = hidden_states.dtype
+            hidden_states = _ReduceScatter.apply(hidden_states.to(self.local_probs.dtype), self.tp_ep_group).to(dtype)
+        if self.slice_tp:
+            hidden_states = _Gather.apply(hidden_states, self.attn_tp_group, "slice")
+        return hidden_states
+
+
+class PolicyMoELayer(MoELayer):
+    """megatron's ``MoELayer`` with the portable all-gather dispatcher; forward is megatron's route ->
+    dispatch -> experts -> combine without CUDA graphs or MoE recomputation, and runs TP without SP."""
+
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None):
+        pg_collection = pg_collection or get_default_pg_collection()
+        super().__init__(config, submodules, layer_number, pg_collection)
+        if config.moe_token_dispatcher_type == "allgather":
+            self.token_dispatcher = PortableAllGatherTokenDispatcher(
+                self.num_local_experts, self.local_expert_indices, config=config, pg_collection=pg_collection)
+
+    def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+        if intermediate_tensors is not None:
+            raise ValueError("PolicyMoELayer: partial CUDA-graph capture (intermediate_tensors) is not supported")
+        if padding_mask is not None:
+            padding_mask = padding_mask.transpose(0, 1).bool()
+        shared = self.shared_experts_compute(hidden_states)
+        probs, routing_map = self.route(hidden_states, padding_mask)
+        hidden_states, probs = self.preprocess(hidden_states, probs, routing_map)
+        dispatched, probs = self.dispatch(hidden_states, probs)
+        output, mlp_bias = self.routed_experts_compute(dispatched, probs)
+        output = self.combine(output)
+        return self.postprocess(output, shared), mlp_bias
+
+
+def set_aux_loss_scale(scale: float, device: torch.device | str = "cpu") -> None:
+    """The gradient the aux and z losses get in backward (megatron's schedules set 1 / micro-batches)."""
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(float(scale), device=device))
+
+
+# ============================================================================================
+# Specs
+# ============================================================================================
+
+
+def expert_mlp_modules() -> tuple[type, MLPSubmodules]:
+    """Experts as megatron's ``SequentialMLP`` of MLPs whose fc1 / fc2 are policy linears."""
+    return SequentialMLP, MLPSubmodules(linear_fc1=PolicyColumnParallelLinear, linear_fc2=PolicyRowParallelLinear)
+
+
+def moe_module_spec() -> ModuleSpec:
+    """The MoE MLP of a transformer layer: policy router, SequentialMLP experts, shared experts."""
+    experts, expert_submodules = expert_mlp_modules()
+    shared = MLPSubmodules(linear_fc1=PolicyColumnParallelLinear, linear_fc2=PolicyRowParallelLinear)
+    return ModuleSpec(
+        module=PolicyMoELayer,
+        submodules=MoESubmodules(experts=ModuleSpec(module=experts, submodules=expert_submodules),
+                                 shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=shared),
+                                 router=PolicyRouter),
+    )
+
+
+def moe_layer_pattern(num_layers: int, freq: int | list[int]) -> list[int]:
+    """Megatron's ``--moe-layer-freq``: an int N makes every N-th layer (0, N, 2N, ...) MoE; a list gives
+    one 0/1 per layer."""
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(num_layers)]
+    return list(freq)
+
+
+# ============================================================================================
+# Validation
+# ============================================================================================
+
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")  # global_aux_loss: CUDA buffers
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+DISPATCHERS = ("allgather", "alltoall")  # flex needs DeepEP
+MX_BLOCK = 32
+
+
+def validate_moe(cfg, tp_size: int, ep_size: int, cuda: bool) -> None:
+    """Raise ValueError (one line naming the Megatron-LM flag and what is valid) if ``cfg``'s
+    mixture-of-experts settings cannot run at ``tp_size`` x ``ep_size`` (``cuda``: on a GPU)."""
+    n = cfg.num_experts
+    if n is None:
+        given = [flag for flag, v in (("--moe-ffn-hidden-size", cfg.moe_ffn_hidden_size),
+                                      ("--moe-shared-expert-intermediate-size", cfg.moe_shared_expert_intermediate_size),
+                                      ("--moe-expert-capacity-factor", cfg.moe_expert_capacity_factor)) if v is not None]
+        if given:
+            raise ValueError(f"{given[0]} needs --num-experts (a mixture-of-experts model)")
+        if ep_size > 1:
+            raise ValueError(f"--expert-model-parallel-size {ep_size} needs --num-experts (a mixture-of-experts model)")
+        return
+    if n < 1:
+        raise ValueError(f"--num-experts {n} must be at least 1")
+    if not 1 <= cfg.moe_router_topk <= n:
+        raise ValueError(f"--moe-router-topk {cfg.moe_router_topk} must be between 1 and --num-experts {n}")
+    if n % ep_size:
+        raise ValueError(f"--num-experts {n} is not divisible by --expert-model-parallel-size {ep_size}")
+    tp = f"--tensor-model-parallel-size {tp_size}"
+    sizes = [("--moe-ffn-hidden-size", cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size)]
+    if cfg.moe_shared_expert_intermediate_size is not None:
+        sizes.append(("--moe-shared-expert-intermediate-size", cfg.moe_shared_expert_intermediate_size))
+    for flag, size in sizes:
+        if size <= 0 or size % (MX_BLOCK * tp_size):
+            raise ValueError(f"{flag} {size} / {tp} must be a positive multiple of {MX_BLOCK} per rank "
+                             "(MX block size along the experts' fc2 contraction)")
+    freq = cfg.moe_layer_freq
+    if isinstance(freq, int):
+        if freq < 1:
+            raise ValueError(f"--moe-layer-freq {freq} must be at least 1 (every N-th layer) or a list of 0/1")
+    elif len(freq) != cfg.num_layers or set(freq) - {0, 1} or not any(freq):
+        raise ValueError(f"--moe-layer-freq {list(freq)}: needs one 0/1 per layer (--num-layers {cfg.num_layers}) "
+                         "with at least one 1")
+    lb = cfg.moe_router_load_balancing_type
+    if lb not in LOAD_BALANCING_TYPES:
+        raise ValueError(f"--moe-router-load-balancing-type {lb!r} is not one of {', '.join(LOAD_BALANCING_TYPES)}")
+    if lb == "sinkhorn" and (cfg.moe_aux_loss_coeff or cfg.moe_expert_capacity_factor is not None):
+        raise ValueError("--moe-router-load-balancing-type sinkhorn takes no --moe-aux-loss-coeff and no "
+                         "--moe-expert-capacity-factor; use aux_loss, seq_aux_loss or none")
+    for flag, v in (("--moe-aux-loss-coeff", cfg.moe_aux_loss_coeff), ("--moe-z-loss-coeff", cfg.moe_z_loss_coeff)):
+        if v is not None and v < 0:
+            raise ValueError(f"{flag} {v} must be non-negative")
+    if cfg.moe_router_score_function not in SCORE_FUNCTIONS:
+        raise ValueError(f"--moe-router-score-function {cfg.moe_router_score_function!r} is not one of "
+                         f"{', '.join(SCORE_FUNCTIONS)}")
+    if cfg.moe_expert_capacity_factor is not None and cfg.moe_expert_capacity_factor <= 0:
+        raise ValueError(f"--moe-expert-capacity-factor {cfg.moe_expert_capacity_factor} must be positive "
+                         "(leave it out for no token dropping)")
+    d = cfg.moe_token_dispatcher_type
+    if d not in DISPATCHERS:
+        raise ValueError(f"--moe-token-dispatcher-type {d!r} is not one of {', '.join(DISPATCHERS)} "
+                         "(flex needs DeepEP)")
+    if d == "alltoall" and not cuda and (tp_size > 1 or ep_size > 1):
+        raise ValueError("--moe-token-dispatcher-type alltoall needs CUDA (NCCL all-to-all; gloo has none); "
+                         "use allgather on CPU")
+    if cfg.moe_grouped_gemm:
+        raise ValueError("--moe-grouped-gemm is not supported: experts run as megatron's SequentialMLP of policy "
+                         "linears (one policy GEMM per expert); drop the flag")
+    if cfg.moe_router_dtype not in (*ROUTER_DTYPES, None):
+        raise ValueError(f"--moe-router-dtype {cfg.moe_router_dtype!r} is not one of {', '.join(ROUTER_DTYPES)}")
