@@ -13,8 +13,14 @@ Selectors (all anchored -- ``decoder.layers.1.*`` never matches layer 10):
 ``first:N``        the linears of transformer layers 0 .. N-1
 ``last:N``         the linears of the last N transformer layers
 ``layers:A-B``     the linears of transformer layers A .. B (inclusive)
-``kind:K``         by module kind: qkv, proj, fc1, fc2, output, attention (qkv+proj), mlp (fc1+fc2)
+``kind:K``         by module kind: qkv, proj, fc1, fc2, output, attention (qkv+proj), mlp (fc1+fc2);
+                   in mixture-of-experts layers: expert (every routed expert's fc1+fc2),
+                   expert_fc1, expert_fc2, shared_expert (fc1+fc2), router
+``experts:A-B``    the linears of routed experts A .. B (global expert numbers)
+``S1,S2``          both: ``kind:expert_fc2,layers:0-1``, ``experts:0-3,layers:2-3``
 =================  ==============================================================
+
+``kind:fc1`` / ``fc2`` / ``mlp`` take any linear of that name, routed and shared experts' included.
 
 On the command line a rule is ``SELECTOR=VALUE`` where VALUE is a preset name or a per-GEMM spec
 (``--precision-rule first:2=bf16``, ``--precision-rule 'kind:mlp=base=fp8,wgrad=mxfp4+had16'``).
@@ -68,7 +74,16 @@ KINDS = {
     "attention": ("linear_qkv", "linear_proj"),
     "mlp": ("linear_fc1", "linear_fc2"),
 }
+_EXPERT_KINDS = {  # kind -> (module path fragment, last name or None for any)
+    "expert": (".mlp.experts.", None),
+    "expert_fc1": (".mlp.experts.", "linear_fc1"),
+    "expert_fc2": (".mlp.experts.", "linear_fc2"),
+    "shared_expert": (".mlp.shared_experts.", None),
+    "router": (".mlp.", "router"),
+}
+KINDS.update({k: () for k in _EXPERT_KINDS})
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_EXPERT_RE = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 _SPEC_FILE_KEYS = ("base", "fprop", "dgrad", "wgrad")
 _PLAN_FILE_KEYS = ("default", "linears", "rules", "metadata")
 
@@ -284,9 +299,18 @@ class Rule:
     def __post_init__(self):
         self._check_selector()
 
+    def _parts(self) -> list["Rule"]:
+        return [Rule(part.strip(), self.precision, self.label) for part in self.selector.split(",")]
+
     def _check_selector(self) -> None:
+        if "," in self.selector:
+            self._parts()
+            return
         kind, _, arg = self.selector.partition(":")
-        if kind in ("first", "last"):
+        if kind == "experts":
+            if not re.fullmatch(r"\d+-\d+", arg) or int(arg.split("-")[0]) > int(arg.split("-")[1]):
+                raise SpecError(f"rule {self.selector!r}: experts:A-B needs two integers A <= B, e.g. experts:0-3")
+        elif kind in ("first", "last"):
             if not arg.isdigit():
                 raise SpecError(f"rule {self.selector!r}: {kind}:N needs a non-negative integer N")
         elif kind == "layers":
@@ -309,6 +333,8 @@ class Rule:
 
     def range_problem(self, num_layers: int) -> str | None:
         """Why this rule's layer numbers select nothing in a model of ``num_layers`` layers, or None."""
+        if "," in self.selector:
+            return next(filter(None, (p.range_problem(num_layers) for p in self._parts())), None)
         kind, _, arg = self.selector.partition(":")
         if kind in ("first", "last") and not 1 <= int(arg) <= num_layers:
             return f"the model has {num_layers} layers ({kind}:1 .. {kind}:{num_layers})"
@@ -317,7 +343,16 @@ class Rule:
         return None
 
     def matches(self, name: str, num_layers: int) -> bool:
+        if "," in self.selector:
+            return all(p.matches(name, num_layers) for p in self._parts())
         kind, _, arg = self.selector.partition(":")
+        if kind == "experts":
+            m = _EXPERT_RE.search(name)
+            lo, hi = (int(v) for v in arg.split("-"))
+            return m is not None and lo <= int(m.group(1)) <= hi
+        if kind == "kind" and arg in _EXPERT_KINDS:
+            fragment, last = _EXPERT_KINDS[arg]
+            return fragment in f".{name}" and (last is None or name.rsplit(".", 1)[-1] == last)
         idx = layer_index(name)
         if kind == "first":
             return idx is not None and idx < int(arg)

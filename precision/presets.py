@@ -214,9 +214,10 @@ def default_rules(name: str) -> list[tuple[str, str]]:
 
     Selectors use :class:`precision.policy.PrecisionPolicy`'s syntax. Every preset keeps the output
     layer in BF16 (a rule the user overrides with their own, which come first), except ``fp32``,
-    which keeps it in FP32.
+    which keeps it in FP32; and every preset keeps a mixture-of-experts router's GEMM in FP32 (Megatron
+    keeps ``--moe-router-dtype fp32``): quantizing the routing is a rule the user writes.
     """
-    rules = [("kind:output", "fp32" if name == "fp32" else "bf16")]
+    rules = [("kind:output", "fp32" if name == "fp32" else "bf16"), ("kind:router", "fp32")]
     if name == "hif8_w8a8":
         rules = [("first:3", "bf16"), ("last:2", "bf16"), ("kind:qkv", "bf16"), ("kind:proj", "bf16")] + rules
     return rules
