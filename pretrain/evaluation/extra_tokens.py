@@ -11,9 +11,14 @@ both ways on the smoothed training-loss curves instead (``crossing_extra_pct``):
   run ``S_t`` for it, so it costs ``S_t / s_b - 1`` (> 0);
 * a **better** one: the treatment reached ``L_b`` at step ``s_t``, so ``s_t / S_b - 1`` (< 0).
 
-Swapping the two runs turns ``1 + x`` into ``1 / (1 + x)``: the baseline against an independent
-draw of itself is centred on 0. Both crossings always exist (the curve that must cross ends at or
-below the target), also for runs of different lengths, so no seed is left out as "not reached".
+Swapping the two runs turns ``1 + x`` into ``1 / (1 + x)``, so it is ``log(1 + x)`` whose
+distribution is symmetric about 0 when the two treatments are the same (exchangeable runs); ``x``
+itself is not centred (a ratio and its inverse: +25 % one way is -20 % the other, so the mean of
+``x`` over seeds of identical treatments drifts above 0, the more the noisier the curves' ends).
+``summarize_extra`` therefore averages and tests ``log(1 + x)`` and reports the back-transformed
+mean and interval, ``100 * (exp(.) - 1)`` (the geometric mean ratio; the interval is asymmetric).
+Both crossings always exist (the curve that must cross ends at or below the target), also for runs
+of different lengths, so no seed is left out as "not reached".
 
 Beside it, a fitted loss curve ``L(D) = E + A * D**-alpha`` per run (``fit_power_law``) gives the
 token ratio at the baseline's final loss, ``D_t(L_b) / D_b(L_b)`` (``fitted_extra_pct``), marked
@@ -39,7 +44,8 @@ import math
 from dataclasses import dataclass
 
 __all__ = ["DescentGap", "ExtraSummary", "ExtraTokens", "PowerLaw", "crossing_extra_pct", "crossing_step",
-           "descent_gap", "fit_power_law", "fitted_extra_pct", "interpolate", "summarize_extra"]
+           "descent_gap", "fit_power_law", "fitted_extra_pct", "from_log_ratio", "interpolate", "log_ratio",
+           "summarize_extra"]
 
 
 @dataclass(frozen=True)
@@ -210,13 +216,27 @@ def fitted_extra_pct(run_fit: PowerLaw | None, base_fit: PowerLaw | None, base_f
     return ExtraTokens(100.0 * (d_t / d_b - 1.0), extrapolated=d_t > run_fit.d_max * 1.0001)
 
 
+def log_ratio(pct: float) -> float:
+    """``log(1 + pct / 100)``: the scale on which extra tokens are averaged and tested (NaN at or
+    below -100 %)."""
+    return math.log1p(pct / 100.0) if pct > -100.0 else math.nan
+
+
+def from_log_ratio(y: float) -> float:
+    """The inverse of ``log_ratio``: % extra tokens."""
+    return 100.0 * math.expm1(y) if math.isfinite(y) else y
+
+
 @dataclass(frozen=True)
 class ExtraSummary:
-    """Extra tokens of one grid point over its seeds: a t interval over the seeds only where every
-    seed has a value (none censored, none diverged); otherwise the mean of the values (a lower bound
-    when some are) and no interval."""
+    """Extra tokens of one grid point over its seeds. ``log_interval``: the t interval of
+    ``log(1 + x)`` over the surviving seeds (what tests and verdicts use); ``interval``: its mean and
+    bounds back-transformed to % (``mean`` is the geometric-mean ratio minus 1). With a censored seed
+    the mean is a lower bound and there is no interval; diverged seeds are not in the mean (the
+    survivors') and are counted in the table's rank test (``pretrain.evaluation.stats.rank_test``)."""
 
-    interval: object  # pretrain.evaluation.stats.Interval over the seeds' values
+    interval: object  # pretrain.evaluation.stats.Interval, back-transformed (%), sd NaN
+    log_interval: object  # pretrain.evaluation.stats.Interval over log(1 + x)
     censored: int  # seeds whose value is a lower bound
     extrapolated: int  # seeds whose (fitted) value lies beyond their run
     diverged: int  # seeds without a value because the run diverged
@@ -231,24 +251,31 @@ class ExtraSummary:
         if self.extrapolated:
             notes.append(f"{self.extrapolated} of {iv.n} extrapolated")
         if self.diverged:
-            notes.append(f"{self.diverged} diverged, not included")
+            notes.append(f"survivors' mean: {self.diverged} of {iv.n + self.diverged} seeds diverged, "
+                         "counted as the worst outcome in the rank test")
         if self.censored:
             head = f"> {iv.mean:+.{digits}f}"
+        elif iv.n < 2:
+            head = f"{iv.mean:+.{digits}f} (1 seed)"
         else:
-            head = iv.text(digits, seeds=True)
+            head = f"{iv.mean:+.{digits}f} [{iv.lo:+.{digits}f}, {iv.hi:+.{digits}f}] ({iv.n} seeds)"
         return head + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def summarize_extra(values: list[ExtraTokens], diverged: int = 0, confidence: float = 0.95) -> ExtraSummary:
-    """``ExtraSummary`` of one grid point's per-seed values (NaN values are left out)."""
+    """``ExtraSummary`` of one grid point's per-seed values (NaN values are left out): the mean and t
+    interval of ``log(1 + x)``, back-transformed (module docstring)."""
     from pretrain.evaluation.stats import Interval, paired_interval
 
     vals = [v for v in values if math.isfinite(v.pct)]
     censored = sum(v.censored for v in vals)
     extrapolated = sum(v.extrapolated for v in vals)
+    logs = [log_ratio(v.pct) for v in vals]
     if censored:
-        mean = sum(v.pct for v in vals) / len(vals)
-        iv = Interval(mean, math.nan, math.nan, len(vals), math.nan, confidence)
+        mean = sum(logs) / len(logs)
+        log_iv = Interval(mean, math.nan, math.nan, len(vals), math.nan, confidence)
     else:
-        iv = paired_interval([v.pct for v in vals], confidence)
-    return ExtraSummary(iv, censored, extrapolated, diverged)
+        log_iv = paired_interval(logs, confidence)
+    iv = Interval(from_log_ratio(log_iv.mean), from_log_ratio(log_iv.lo), from_log_ratio(log_iv.hi), log_iv.n,
+                  math.nan, confidence, log_iv.excluded)
+    return ExtraSummary(iv, log_iv, censored, extrapolated, diverged)

@@ -22,7 +22,13 @@ Verdicts (``gap_verdict``, the one function every results table uses):
 * ``not shown to differ``: neither. The interval contains 0 (or Holm's adjustment removed the
   difference): the data do not tell the precisions apart. It never means "free".
 * ``diverged in k of n seeds``: a seed whose gap is not finite (NaN/Inf loss) is a result, never
-  averaged away; the interval beside it is over the other seeds and says so.
+  averaged away; the interval beside it is the survivors' and says so. A divergence is the worst
+  outcome, so it counts in the test: with a ``RankTest`` (an exact two-sample rank test of the
+  per-seed outcomes, a diverged seed ranked +inf; ``rank_test``) the verdict reads e.g.
+  ``worse (diverged in 3 of 4 seeds; rank test)``.
+* With an equivalence margin both verdicts are printed, the difference first:
+  ``worse; equivalent (±m)`` (shown to differ, and by less than m), ``not shown to differ; not shown
+  equivalent (±m)`` (the data say neither).
 * ``1 seed: no interval``, ``n/a`` (no pair), ``baseline``.
 
 An interval says how many seeds it used (``Interval.n``) and how many it left out
@@ -36,7 +42,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["ALPHA", "Interval", "gap_verdict", "holm_adjust", "paired_batch_se", "paired_interval", "spread",
+__all__ = ["ALPHA", "Interval", "RankTest", "gap_verdict", "rank_test", "holm_adjust", "paired_batch_se", "paired_interval", "spread",
            "t_quantile", "table_verdicts", "tost_p_value"]
 
 ALPHA = 0.05  # family-wise error rate of a table's verdicts
@@ -95,9 +101,10 @@ class Interval:
             return "n/a"
         total = self.n + self.excluded
         of = f" of {total}" if self.excluded else ""
+        who = "survivors' mean, " if self.excluded else ""
         if self.n < 2:
-            return f"{self.mean:+.{digits}f}{unit} (1{of} seed)"
-        tail = f" ({self.n}{of} seeds)" if seeds or self.excluded else ""
+            return f"{self.mean:+.{digits}f}{unit} ({who}1{of} seed)"
+        tail = f" ({who}{self.n}{of} seeds)" if seeds or self.excluded else ""
         return f"{self.mean:+.{digits}f}{unit} ± {self.half_width:.{digits}f}{tail}"
 
 
@@ -164,13 +171,48 @@ def holm_adjust(p_values: list[float]) -> list[float]:
     return out
 
 
+@dataclass(frozen=True)
+class RankTest:
+    """An exact two-sample rank test of per-seed outcomes (``rank_test``): ``p`` two-sided, and
+    whether the treatment's outcomes rank ``higher`` than the baseline's."""
+
+    p: float
+    higher: bool
+
+
+def rank_test(treatment: list[float], baseline: list[float]) -> RankTest:
+    """Wilcoxon-Mann-Whitney by exact permutation of the pooled ranks (midranks for ties), a
+    diverged seed's outcome (NaN or +inf) ranked above every finite one: the test that counts a
+    divergence as the worst outcome instead of leaving it out. With 4 seeds a side the smallest
+    two-sided p is 2/70 = 0.029 (every treatment seed above every baseline seed)."""
+    import numpy as np
+    from scipy.stats import permutation_test, rankdata
+
+    def worst(v: float) -> float:
+        return math.inf if v is None or math.isnan(v) else float(v)
+
+    a, b = [worst(v) for v in treatment], [worst(v) for v in baseline]
+    if len(a) < 2 or len(b) < 2:  # one seed a side: no test
+        return RankTest(math.nan, False)
+    ranks = rankdata(a + b)
+    ra, rb = ranks[:len(a)], ranks[len(a):]
+    if np.all(ranks == ranks[0]):
+        return RankTest(1.0, False)
+    res = permutation_test((ra, rb), lambda x, y, axis: np.mean(x, axis=axis) - np.mean(y, axis=axis),
+                           permutation_type="independent", n_resamples=20000, vectorized=True,
+                           rng=np.random.default_rng(0))
+    return RankTest(float(res.pvalue), bool(ra.mean() > rb.mean()))
+
+
 def gap_verdict(gap: Interval, is_baseline: bool, higher_is_better: bool = False, *,
                 p_adjusted: float | None = None, tost_adjusted: float | None = None,
-                margin: float | None = None, alpha: float = ALPHA) -> str:
-    """The word a results table prints beside a paired gap (see the module docstring):
+                margin: float | None = None, alpha: float = ALPHA, rank: RankTest | None = None) -> str:
+    """The words a results table prints beside a paired gap (see the module docstring):
     ``baseline``, ``n/a`` (no pair), ``diverged in k of n seeds`` (non-finite gaps; never averaged
-    away), ``1 seed: no interval``, ``worse``/``better`` (a loss gap: higher is worse; an accuracy or
-    reward gap: ``higher_is_better``), ``equivalent (±m)`` or ``not shown to differ``.
+    away; with ``rank``, the rank test's verdict before it), ``1 seed: no interval``, then the
+    difference verdict -- ``worse``/``better`` (a loss gap: higher is worse; an accuracy or reward
+    gap: ``higher_is_better``) or ``not shown to differ`` -- and, with a ``margin``, the
+    equivalence verdict after it: ``; equivalent (±m)`` or ``; not shown equivalent (±m)``.
 
     ``p_adjusted`` / ``tost_adjusted``: the gap's Holm-adjusted two-sided and equivalence p-values
     over its table (``table_verdicts``); without them the unadjusted interval decides (one
@@ -179,7 +221,13 @@ def gap_verdict(gap: Interval, is_baseline: bool, higher_is_better: bool = False
     if is_baseline:
         return "baseline"
     if gap.excluded:
-        return f"diverged in {gap.excluded} of {gap.n + gap.excluded} seeds"
+        div = f"diverged in {gap.excluded} of {gap.n + gap.excluded} seeds"
+        if rank is None or not math.isfinite(rank.p):
+            return div
+        p = rank.p if p_adjusted is None else p_adjusted
+        if p < alpha:
+            return f"{'better' if rank.higher == higher_is_better else 'worse'} ({div}; rank test)"
+        return f"not shown to differ ({div}; rank test)"
     if gap.n == 0:
         return "n/a"
     if gap.within_noise is None:
@@ -187,25 +235,32 @@ def gap_verdict(gap: Interval, is_baseline: bool, higher_is_better: bool = False
     direction = "better" if (gap.mean > 0) == higher_is_better else "worse"
     p = gap.p_value() if p_adjusted is None else p_adjusted
     if not gap.within_noise and p < alpha:
-        return direction
-    if margin is not None:
-        q = tost_p_value(gap, margin) if tost_adjusted is None else tost_adjusted
-        if q < alpha:
-            return f"equivalent (±{margin:g})"
-    if not gap.within_noise:
-        return f"not shown to differ (unadjusted: {direction})"
-    return "not shown to differ"
+        verdict = direction
+    elif not gap.within_noise:
+        verdict = f"not shown to differ (unadjusted: {direction})"
+    else:
+        verdict = "not shown to differ"
+    if margin is None:
+        return verdict
+    q = tost_p_value(gap, margin) if tost_adjusted is None else tost_adjusted
+    return f"{verdict}; {'equivalent' if q < alpha else 'not shown equivalent'} (±{margin:g})"
 
 
 def table_verdicts(gaps: list[Interval], is_baseline: list[bool], higher_is_better: bool = False,
-                   margin: float | None = None, alpha: float = ALPHA) -> list[str]:
+                   margin: float | None = None, alpha: float = ALPHA,
+                   ranks: list[RankTest | None] | None = None) -> list[str]:
     """``gap_verdict`` for every row of one table, Holm-adjusted over the table's comparisons (the
-    rows that are not the baseline and have an interval), for the difference tests and, with a
-    ``margin``, separately for the equivalence tests."""
+    rows that are not the baseline and have an interval, and the rows with diverged seeds that
+    carry a ``RankTest`` in ``ranks``), for the difference tests and, with a ``margin``, separately
+    for the equivalence tests (rows without diverged seeds)."""
+    ranks = ranks or [None] * len(gaps)
     live = [not b and g.n >= 2 and not g.excluded for g, b in zip(gaps, is_baseline)]
-    p = holm_adjust([g.p_value() if ok else math.nan for g, ok in zip(gaps, live)])
+    ranked = [not b and g.excluded > 0 and r is not None and math.isfinite(r.p)
+              for g, b, r in zip(gaps, is_baseline, ranks)]
+    p = holm_adjust([g.p_value() if ok else (r.p if rk else math.nan)
+                     for g, ok, rk, r in zip(gaps, live, ranked, ranks)])
     q = (holm_adjust([tost_p_value(g, margin) if ok else math.nan for g, ok in zip(gaps, live)])
          if margin is not None else [None] * len(gaps))
-    return [gap_verdict(g, b, higher_is_better, p_adjusted=pi if ok else None, tost_adjusted=qi if ok else None,
-                        margin=margin, alpha=alpha)
-            for g, b, ok, pi, qi in zip(gaps, is_baseline, live, p, q)]
+    return [gap_verdict(g, b, higher_is_better, p_adjusted=pi if (ok or rk) else None,
+                        tost_adjusted=qi if ok else None, margin=margin, alpha=alpha, rank=r)
+            for g, b, ok, rk, pi, qi, r in zip(gaps, is_baseline, live, ranked, p, q, ranks)]

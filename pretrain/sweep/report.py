@@ -188,7 +188,7 @@ def _descent_csv_row(s: dict, published: dict | None) -> list:
     e, x = s["excess_loss"], s["_extra"].interval
     return [s["point"], s["precision"], s["seeds"], s["window"][0], s["window"][1], *s["baseline_loss_at"],
             e.mean, e.lo, e.hi, e.p_value(), s["verdict_excess"], x.mean, x.lo, x.hi, s["_extra"].censored,
-            x.p_value(), s["verdict_extra"], s["diverged"],
+            s["_extra"].log_interval.p_value(), s["verdict_extra"], s["diverged"],
             (published or {}).get("extra_tokens", {}).get(s["precision"], "")]
 
 
@@ -232,7 +232,9 @@ def write_tables(out: Path, rows: list[dict], summary: list[dict], tuned: list[d
         lines += ["", ("excess train loss: the run's unsmoothed training loss minus the baseline's, mean over the "
                        "baseline's logged steps in the window; extra steps: at each of those steps s, the step at "
                        "which the run first reaches the baseline's loss at s, in % more than s (= % more tokens), "
-                       "mean over the window ('>': a lower bound, a seed never reached a target). Intervals: 95% "
+                       "mean over the window ('>': a lower bound, a seed never reached a target), averaged over seeds "
+                       "on log(1 + x) and back-transformed (a geometric mean; its interval is asymmetric). "
+                       "Intervals: 95% "
                        "Student-t over the seeds' paired values, unadjusted; verdicts Holm-adjusted over the "
                        "column's comparisons. Published figures are the end-of-training extra tokens of the "
                        "source, not a descent measurement."),
@@ -255,12 +257,16 @@ def write_tables(out: Path, rows: list[dict], summary: list[dict], tuned: list[d
               "in the table stays below 5%; *worse*/*better*: shown to differ; *equivalent (±m)*: two one-sided "
               "tests show the gap inside the sweep's equivalence_margin m (the only verdict that means no cost "
               "beyond m); *not shown to differ*: neither -- it does not mean no cost; *diverged in k of n "
-              "seeds*: those seeds are a result, not averaged away. val s.e.: standard error of the validation "
+              "seeds*: those seeds are a result, not averaged away (the printed mean is the survivors'); "
+              "the verdict before it comes from an exact rank test of the seeds' final validation losses, a "
+              "diverged seed ranked worst; with a margin, the equivalence verdict follows the difference "
+              "verdict. val s.e.: standard error of the validation "
               "loss over its batches; gap s.e. (val batches): standard error of the gap from the choice of "
               "validation batches (paired per-batch differences). extra tokens: % more training tokens than "
               "the baseline for the same smoothed training loss, paired by seed -- for a worse run, the "
               "baseline's step at the run's final loss; for a better one, the run's step at the baseline's "
-              "final loss. From fitted L(D): the same ratio at the baseline's final loss from E + A*D^-alpha "
+              "final loss; averaged and tested over seeds on log(1 + x), shown back-transformed: the geometric "
+              "mean [95% interval]. From fitted L(D): the same ratio at the baseline's final loss from E + A*D^-alpha "
               "fitted to each run ('extrapolated': beyond the run; '>': a lower bound, the run's fitted floor E "
               "lies above the baseline's final loss, so it never reaches it; a mean with a lower bound in it "
               "is a lower bound and has no interval). diverged: a NaN/Inf loss; spike: the smoothed loss "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 from pretrain.evaluation.extra_tokens import (
@@ -26,7 +27,9 @@ from pretrain.evaluation.extra_tokens import (
 )
 from pretrain.evaluation.stats import (
     Interval,
+    RankTest,
     gap_verdict,
+    rank_test,
     paired_batch_se,
     paired_interval,
     spread,
@@ -188,7 +191,7 @@ def summarize(rows: list[dict], baseline: str | None, groups: list[str] | None =
         out += [_summary_row(group, members, rows, b, baseline, None, margin)
                 for group, members in by_group.items() if members[0]["_run"].label == a]
     for s, v in zip(out, table_verdicts([s["gap_val"] for s in out], [s["is_baseline"] for s in out],
-                                        margin=margin)):
+                                        margin=margin, ranks=[s["_rank"] for s in out])):
         s["verdict"] = v
     return out
 
@@ -199,7 +202,7 @@ def _summary_row(group: str, members: list[dict], rows: list[dict], against: str
     run = members[0]["_run"]
     val_mean, val_sd = spread([m["final_val_loss"] for m in members])
     train_mean, train_sd = spread([m["final_train_loss"] for m in members])
-    gaps, extras, fits, ses = [], [], [], []
+    gaps, extras, fits, ses, outcomes = [], [], [], [], ([], [])
     for m in members:
         if base_group is not None:
             b = base_group.get(m["_run"].seed)
@@ -211,6 +214,8 @@ def _summary_row(group: str, members: list[dict], rows: list[dict], against: str
         if not _diverged(m) and not math.isfinite(p["gap_val_loss"]):
             continue  # no validation loss yet (a pending or failed run): no pair
         gaps.append(p["gap_val_loss"])
+        outcomes[0].append(math.inf if _diverged(m) else m["final_val_loss"])
+        outcomes[1].append(b["final_val_loss"])
         extras.append(p["_extra"])
         fits.append(p["_extra_fit"])
         ses.append(p["gap_val_batch_se"])
@@ -221,6 +226,7 @@ def _summary_row(group: str, members: list[dict], rows: list[dict], against: str
     ses = [s for s in ses if math.isfinite(s)]
     is_base = run.label == against
     contrast = against != baseline
+    rank = rank_test(*outcomes) if gap.excluded and not is_base else None
     return {
         "point": f"{group} vs {against}" if contrast else group,
         "precision": f"{run.label} vs {against}" if contrast else run.label,
@@ -238,7 +244,8 @@ def _summary_row(group: str, members: list[dict], rows: list[dict], against: str
         "extra_tokens_fit_extrapolated": fit.extrapolated,
         "diverged": n_diverged,
         "is_baseline": is_base,
-        "verdict_unadjusted": verdict(gap, is_base, margin),
+        "_rank": rank,
+        "verdict_unadjusted": verdict(gap, is_base, margin, rank),
     }
 
 
@@ -267,12 +274,14 @@ def summarize_descent(rows: list[dict], baseline: str | None, window: list[int],
     out = []
     for group, label, against, point in wanted:
         members = groups[group]
-        extras, excess, n_diverged = [], [], 0
+        extras, excess, n_diverged, outcomes = [], [], 0, ([], [])
         for m in members:
             b = partner(rows, against, m)
             unfinished = any(r.get("status", "done") not in ("done", "diverged") for r in (m, b) if r is not None)
             if b is None or unfinished or (_diverged(b) and b is not m) or not m["_raw"][0]:
                 continue  # no pair (yet): a pending, running or failed run, or a diverged baseline
+            outcomes[0].append(window_loss(m, window))
+            outcomes[1].append(window_loss(b, window))
             if _diverged(m):
                 n_diverged += 1
                 excess.append(math.nan)
@@ -289,17 +298,28 @@ def summarize_descent(rows: list[dict], baseline: str | None, window: list[int],
         out.append({"point": group if against == baseline else f"{group} vs {against}", "precision": name,
                     "against": against, "seeds": len(members), "is_baseline": is_base, "window": list(window),
                     "baseline_loss_at": at, "excess_loss": paired_interval(excess),
-                    "_extra": summarize_extra(extras, n_diverged), "diverged": n_diverged})
+                    "_extra": summarize_extra(extras, n_diverged), "diverged": n_diverged,
+                    "_rank": rank_test(*outcomes) if n_diverged and not is_base else None})
     live = [not s["_extra"].censored for s in out]
-    for s, v in zip(out, table_verdicts([s["excess_loss"] for s in out], [s["is_baseline"] for s in out])):
+    ranks = [s["_rank"] for s in out]
+    for s, v in zip(out, table_verdicts([s["excess_loss"] for s in out], [s["is_baseline"] for s in out],
+                                        ranks=ranks)):
         s["verdict_excess"] = v
-    extra_ivs = [s["_extra"].interval if ok else Interval(math.nan, math.nan, math.nan, 0, math.nan)
-                 for s, ok in zip(out, live)]
-    for s, v, ok in zip(out, table_verdicts(extra_ivs, [s["is_baseline"] for s in out]), live):
-        s["verdict_extra"] = v if ok else f"lower bound ({s['_extra'].censored} censored)"
-        if s["diverged"] and not s["is_baseline"]:
-            s["verdict_extra"] = f"diverged in {s['diverged']} of {s['seeds']} seeds"
+    # tested on log(1 + x) (pretrain.evaluation.extra_tokens); a diverged seed counts in the rank test
+    extra_ivs = [replace(s["_extra"].log_interval, excluded=s["diverged"]) if ok or s["diverged"]
+                 else Interval(math.nan, math.nan, math.nan, 0, math.nan) for s, ok in zip(out, live)]
+    for s, v, ok in zip(out, table_verdicts(extra_ivs, [s["is_baseline"] for s in out], ranks=ranks), live):
+        s["verdict_extra"] = v if ok or s["diverged"] else f"lower bound ({s['_extra'].censored} censored)"
     return out
+
+
+def window_loss(row: dict, window: list[int]) -> float:
+    """A run's mean unsmoothed training loss over its logged steps in ``window``; +inf when it
+    diverged (the worst outcome, for the rank test)."""
+    if _diverged(row):
+        return math.inf
+    vals = [v for s, v in zip(*row["_raw"]) if window[0] <= s <= window[1]]
+    return sum(vals) / len(vals) if vals else math.nan
 
 
 def interpolate_loss(row: dict, step: float) -> float:
@@ -309,9 +329,9 @@ def interpolate_loss(row: dict, step: float) -> float:
     return interpolate(*row["_raw"], step)
 
 
-def verdict(gap: Interval, is_baseline: bool, margin: float | None = None) -> str:
+def verdict(gap: Interval, is_baseline: bool, margin: float | None = None, rank: RankTest | None = None) -> str:
     """One gap's verdict on its own (unadjusted); tables use ``table_verdicts`` (Holm)."""
-    return gap_verdict(gap, is_baseline, margin=margin)  # a validation-loss gap: higher is worse
+    return gap_verdict(gap, is_baseline, margin=margin, rank=rank)  # a validation-loss gap: higher is worse
 
 
 def best_points(summary: list[dict]) -> dict[str, dict]:
