@@ -115,6 +115,7 @@ class ModelConfig:
     moe_token_dispatcher_type: str = "allgather"  # --moe-token-dispatcher-type
     moe_grouped_gemm: bool = False  # --moe-grouped-gemm (refused: experts are policy linears)
     moe_router_dtype: str | None = "fp32"  # --moe-router-dtype: the router GEMM's dtype (None: activations')
+    expert_model_parallel_size: int = 1  # --expert-model-parallel-size: experts split over this many ranks
 
     def __post_init__(self):
         choices = {
@@ -146,7 +147,7 @@ TRANSFORMER_CONFIG_FIELDS = (
 def validate_config(cfg: ModelConfig, tp_size: int) -> None:
     """Raise ValueError (one line, naming the Megatron-LM flag) if ``cfg`` cannot run at ``tp_size``.
 
-    Besides megatron's divisibility rules, the contraction dimensions that every rank quantizes in
+    Mixture-of-experts settings are checked by ``model.moe.validate_moe``. Besides megatron's divisibility rules, the contraction dimensions that every rank quantizes in
     MX blocks must be multiples of 32: hidden and FFN sizes, globally and per TP shard
     (``linear_proj`` contracts over hidden/TP, ``linear_fc2`` over ffn/TP). The vocabulary is padded
     by ``padded_vocab_size`` as Megatron-LM does.
@@ -157,6 +158,7 @@ def validate_config(cfg: ModelConfig, tp_size: int) -> None:
         cfg.hidden_size,
         cfg.ffn_hidden_size,
     )
+    validate_moe(cfg, tp_size, cfg.expert_model_parallel_size, torch.cuda.is_available())
     tp = f"--tensor-model-parallel-size {tp_size}"
     if heads % tp_size:
         raise ValueError(f"--num-attention-heads {heads} is not divisible by {tp}")
@@ -391,7 +393,10 @@ def build_gpt(
     """
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     validate_config(cfg, tp_size)
-    validate_moe(cfg, tp_size, parallel_state.get_expert_model_parallel_world_size(), torch.cuda.is_available())
+    ep_size = parallel_state.get_expert_model_parallel_world_size()
+    if ep_size != cfg.expert_model_parallel_size:
+        raise ValueError(f"--expert-model-parallel-size {cfg.expert_model_parallel_size}: megatron's parallel state "
+                         f"was initialized with {ep_size}")
     if recompute is not None:
         recompute.check(cfg.num_layers // parallel_state.get_pipeline_model_parallel_world_size())
     if sequence_parallel and not torch.cuda.is_available():

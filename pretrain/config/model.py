@@ -10,6 +10,8 @@ shape flags off its config, a checkpoint's ``args`` rebuild its config, and a re
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +27,19 @@ def model_sizes() -> list[str]:
     if not os.path.isdir(MODEL_SIZES_DIR):
         return []
     return sorted(f[: -len(".yaml")] for f in os.listdir(MODEL_SIZES_DIR) if f.endswith(".yaml"))
+
+
+def moe_layer_freq_type(value: str) -> int | list:
+    """``--moe-layer-freq``: an integer N, or a list of 0/1 such as ``[1,0,1,0]`` (read as a literal)."""
+    try:
+        got = ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+        got = None
+    if isinstance(got, int) and not isinstance(got, bool):
+        return got
+    if isinstance(got, (list, tuple)) and all(v in (0, 1) for v in got):
+        return list(got)
+    raise argparse.ArgumentTypeError(f"{value!r}: expected an integer N or a list of 0/1 per layer, e.g. [1,0,1,0]")
 
 
 @dataclass(frozen=True)
@@ -81,6 +96,51 @@ class ModelArgs:
     """Dropout of the attention probabilities."""
     make_vocab_size_divisible_by: int = arg("--make-vocab-size-divisible-by", type=int, default=128)
     """The embedding table is padded to a multiple of this (times the TP size; megatron's rule)."""
+    # ---- mixture of experts (model.moe; Megatron-LM's flags) ----
+    num_experts: int | None = arg("--num-experts", type=int,
+                                  help="routed experts per MoE layer (default: none, a dense model)")
+    """Routed experts per mixture-of-experts layer; None: a dense model."""
+    moe_router_topk: int = arg("--moe-router-topk", type=int, default=2, help="experts each token is routed to")
+    """Experts each token is routed to."""
+    moe_ffn_hidden_size: int | None = arg("--moe-ffn-hidden-size", type=int,
+                                          help="each routed expert's MLP width (default: --ffn-hidden-size)")
+    """Each routed expert's MLP width; None: ``ffn_hidden_size``."""
+    moe_shared_expert_intermediate_size: int | None = arg(
+        "--moe-shared-expert-intermediate-size", type=int,
+        help="total MLP width of the shared experts every token passes through (default: none)")
+    """Shared experts' total MLP width (number of shared experts x their width); None: no shared expert."""
+    moe_layer_freq: int | list = arg("--moe-layer-freq", type=moe_layer_freq_type, default=1, metavar="N|[0/1,...]",
+                                     help="every N-th layer is MoE (0, N, 2N, ...), or one 0/1 per layer, e.g. [1,0,1,0]")
+    """Which layers are MoE: every N-th (from layer 0), or a list with one 0/1 per layer."""
+    moe_router_load_balancing_type: str = arg("--moe-router-load-balancing-type", default="aux_loss",
+                                              choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"])
+    """Load balancing: the switch-transformer aux loss per micro-batch or per sequence, sinkhorn, or none."""
+    moe_aux_loss_coeff: float = arg("--moe-aux-loss-coeff", type=float, default=0.0,
+                                    help="weight of the load-balancing loss (e.g. 1e-2)")
+    """Weight of the load-balancing (aux) loss in the training loss."""
+    moe_z_loss_coeff: float | None = arg("--moe-z-loss-coeff", type=float,
+                                         help="weight of the router z-loss (ST-MoE; e.g. 1e-3; default: none)")
+    """Weight of the router z-loss; None: none."""
+    moe_router_score_function: str = arg("--moe-router-score-function", default="softmax",
+                                         choices=["softmax", "sigmoid"])
+    """softmax or sigmoid scores over the experts."""
+    moe_expert_capacity_factor: float | None = arg(
+        "--moe-expert-capacity-factor", type=float,
+        help="tokens an expert takes, as a multiple of its even share; the rest are dropped (default: no dropping)")
+    """Expert capacity as a multiple of the even share of tokens; None: no dropping."""
+    moe_token_dispatcher_type: str = arg("--moe-token-dispatcher-type", default="allgather",
+                                         choices=["allgather", "alltoall"],
+                                         help="allgather (CPU and GPU) or alltoall (NCCL, CUDA only)")
+    """allgather (gloo and NCCL) or alltoall (NCCL)."""
+    moe_grouped_gemm: bool = arg("--moe-grouped-gemm", action="store_true",
+                                 help="refused: experts are per-expert policy linears")
+    """Megatron's grouped expert GEMM; refused (each expert's GEMMs run through the policy)."""
+    moe_router_dtype: str = arg("--moe-router-dtype", choices=["fp32", "fp64"], default="fp32",
+                                help="dtype of the router's GEMM and softmax")
+    """Dtype the router computes its logits in."""
+    expert_model_parallel_size: int = arg("--expert-model-parallel-size", type=int, default=1,
+                                          help="EP: the routed experts split over this many ranks")
+    """EP: each rank holds ``num_experts / EP`` routed experts (taken from the data-parallel ranks)."""
 
     def to_model_config(self, vocab_size: int, kv_quant: str | None = None):
         """The ``model.gpt.ModelConfig`` for a tokenizer of ``vocab_size`` tokens (``--kv-quant``: K and V
@@ -92,8 +152,9 @@ class ModelArgs:
 SHAPE_FLAGS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "swiglu",
     "normalization", "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear",
-    "add_qkv_bias",
+    "add_qkv_bias", "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_layer_freq",
 )  # fmt: skip
+
 
 
 @dataclass(frozen=True)
@@ -133,7 +194,26 @@ MODEL_FLAGS: dict[str, _Maps] = {
     "hidden_dropout": _Maps("hidden_dropout", read_back=False),
     "attention_dropout": _Maps("attention_dropout", read_back=False),
     "make_vocab_size_divisible_by": _Maps("make_vocab_size_divisible_by"),
+    "num_experts": _Maps("num_experts"),
+    "moe_router_topk": _Maps("moe_router_topk"),
+    "moe_ffn_hidden_size": _Maps("moe_ffn_hidden_size"),
+    "moe_shared_expert_intermediate_size": _Maps("moe_shared_expert_intermediate_size"),
+    "moe_layer_freq": _Maps("moe_layer_freq", lambda v: v if isinstance(v, int) else tuple(v),
+                            lambda c: c if isinstance(c, int) else list(c)),
+    "moe_router_load_balancing_type": _Maps("moe_router_load_balancing_type"),
+    "moe_aux_loss_coeff": _Maps("moe_aux_loss_coeff"),
+    "moe_z_loss_coeff": _Maps("moe_z_loss_coeff"),
+    "moe_router_score_function": _Maps("moe_router_score_function"),
+    "moe_expert_capacity_factor": _Maps("moe_expert_capacity_factor"),
+    "moe_token_dispatcher_type": _Maps("moe_token_dispatcher_type", read_back=False),
+    "moe_grouped_gemm": _Maps("moe_grouped_gemm", read_back=False),
+    "moe_router_dtype": _Maps("moe_router_dtype"),
+    "expert_model_parallel_size": _Maps("expert_model_parallel_size", read_back=False),
 }
+
+
+# A flag's default, for saved arguments from before the flag existed (the MoE flags: a dense model).
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelArgs)}
 
 
 def model_config(a, vocab_size: int, kv_quant: str | None = None):
@@ -144,7 +224,8 @@ def model_config(a, vocab_size: int, kv_quant: str | None = None):
 
     if kv_quant is None:
         kv_quant = getattr(a, "kv_quant", None)
-    fields = {m.field: (m.to_config or (lambda v: v))(getattr(a, flag)) for flag, m in MODEL_FLAGS.items()}
+    fields = {m.field: (m.to_config or (lambda v: v))(getattr(a, flag, _DEFAULTS.get(flag)))
+              for flag, m in MODEL_FLAGS.items()}
     return ModelConfig(**fields, vocab_size=vocab_size, kv_quant=kv_quant,
                        rope_scaling_factor=a.rope_scaling_factor if a.use_rope_scaling else None)
 
