@@ -141,7 +141,7 @@ def test_load_tokenizer_dispatches_on_tokenizer_type(hf_dir, tmp_path):
         load_tokenizer(str(sp_model), str(tmp_path), tokenizer_type="HuggingFaceTokenizer")
     with pytest.raises(FileNotFoundError, match=flag + "no such directory"):
         load_tokenizer(str(tmp_path / "nope"), str(tmp_path), tokenizer_type="HuggingFaceTokenizer")
-    from launch import preprocess_data
+    from pretrain import preprocess as preprocess_data
     from pretrain.data import hf_tokenizer
 
     assert preprocess_data._HF_FILES == hf_tokenizer.TOKENIZER_FILES  # its early check, before imports
