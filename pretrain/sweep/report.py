@@ -78,8 +78,33 @@ def collect(out: Path, runs: list[Run], baseline: str | None, window: int = SMOO
             groups = [best[p]["point"] for p in dict.fromkeys(r.label for r in runs) if p in best]
             tuned = summarize(rows, baseline, groups, base_runs, margin=margin)
     write_tables(out, rows, summary, tuned, baseline, hyper, descent_rows, published)
+    write_claims(out, rows, descent)
     write_plots(out, rows, grid_summary, tuned or grid_summary, baseline, base_runs if tuned else None)
     return rows
+
+
+def write_claims(out: Path, rows: list[dict], descent: list[int] | None) -> None:
+    """The study's declared claims (``pretrain.sweep.claims``) from the ``claims:`` section of the sweep
+    file recorded in ``sweep.json``: ``claims.csv`` and a first section of results.md."""
+    import json
+
+    from pretrain.sweep.claims import FIRST_LOOK, evaluate_claims, claims_table
+
+    info = out / "sweep.json"
+    claims = json.loads(info.read_text()).get("sweep", {}).get("claims") if info.is_file() else None
+    if not claims:
+        return
+    results = evaluate_claims(out, rows, claims, descent)
+    with open(out / "claims.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["study", "claim", "new_confirmatory_run", "label", "against", "metric", "direction", "margin",
+                    "seeds", "mean", "p", "p_holm", "verdict"])
+        for r in results:
+            w.writerow([claims["study"], r.id, r.new_run, *r.contrast, r.metric, r.direction, r.margin,
+                        " ".join(map(str, r.seeds)), r.mean, r.p, r.p_holm, r.verdict])
+    md = (out / "results.md").read_text().split("\n", 2)
+    first = json.loads((out / FIRST_LOOK).read_text()) if (out / FIRST_LOOK).is_file() else None
+    (out / "results.md").write_text("\n".join([md[0], md[1], *claims_table(results, claims, first), md[2]]))
 
 
 def collect_rl(out: Path, runs: list[Run], baseline: str | None, margin: float | None = None) -> list[dict]:

@@ -18,7 +18,7 @@ __all__ = ["GEMMS", "POINT_KEYS", "RESERVED_FLAGS", "SCRIPTS", "SMOOTH_DEFAULT",
 
 GEMMS = ("fprop", "dgrad", "wgrad")
 SWEEP_KEYS = {"base", "grid", "baseline", "nproc-per-node", "name", "description", "seeds", "script",
-              "equivalence_margin", "descent_steps", "published", "contrasts", "smooth"}
+              "equivalence_margin", "descent_steps", "published", "contrasts", "smooth", "claims"}
 # The training-loss window of the extra-tokens curves, in logged points, when a sweep file has no smooth:.
 SMOOTH_DEFAULT = 10
 # What a sweep runs: pretraining (the default) or RL post-training (``script: rl``).
@@ -96,6 +96,9 @@ def load_sweep(path: str) -> dict:
                          f"to average (the extra-tokens curves), e.g. 300; got {smooth!r}")
     _check_descent(data.get("descent_steps"), path)
     _check_published(data.get("published"), path)
+    _check_claims(data.get("claims"), path)
+    if data.get("claims"):  # a YAML date becomes its ISO text (sweep.json is JSON)
+        data["claims"] = {**data["claims"], "declared": str(data["claims"]["declared"])}
     contrasts = data.get("contrasts")
     if contrasts is not None and (not isinstance(contrasts, list) or not contrasts or not all(
             isinstance(c, list) and len(c) == 2 and all(isinstance(x, str) for x in c) and c[0] != c[1]
@@ -126,6 +129,56 @@ def _check_published(published, path: str) -> None:
         raise SweepError(f"sweep file {path}: published must map source (text) and extra_tokens "
                          f"({{label: figure}}), e.g. {{source: arXiv 2605.09825, extra_tokens: {{mxfp4: '+26%'}}}}; "
                          f"got {published!r}")
+
+
+CLAIMS_KEYS = {"study", "declared", "study_claims", "note", "tests"}
+CLAIM_KEYS = {"id", "contrast", "metric", "direction", "margin"}
+
+
+def _check_claims(claims, path: str) -> None:
+    """``claims: {study, declared, tests: [...], study_claims?, note?}`` (``pretrain.sweep.claims``)."""
+    import datetime
+
+    from pretrain.sweep.claims import CLAIM_METRICS, DIRECTIONS
+
+    if claims is None:
+        return
+    where = f"sweep file {path}: claims"
+    if not isinstance(claims, dict) or not {"study", "declared", "tests"} <= set(claims) or set(claims) - CLAIMS_KEYS:
+        raise SweepError(f"{where} must map study, declared (a date) and tests (a list), optionally study_claims "
+                         f"and note, e.g. {{study: mxfp4_cpu, declared: 2026-12-06, tests: [...]}}; got {claims!r}")
+    try:
+        datetime.date.fromisoformat(str(claims["declared"]))
+    except ValueError:
+        raise SweepError(f"{where}.declared must be an ISO date, e.g. 2026-12-06; got {claims['declared']!r}") from None
+    tests = claims["tests"]
+    if not isinstance(tests, list) or not tests:
+        raise SweepError(f"{where}.tests must be a non-empty list of "
+                         f"{{id, contrast: [label, against], metric, direction, margin?}}")
+    for t in tests:
+        ok = (isinstance(t, dict) and {"id", "contrast", "metric", "direction"} <= set(t) and not set(t) - CLAIM_KEYS
+              and isinstance(t["contrast"], list) and len(t["contrast"]) == 2 and t["contrast"][0] != t["contrast"][1]
+              and all(isinstance(x, str) for x in t["contrast"]))
+        if not ok:
+            raise SweepError(f"{where}.tests: {t!r}: expected {{id, contrast: [label, against], metric, direction, "
+                             f"margin?}}, e.g. {{id: fprop_cost, contrast: [mxfp4_fprop, fp8], metric: val_loss, "
+                             f"direction: worse}}")
+        if t["metric"] not in CLAIM_METRICS:
+            raise SweepError(f"{where}.tests: {t['id']}: metric {t['metric']!r}; valid: {', '.join(CLAIM_METRICS)}")
+        if t["direction"] not in DIRECTIONS:
+            raise SweepError(f"{where}.tests: {t['id']}: direction {t['direction']!r}; valid: {', '.join(DIRECTIONS)}")
+        margin = t.get("margin", 0.0)
+        if (isinstance(margin, bool) or not isinstance(margin, (int, float)) or margin < 0
+                or (t["direction"] == "equivalent" and not margin > 0)):
+            raise SweepError(f"{where}.tests: {t['id']}: margin must be a number >= 0 (> 0 for equivalent; in % "
+                             f"for extra_steps/extra_tokens), e.g. 0.01; got {margin!r}")
+    ids = [t["id"] for t in tests]
+    if len(set(ids)) != len(ids):
+        raise SweepError(f"{where}.tests: duplicate ids: {', '.join(sorted({i for i in ids if ids.count(i) > 1}))}")
+    m = claims.get("study_claims", len(tests))
+    if isinstance(m, bool) or not isinstance(m, int) or m < len(tests):
+        raise SweepError(f"{where}.study_claims must be an integer >= the {len(tests)} tests of this file (the "
+                         f"number of claims the whole study declared); got {m!r}")
 
 
 def _flags_from_mapping(base) -> list[str]:
@@ -330,6 +383,9 @@ def expand_runs(sweep: dict, path: str = "sweep") -> list[Run]:
     unknown = [x for c in sweep.get("contrasts") or [] for x in c if x not in labels]
     if unknown:
         raise SweepError(f"{path}: contrasts: {', '.join(unknown)} not among the runs' labels: {', '.join(labels)}")
+    unknown = [x for t in (sweep.get("claims") or {}).get("tests", []) for x in t["contrast"] if x not in labels]
+    if unknown:
+        raise SweepError(f"{path}: claims.tests: {', '.join(unknown)} not among the runs' labels: {', '.join(labels)}")
     unknown = [k for k in (sweep.get("published") or {}).get("extra_tokens", {}) if k not in labels]
     if unknown:
         raise SweepError(f"{path}: published.extra_tokens: {', '.join(map(str, unknown))} not among the runs' "

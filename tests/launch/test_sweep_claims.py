@@ -1,0 +1,123 @@
+"""A study's declared claims (issue #37): parsed with one-line errors, tested one-sided in their
+declared direction (against scipy's t-tests), Holm-adjusted over all the study's claims, every other
+verdict marked exploratory, and seeds added after the first table tested as a new confirmatory run."""
+
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+from torch.utils.tensorboard import SummaryWriter
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "launch"))
+
+import sweep  # noqa: E402
+
+CLAIMS = """claims:
+  study: toy
+  declared: 2026-12-06
+  study_claims: 3
+  note: declared before the runs
+  tests:
+    - {id: mx_costs, contrast: [mxfp4, fp8], metric: val_loss, direction: worse}
+    - {id: bf16_free, contrast: [bf16, fp8], metric: val_loss, direction: equivalent, margin: 0.02}
+"""
+# as TensorBoard stores them (float32), so scipy sees the values the report reads
+VAL = {k: [float(np.float32(v)) for v in vs] for k, vs in {
+    "fp8": [4.50, 4.61, 4.55, 4.58, 4.52, 4.60],
+    "mxfp4": [4.512, 4.618, 4.561, 4.589, 4.531, 4.613],
+    "bf16": [4.501, 4.609, 4.552, 4.579, 4.521, 4.601]}.items()}
+
+
+def _write(out: Path, run, val: float):
+    d = out / "runs" / run.name
+    w = SummaryWriter(str(d / "tensorboard"))
+    rng = random.Random(run.seed)
+    for s in range(1, 41):
+        w.add_scalar("train/loss", 4.0 + 3.0 * math.exp(-s / 10) + rng.gauss(0, 0.01), s)
+    w.add_scalar("val/loss", val, 40)
+    w.close()
+    sweep.write_status(d, state="done")
+
+
+def _study(tmp_path: Path, seeds: list[int]):
+    f = tmp_path / "s.yaml"
+    f.write_text(f"seeds: {seeds}\nbaseline: fp8\ngrid:\n  presets: [fp8, mxfp4, bf16]\n" + CLAIMS)
+    sw = sweep.load_sweep(str(f))
+    runs = sweep.expand_runs(sw, str(f))
+    out = tmp_path / "out"
+    for r in runs:
+        if not (out / "runs" / r.name).exists():
+            _write(out, r, VAL[r.label][r.seed])
+    (out / "sweep.json").write_text(json.dumps({"sweep": sw, "extra": [], "runs": [r.__dict__ for r in runs]}))
+    sweep.collect(out, runs, "fp8", window=5)
+    return out
+
+
+def _rows(out: Path) -> dict:
+    lines = (out / "claims.csv").read_text().splitlines()
+    head = lines[0].split(",")
+    return {(r[1], r[2]): dict(zip(head, r)) for r in (line.split(",") for line in lines[1:])}
+
+
+def test_declared_claims_are_tested_one_sided_and_holm_adjusted_over_the_whole_study(tmp_path):
+    out = _study(tmp_path, [0, 1, 2, 3])
+    rows = _rows(out)
+    gaps = [VAL["mxfp4"][s] - VAL["fp8"][s] for s in range(4)]
+    p = sps.ttest_1samp(gaps, 0.0, alternative="greater").pvalue
+    cost = rows[("mx_costs", "False")]
+    assert float(cost["p"]) == pytest.approx(p, rel=1e-4)
+    bgaps = [VAL["bf16"][s] - VAL["fp8"][s] for s in range(4)]
+    q = max(sps.ttest_1samp([g + 0.02 for g in bgaps], 0, alternative="greater").pvalue,
+            sps.ttest_1samp([g - 0.02 for g in bgaps], 0, alternative="less").pvalue)
+    free = rows[("bf16_free", "False")]
+    assert float(free["p"]) == pytest.approx(q, rel=1e-4)
+    # Holm over the study's 3 declared claims (the third, in another file, counts as p = 1)
+    lo, hi = sorted([p, q])
+    holm = {lo: 3 * lo, hi: max(3 * lo, 2 * hi)}
+    assert float(cost["p_holm"]) == pytest.approx(min(1, holm[p]), rel=1e-4)
+    assert float(free["p_holm"]) == pytest.approx(min(1, holm[q]), rel=1e-4)
+    assert cost["verdict"] == "supported" and free["verdict"] == "supported"
+    md = (out / "results.md").read_text()
+    assert "## Declared claims of study toy (declared 2026-12-06; Holm over the study's 3 claims)" in md
+    assert "Every other verdict in this report is exploratory" in md and "declared before the runs" in md
+    assert json.loads((out / "claims_first.json").read_text())["seeds"]["mx_costs"] == [0, 1, 2, 3]
+
+
+def test_seeds_added_after_the_first_table_are_a_new_confirmatory_run(tmp_path):
+    _study(tmp_path, [0, 1, 2, 3])
+    out = _study(tmp_path, [0, 1, 2, 3, 4, 5])  # seeds 4-5 added after a look
+    rows = _rows(out)
+    assert rows[("mx_costs", "False")]["seeds"] == "0 1 2 3"  # the first look's seeds, unchanged
+    new = rows[("mx_costs", "True")]
+    assert new["seeds"] == "4 5"
+    gaps = [VAL["mxfp4"][s] - VAL["fp8"][s] for s in (4, 5)]
+    assert float(new["p"]) == pytest.approx(sps.ttest_1samp(gaps, 0.0, alternative="greater").pvalue, rel=1e-4)
+    assert "Holm over the study's 5 claims" in (out / "results.md").read_text()  # 3 declared + 2 new runs
+    assert "(new confirmatory run)" in (out / "results.md").read_text()
+
+
+@pytest.mark.parametrize("claims, message", [
+    ("claims: {study: s, tests: []}", r"claims must map study, declared \(a date\) and tests"),
+    ("claims: {study: s, declared: yesterday, tests: [{id: a, contrast: [mxfp4, fp8], metric: val_loss, "
+     "direction: worse}]}", r"claims.declared must be an ISO date, e.g. 2026-12-06"),
+    ("claims: {study: s, declared: 2026-12-06, tests: [{id: a, contrast: [mxfp4, fp8], metric: loss, "
+     "direction: worse}]}", r"metric 'loss'; valid: val_loss, excess_loss, extra_steps, extra_tokens"),
+    ("claims: {study: s, declared: 2026-12-06, tests: [{id: a, contrast: [mxfp4, fp8], metric: val_loss, "
+     "direction: equivalent}]}", r"margin must be a number >= 0 \(> 0 for equivalent"),
+    ("claims: {study: s, declared: 2026-12-06, study_claims: 0, tests: [{id: a, contrast: [mxfp4, fp8], "
+     "metric: val_loss, direction: worse}]}", r"study_claims must be an integer >= the 1 tests"),
+    ("claims: {study: s, declared: 2026-12-06, tests: [{id: a, contrast: [mxfp6, fp8], metric: val_loss, "
+     "direction: worse}]}", r"claims.tests: mxfp6 not among the runs' labels: fp8, mxfp4"),
+])
+def test_bad_claims_are_one_line_errors(tmp_path, claims, message):
+    f = tmp_path / "s.yaml"
+    f.write_text("baseline: fp8\ngrid:\n  presets: [fp8, mxfp4]\n" + claims + "\n")
+    with pytest.raises(sweep.SweepError, match=message) as e:
+        sweep.expand_runs(sweep.load_sweep(str(f)), str(f))
+    assert "\n" not in str(e.value)
