@@ -42,8 +42,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["ALPHA", "Interval", "RankTest", "gap_verdict", "rank_test", "holm_adjust", "paired_batch_se", "paired_interval", "spread",
-           "t_quantile", "table_verdicts", "tost_p_value"]
+__all__ = [
+    "ALPHA",
+    "Interval",
+    "RankTest",
+    "gap_verdict",
+    "holm_adjust",
+    "paired_batch_se",
+    "paired_interval",
+    "rank_test",
+    "spread",
+    "t_quantile",
+    "table_verdicts",
+    "tost_p_value",
+]
 
 ALPHA = 0.05  # family-wise error rate of a table's verdicts
 

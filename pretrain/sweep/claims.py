@@ -35,7 +35,7 @@ from pathlib import Path
 from pretrain.evaluation.extra_tokens import log_ratio
 from pretrain.evaluation.stats import ALPHA, holm_adjust, paired_interval, tost_p_value
 
-__all__ = ["CLAIM_METRICS", "DIRECTIONS", "ClaimResult", "claims_table", "evaluate_claims"]
+__all__ = ["CLAIM_METRICS", "DIRECTIONS", "ClaimResult", "claims_table", "evaluate_claims", "study_table"]
 
 # metric -> (what a seed's value is, whether it is a % tested on log(1 + x))
 CLAIM_METRICS = {"val_loss": ("final validation loss gap", False),
@@ -154,13 +154,13 @@ def claims_table(results: list[ClaimResult], claims: dict, first: dict | None = 
     """Markdown: the study's declared claims, one row per test (and per new confirmatory run)."""
     m = max(int(claims.get("study_claims", len(claims["tests"]))), len(claims["tests"])) + sum(
         r.new_run for r in results)
-    lines = [f"## Declared claims of study {claims['study']} (declared {claims['declared']}; Holm over the "
-             f"study's {m} claims)", ""]
+    lines = [(f"## Declared claims of study {claims['study']} (declared {claims['declared']}; Holm over the "
+             f"study's {m} claims)"), ""]
     if claims.get("note"):
         lines += [str(claims["note"]), ""]
     if first:
-        lines += [f"First produced {first['produced']}: seeds added after that are a new confirmatory run, "
-                  "tested on their own and counted in the family.", ""]
+        lines += [(f"First produced {first['produced']}: seeds added after that are a new confirmatory run, "
+                  "tested on their own and counted in the family."), ""]
     lines += ["| claim | contrast | metric | declared | seeds | mean | p (one-sided / TOST) | Holm p | verdict |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
@@ -170,6 +170,38 @@ def claims_table(results: list[ClaimResult], claims: dict, first: dict | None = 
         name = r.id + (" (new confirmatory run)" if r.new_run else "")
         lines.append(f"| {name} | {r.contrast[0]} vs {r.contrast[1]} | {r.metric} | {declared} | "
                      f"{','.join(map(str, r.seeds))} | {mean} | {r.p:.3g} | {r.p_holm:.3g} | {r.verdict} |")
-    lines += ["", "Every other verdict in this report is exploratory: it is not one of the study's declared "
-              "claims, and its Holm adjustment covers only its own table.", ""]
+    lines += ["", ("Every other verdict in this report is exploratory: it is not one of the study's declared "
+              "claims, and its Holm adjustment covers only its own table."), ""]
+    return lines
+
+
+def study_table(dirs: list[Path]) -> list[str]:
+    """The claims of several sweeps' reports (their ``claims.csv``) of one study, Holm-adjusted
+    together: what ``launch/report.py SWEEP_OUT SWEEP_OUT ...`` prints after each sweep's tables."""
+    import csv
+
+    rows, sizes, studies = [], [], set()
+    for d in dirs:
+        f = d / "claims.csv"
+        if not f.is_file():
+            raise FileNotFoundError(f"{d}: no claims.csv (its sweep file declares no claims:)")
+        info = json.loads((d / "sweep.json").read_text())["sweep"]["claims"]
+        sizes.append(max(int(info.get("study_claims", len(info["tests"]))), len(info["tests"])))
+        studies.add(info["study"])
+        rows += [dict(r, sweep=str(d)) for r in csv.DictReader(f.open())]
+    if len(studies) != 1:
+        raise ValueError(f"claims of different studies ({', '.join(sorted(studies))}) are separate families; "
+                         "give the sweep directories of one study")
+    m = max(max(sizes), sum(r["new_confirmatory_run"] == "False" for r in rows)) + sum(
+        r["new_confirmatory_run"] == "True" for r in rows)
+    p = [float(r["p"]) for r in rows]
+    adj = holm_adjust(p + [1.0] * max(0, m - len(p)))
+    lines = [f"## Study {studies.pop()}: {len(rows)} claim tests from {len(dirs)} sweeps, Holm over {m}", "",
+             "| sweep | claim | contrast | metric | declared | seeds | p | Holm p | verdict |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r, a in zip(rows, adj):
+        v = ("no test" if not math.isfinite(float(r["p"])) else "supported" if a < ALPHA else "not supported")
+        name = r["claim"] + (" (new confirmatory run)" if r["new_confirmatory_run"] == "True" else "")
+        lines.append(f"| {r['sweep']} | {name} | {r['label']} vs {r['against']} | {r['metric']} | {r['direction']} | "
+                     f"{r['seeds']} | {float(r['p']):.3g} | {a:.3g} | {v} |")
     return lines

@@ -25,8 +25,18 @@ from pretrain.sweep.results import (
 from pretrain.sweep.runner import read_status, run_dir
 from pretrain.sweep.spec import SMOOTH_DEFAULT, Run
 
-__all__ = ["COLUMNS", "DESCENT_COLUMNS", "SUMMARY_COLUMNS", "SUMMARY_EXTRA_COLUMNS", "collect", "collect_rl",
-           "descent_table", "summary_table", "write_tables"]
+__all__ = [
+    "COLUMNS",
+    "DESCENT_COLUMNS",
+    "SUMMARY_COLUMNS",
+    "SUMMARY_EXTRA_COLUMNS",
+    "collect",
+    "collect_rl",
+    "descent_table",
+    "report_sweep",
+    "summary_table",
+    "write_tables",
+]
 
 
 def collect(out: Path, runs: list[Run], baseline: str | None, window: int = SMOOTH_DEFAULT,
@@ -88,7 +98,7 @@ def write_claims(out: Path, rows: list[dict], descent: list[int] | None) -> None
     file recorded in ``sweep.json``: ``claims.csv`` and a first section of results.md."""
     import json
 
-    from pretrain.sweep.claims import FIRST_LOOK, evaluate_claims, claims_table
+    from pretrain.sweep.claims import FIRST_LOOK, claims_table, evaluate_claims
 
     info = out / "sweep.json"
     claims = json.loads(info.read_text()).get("sweep", {}).get("claims") if info.is_file() else None
@@ -297,3 +307,21 @@ def write_tables(out: Path, rows: list[dict], summary: list[dict], tuned: list[d
               "is a lower bound and has no interval). diverged: a NaN/Inf loss; spike: the smoothed loss "
               "rose above 1.5x its early minimum in the second half.")]
     (out / "results.md").write_text("\n".join(lines) + "\n")
+
+
+def report_sweep(out: Path) -> int:
+    """Re-collect a sweep's results from its runs (``sweep.json`` names them) and print its tables."""
+    import json
+
+    from pretrain.sweep.spec import Run
+
+    info = json.loads((out / "sweep.json").read_text())
+    runs = [Run(**r) for r in info["runs"]]
+    sw = info["sweep"]
+    collect(out, runs, sw.get("baseline"), window=sw.get("smooth", SMOOTH_DEFAULT), margin=sw.get("equivalence_margin"),
+            descent=sw.get("descent_steps"), published=sw.get("published"), contrasts=sw.get("contrasts"))
+    print((out / "results.md").read_text().split("\n## Runs")[0])
+    plots = ([out / "rl_curves.png"] if runs and runs[0].script == "rl"
+             else [out / "loss_curves.png", out / "loss_gap_curves.png", out / "gap.png"])
+    print(f"wrote {out / 'results.md'}, {out / 'summary.csv'}, " + ", ".join(map(str, plots)))
+    return 0

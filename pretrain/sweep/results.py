@@ -29,9 +29,9 @@ from pretrain.evaluation.stats import (
     Interval,
     RankTest,
     gap_verdict,
-    rank_test,
     paired_batch_se,
     paired_interval,
+    rank_test,
     spread,
     table_verdicts,
 )

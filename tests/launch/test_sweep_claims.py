@@ -16,7 +16,7 @@ from torch.utils.tensorboard import SummaryWriter
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "launch"))
 
-import sweep  # noqa: E402
+import sweep
 
 CLAIMS = """claims:
   study: toy
@@ -104,16 +104,16 @@ def test_seeds_added_after_the_first_table_are_a_new_confirmatory_run(tmp_path):
 
 @pytest.mark.parametrize("claims, message", [
     ("claims: {study: s, tests: []}", r"claims must map study, declared \(a date\) and tests"),
-    ("claims: {study: s, declared: yesterday, tests: [{id: a, contrast: [mxfp4, fp8], metric: val_loss, "
-     "direction: worse}]}", r"claims.declared must be an ISO date, e.g. 2026-12-06"),
-    ("claims: {study: s, declared: 2026-12-06, tests: [{id: a, contrast: [mxfp4, fp8], metric: loss, "
-     "direction: worse}]}", r"metric 'loss'; valid: val_loss, excess_loss, extra_steps, extra_tokens"),
-    ("claims: {study: s, declared: 2026-12-06, tests: [{id: a, contrast: [mxfp4, fp8], metric: val_loss, "
-     "direction: equivalent}]}", r"margin must be a number >= 0 \(> 0 for equivalent"),
-    ("claims: {study: s, declared: 2026-12-06, study_claims: 0, tests: [{id: a, contrast: [mxfp4, fp8], "
-     "metric: val_loss, direction: worse}]}", r"study_claims must be an integer >= the 1 tests"),
-    ("claims: {study: s, declared: 2026-12-06, tests: [{id: a, contrast: [mxfp6, fp8], metric: val_loss, "
-     "direction: worse}]}", r"claims.tests: mxfp6 not among the runs' labels: fp8, mxfp4"),
+    (("claims: {study: s, declared: yesterday, tests: [{id: a, contrast: [mxfp4, fp8], metric: val_loss, "
+     "direction: worse}]}"), r"claims.declared must be an ISO date, e.g. 2026-12-06"),
+    (("claims: {study: s, declared: 2026-12-06, tests: [{id: a, contrast: [mxfp4, fp8], metric: loss, "
+     "direction: worse}]}"), r"metric 'loss'; valid: val_loss, excess_loss, extra_steps, extra_tokens"),
+    (("claims: {study: s, declared: 2026-12-06, tests: [{id: a, contrast: [mxfp4, fp8], metric: val_loss, "
+     "direction: equivalent}]}"), r"margin must be a number >= 0 \(> 0 for equivalent"),
+    (("claims: {study: s, declared: 2026-12-06, study_claims: 0, tests: [{id: a, contrast: [mxfp4, fp8], "
+     "metric: val_loss, direction: worse}]}"), r"study_claims must be an integer >= the 1 tests"),
+    (("claims: {study: s, declared: 2026-12-06, tests: [{id: a, contrast: [mxfp6, fp8], metric: val_loss, "
+     "direction: worse}]}"), r"claims.tests: mxfp6 not among the runs' labels: fp8, mxfp4"),
 ])
 def test_bad_claims_are_one_line_errors(tmp_path, claims, message):
     f = tmp_path / "s.yaml"
@@ -121,3 +121,24 @@ def test_bad_claims_are_one_line_errors(tmp_path, claims, message):
     with pytest.raises(sweep.SweepError, match=message) as e:
         sweep.expand_runs(sweep.load_sweep(str(f)), str(f))
     assert "\n" not in str(e.value)
+
+
+def test_report_adjusts_the_claims_of_several_sweeps_of_one_study_together(tmp_path, capsys):
+    import report
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a, b = _study(tmp_path / "a", [0, 1, 2, 3]), _study(tmp_path / "b", [2, 3, 4, 5])
+    assert report.main([str(a), str(b)]) == 0
+    text = capsys.readouterr().out
+    assert "## Study toy: 4 claim tests from 2 sweeps, Holm over 4" in text  # 2 + 2 > study_claims: 3
+    p = [float(r["p"]) for d in (a, b) for r in _rows(d).values()]
+    order = sorted(range(4), key=p.__getitem__)  # Holm by hand: running max of (4 - rank) * p
+    holm, run = [0.0] * 4, 0.0
+    for rank, i in enumerate(order):
+        run = max(run, min(1.0, (4 - rank) * p[i]))
+        holm[i] = run
+    line = next(x for x in text.splitlines() if x.startswith(f"| {a} | mx_costs |"))
+    assert float(line.split("|")[8]) == pytest.approx(holm[0], rel=1e-2)
+    assert report.main([str(a), str(tmp_path)]) == 2  # not a sweep directory: one line
+    assert "not a sweep directory" in capsys.readouterr().err
