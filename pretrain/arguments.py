@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from typing import NoReturn
 
@@ -178,6 +179,8 @@ def parse_args_or_raise(argv: list[str] | None = None) -> argparse.Namespace:
         parser.set_defaults(**from_file)
         args = parser.parse_args(argv)
     args.pretrained_vocab_size = None  # set from --pretrained-checkpoint's model config
+    given = given_flags(argv)
+    origins = {k: f"from --model-size {args.model_size}" for k in from_file if k not in given}
     if args.pretrained_checkpoint:
         _apply_pretrained(args, given_flags(argv) | set(from_file))
     required = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters")
@@ -187,22 +190,40 @@ def parse_args_or_raise(argv: list[str] | None = None) -> argparse.Namespace:
         raise ConfigError(f"missing {', '.join(missing)} (give them, or --model-size NAME with NAME in {sizes})")
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size
+        origins["ffn_hidden_size"] = "= 4 x --hidden-size"
     if args.num_query_groups is None:
         args.num_query_groups = args.num_attention_heads
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+        origins["lr_decay_iters"] = "= --train-iters"
     if args.precision is None and args.precision_schedule is None:
         args.precision = "bf16"
     if _starts_with_observe(args):
         # QAT after a BF16 warm-up runs at a constant low lr (the HiF8 QAT recipe): a decay, or a
         # model-size file's pretraining lr warm-up, running through the BF16 warm-up would start QAT
         # at an lr set by the warm-up's length, not by --lr. Flags given on the command line win.
-        given = given_flags(argv)
         if "lr_decay_style" not in given:
             args.lr_decay_style = "constant"
+            origins["lr_decay_style"] = "the QAT default after a BF16 warm-up"
         if "lr_warmup_iters" not in given and "lr_warmup_fraction" not in given:
             args.lr_warmup_iters = 0
+            origins["lr_warmup_iters"] = "the QAT default after a BF16 warm-up"
+    args.value_origins = origins
     return args
+
+
+def with_origins(message: str, args: argparse.Namespace) -> str:
+    """``message`` with each ``--flag VALUE`` whose value did not come from the command line followed by
+    its origin: ``--lr-warmup-iters 20 (from --model-size tiny) exceeds --lr-decay-iters 10``."""
+    origins = getattr(args, "value_origins", None) or {}
+
+    def note(m: re.Match) -> str:
+        dest = m.group(1)[2:].replace("-", "_")
+        if dest in origins and str(getattr(args, dest, None)) == m.group(2):
+            return f"{m.group(0)} ({origins[dest]})"
+        return m.group(0)
+
+    return re.sub(r"(--[a-z][a-z0-9-]*) ([^\s,;:()]+)(?! \((?:from|=))", note, message)
 
 
 def _starts_with_observe(args: argparse.Namespace) -> bool:
@@ -546,7 +567,10 @@ def _validate(args: argparse.Namespace, world_size: int, cuda: bool) -> tuple[ar
 def validate_and_freeze(args: argparse.Namespace, world_size: int, cuda: bool) -> tuple[argparse.Namespace, RunConfig]:
     """:func:`validate_args` and the frozen :class:`pretrain.config.RunConfig` of its values (the
     precision flags parsed once, on the way); for parsers that add groups of their own (RL)."""
-    valid, resolved = _validate(args, world_size, cuda)
+    try:
+        valid, resolved = _validate(args, world_size, cuda)
+    except ConfigError as e:
+        raise ConfigError(with_origins(str(e), args)) from None
     return valid, RunConfig.from_namespace(valid, resolved)
 
 

@@ -76,12 +76,20 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from model.gpt import padded_vocab_size
 from pretrain import runtime
 from pretrain.arguments import PROG, ConfigError, parse_run_config
+from pretrain.checkpointing import CheckpointError, CheckpointSaveError
 from pretrain.config import RunConfig
 from pretrain.data import batch_loader, build_train_valid_datasets, load_tokenizer
 from pretrain.engine import build_engine
 from pretrain.optim import LRSchedule
 from pretrain.runtime import init_process_group, is_rank0, rank0_print
-from pretrain.status import EXIT_DIVERGED, clear_run_status, write_run_status
+from pretrain.status import (
+    EXIT_BAD_INPUT,
+    EXIT_DIVERGED,
+    EXIT_SAVE_FAILED,
+    clear_run_status,
+    record_ending,
+    save_dir_of,
+)
 from pretrain.trainer.checkpointer import Checkpointer, Progress
 from pretrain.trainer.metrics import VAL_BATCHES_FILE, MetricsLogger, hms, open_tensorboard  # noqa: F401 - re-exported
 from pretrain.trainer.phases import PrecisionPhases
@@ -237,9 +245,9 @@ class Trainer:
         if is_rank0():
             where, last = "", self.last_checkpoint
             if save:
-                status = write_run_status(save, state="diverged", iteration=self.iteration,
-                                          last_good_checkpoint=last, reason=reason)
-                where = f"; status in {status}"
+                status = record_ending(save, "diverged", EXIT_DIVERGED, iteration=self.iteration,
+                                       last_good_checkpoint=last, reason=reason)
+                where = f"; status in {status}" if status else ""
             good = last or "none (nothing saved yet)"
             resume = f", then resume with --load {os.path.dirname(last)}" if last else ""
             print(f"{PROG}: error: diverged at iteration {self.iteration}: {reason} "
@@ -342,6 +350,7 @@ def train(trainer: Trainer, signals: runtime.Signals) -> int:
     metrics.settle_before(stopper.exits_at)
     if t.iteration >= n:
         rank0_print(f"nothing to do: already at iteration {t.iteration} of --train-iters {n}")
+        _record(t, "done", 0)
         return 0
     data = batch_loader(t.train_ds, t.consumed_samples, run.training.micro_batch_size, *t.dp,
                         num_workers=run.data.num_workers or 0, pin_memory=t.device.type == "cuda")
@@ -375,6 +384,7 @@ def train(trainer: Trainer, signals: runtime.Signals) -> int:
                 return t.diverged(*bad[1:], iteration=bad[0])
             checkpointer.save(step, last_step=True)
             rank0_print(f"{stop}: stopping after iteration {step}" + ("" if save else " (no --save: nothing saved)"))
+            _record(t, "stopped", 0, reason=stop)
             return 0
 
     checkpointer.save(t.iteration, last_step=True)
@@ -387,7 +397,15 @@ def train(trainer: Trainer, signals: runtime.Signals) -> int:
     if save:
         rank0_print(f"checkpoint: {os.path.abspath(save)} (latest_checkpointed_iteration.txt -> "
                     f"{t.iteration}; resume with --load {save})")
+    _record(t, "done", 0)
     return 0
+
+
+def _record(trainer: Trainer, state: str, exit_status: int, **fields) -> None:
+    """Rank 0 records how the run ended in ``--save/run_status.json`` (``pretrain.status``)."""
+    if is_rank0():
+        record_ending(trainer.run.checkpoint.save, state, exit_status, iteration=trainer.iteration,
+                      last_good_checkpoint=trainer.last_checkpoint, **fields)
 
 
 def _pretrain(run: RunConfig, signals: runtime.Signals) -> int:
@@ -395,12 +413,33 @@ def _pretrain(run: RunConfig, signals: runtime.Signals) -> int:
     try:
         trainer = setup(run)
         return train(trainer, signals)
+    except (ConfigError, CheckpointError) as e:  # refused after setup began (runtime.run prints it)
+        if is_rank0():
+            fields = {"iteration": trainer.iteration, "last_good_checkpoint": trainer.last_checkpoint} if trainer else {}
+            record_ending(run.checkpoint.save, "refused", EXIT_BAD_INPUT, reason=str(e), **fields)
+        raise
+    except CheckpointSaveError as e:
+        if trainer is not None:
+            _record(trainer, "save_failed", EXIT_SAVE_FAILED, reason=str(e))
+        raise
     finally:
         if trainer is not None:
             trainer.metrics.close()
 
 
+def _parse(argv: list[str] | None, world: int, cuda: bool) -> RunConfig:
+    """``parse_run_config``; a refusal is also recorded in ``--save/run_status.json`` when the command
+    line names a ``--save`` that takes it (rank 0)."""
+    try:
+        return parse_run_config(argv, world, cuda)
+    except ConfigError as e:
+        if os.environ.get("RANK", "0") == "0":
+            record_ending(save_dir_of(sys.argv[1:] if argv is None else argv), "refused", EXIT_BAD_INPUT,
+                          reason=str(e))
+        raise
+
+
 def main(argv: list[str] | None = None) -> int:
     """``launch/pretrain.py``: parse, validate, set up, train; returns the exit status
     (``pretrain.status``: 0 done, 2 bad input, 3 diverged, 4 a checkpoint could not be written)."""
-    return runtime.run(_pretrain, prog=PROG, parse=lambda world, cuda: parse_run_config(argv, world, cuda))
+    return runtime.run(_pretrain, prog=PROG, parse=lambda world, cuda: _parse(argv, world, cuda))
