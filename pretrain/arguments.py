@@ -354,8 +354,9 @@ def _check_checkpoints(args) -> None:
             raise ConfigError("--finetune needs --load (the checkpoint whose weights to start from)")
         if not os.path.isfile(os.path.join(args.load, TRACKER)):
             raise ConfigError(f"--finetune: no checkpoint in --load {args.load} ({TRACKER} missing)")
-    if args.save is not None and os.path.exists(args.save) and not os.path.isdir(args.save):
-        raise ConfigError(f"--save: {args.save} exists and is not a directory")
+    for flag, path in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir)):
+        if path is not None:
+            _check_writable_dir(flag, path)
     if args.skip_nonfinite_steps and not args.check_for_nan_in_loss_and_grad:
         raise ConfigError("--skip-nonfinite-steps needs --check-for-nan-in-loss-and-grad (the check that finds "
                           "non-finite steps; drop --no-check-for-nan-in-loss-and-grad)")
@@ -367,7 +368,25 @@ def _check_checkpoints(args) -> None:
             raise ConfigError("--ckpt-step needs --load (the directory holding that iteration)")
         step_dir = os.path.join(args.load, iter_dir_name(args.ckpt_step))
         if not os.path.isdir(step_dir):
-            raise ConfigError(f"--ckpt-step {args.ckpt_step}: no checkpoint {step_dir}")
+            names = os.listdir(args.load) if os.path.isdir(args.load) else []
+            steps = sorted(int(n[5:]) for n in names if re.fullmatch(r"iter_\d+", n))
+            there = f"iterations there: {', '.join(map(str, steps))}" if steps else "no iter_* checkpoints there"
+            raise ConfigError(f"--ckpt-step {args.ckpt_step}: no checkpoint {step_dir}; {there}")
+
+
+def _check_writable_dir(flag: str, path: str) -> None:
+    """One line unless ``path`` is (or can be made as) a directory this process can write: the run
+    would otherwise fail at its first save or TensorBoard write, after the model was built."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{flag}: {path} exists and is not a directory")
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise ConfigError(f"{flag} {path}: cannot create it: {probe} is a file, not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: cannot write there ({probe} is not writable by this user); "
+                          "give a directory you can write to")
 
 
 def _check_mixed_precision_and_memory(args, cuda: bool) -> dict:
