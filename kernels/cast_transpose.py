@@ -46,9 +46,8 @@ _CONSUMERS = ("bf16_mm", "fp8_scaled_mm", "mx_scaled_mm")  # backends that take 
 
 
 def _as_result(r, bf16: bool) -> dict:
-    per_tensor = r.scales is not None and r.scales.dim() == 0  # its 1/scale as the kernel computed it
     out = {"values": None, "codes": r.codes, "scales": r.scales, "tensor_scale": r.tensor_scale, "amax": r.amax,
-           "num_clipped": r.num_clipped, "packed": False, "decode_scale": r.out_scale if per_tensor else None}
+           "num_clipped": r.num_clipped, "packed": False, "decode_scale": r.decode_scale}
     if bf16:
         out.update(bf16=r.bf16, out_scale=r.out_scale)
     return out

@@ -257,11 +257,43 @@ def quantize_operand(
         hit = state.step_cache.get(slot[0])
         if hit is not None and hit[1] == slot[1]:
             return hit[2]
-    out = _quantize_operand(t, axis, fmt, gemm, operand, state, call, impl=impl, rotation=rotation, signs=signs,
-                            codes=codes, bf16=bf16, shared_dy=shared_dy)
+    out = None
+    if slot is not None and gemm is Gemm.FPROP and _both_weight_layouts(t, axis, fmt, state, impl, codes, bf16):
+        out = _weight_with_dgrad_layout(t, fmt, state, slot, impl)
+    if out is None:
+        out = _quantize_operand(t, axis, fmt, gemm, operand, state, call, impl=impl, rotation=rotation,
+                                signs=signs, codes=codes, bf16=bf16, shared_dy=shared_dy)
     if slot is not None and not state.frozen:
         state.step_cache[slot[0]] = (t, slot[1], out)  # t kept alive: its storage cannot be reused
     return out
+
+
+def _both_weight_layouts(t, axis, fmt, state, impl, codes, bf16) -> bool:
+    """Whether Fprop's weight is quantized with Dgrad's layout from the same read (as
+    TransformerEngine keeps an FP8 weight's row- and column-wise copies): a per-tensor format under
+    current scaling, the Triton quantizer's hardware form, no TP amax reduction or telemetry, and a
+    backward to come (gradients enabled)."""
+    return (codes and not bf16 and axis == 1 and t.dim() == 2 and fmt.format.kind == Scaling.TENSOR
+            and fmt.amax_algo == AmaxAlgo.CURRENT and not fmt.rounding.stochastic and not state.frozen
+            and state.amax_group is None and torch.is_grad_enabled()
+            and _resolve_impl(impl, t, fmt, True) == "triton")
+
+
+def _weight_with_dgrad_layout(t, fmt, state, slot, impl) -> QuantizedOperand:
+    """Fprop's weight operand; Dgrad's (blocks along the out-features, ``[in, out]``) from the same
+    cast-transpose is kept in the step cache under the slot Dgrad's own call looks up, so it is
+    served only if Dgrad's recipe takes the same format (else Dgrad quantizes as always). Both
+    equal the single-layout quantizations bit for bit (``cast_transpose_triton``); telemetry is
+    recorded for both GEMMs, as their own calls would."""
+    from kernels.triton_quant import cast_transpose_triton
+
+    row, col = cast_transpose_triton(t, fmt, fmt)
+    ops = []
+    for gemm, axis, r in ((Gemm.FPROP, 1, row), (Gemm.DGRAD, 0, col)):
+        state.record(gemm, "w", amax=r.amax, num_clipped=r.num_clipped, scale_amax=r.amax, numel=t.numel())
+        ops.append(QuantizedOperand(fmt, axis, codes=r.codes, scales=r.scales, decode_scale=r.decode_scale))
+    state.step_cache[(Gemm.DGRAD.value, 0, fmt, impl, True, False)] = (t, slot[1], ops[1])
+    return ops[0]
 
 
 def _identity(t: torch.Tensor) -> tuple:
@@ -276,6 +308,8 @@ def _weight_slot(t, axis, fmt, gemm, operand, state, impl, rotation, codes, bf16
     where its quantization may change within a step: stochastic rounding (a new stream per call),
     a rotation (this GEMM's own rotated copy), telemetry steps (statistics per call), unscaled
     formats (nothing to save) and inference tensors (no version counter)."""
+    if torch.compiler.is_compiling():  # a traced graph quantizes every call (the same bits: no SR here)
+        return None
     if (operand != "w" or rotation != "none" or fmt.rounding.stochastic or state.collect_stats
             or _no_rounding(fmt) or t.is_inference()):
         return None
@@ -371,7 +405,8 @@ def _block2d_weight(t, axis, fmt, gemm, operand, state, needs_whole, codes, want
     square scales laid out along its own contraction axis (``QuantizedTensor.along``) instead of
     quantizing again. A rotated weight (a rotation on this GEMM) is this GEMM's own and is not kept.
     Read-only states (evaluation) keep nothing new. ``LayerQuantState.end_step`` drops it."""
-    slot, ident = ("block2d", fmt), _identity(t) if cacheable and not t.is_inference() else None
+    keep = cacheable and not torch.compiler.is_compiling() and not t.is_inference()  # (as _weight_slot)
+    slot, ident = ("block2d", fmt), _identity(t) if keep else None
     hit = state.step_cache.get(slot) if ident is not None else None
     if hit is not None and hit[1] == ident:
         q = hit[2]
@@ -418,7 +453,7 @@ def _quantize(t, axis, fmt, impl, codes, key, amax, rotation, signs, state, bf16
         r = quantize_triton(t, fmt, layout="contraction_last", pack=packed, dequantize=state.collect_stats, **kw)
         return {"values": r.dequantized, "codes": r.codes, "scales": r.scales, "tensor_scale": r.tensor_scale,
                 "amax": r.amax, "num_clipped": r.num_clipped, "packed": packed,
-                "decode_scale": r.out_scale if spec.kind == Scaling.TENSOR else None}
+                "decode_scale": r.decode_scale}
     if impl == "reference" or codes:
         q = reference_quantize(t, fmt, **kw)
         out = {"amax": q.amax, "num_clipped": q.num_clipped, "tensor_scale": q.tensor_scale}

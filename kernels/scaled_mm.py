@@ -73,8 +73,9 @@ class HwOperand:
     def scale(self) -> torch.Tensor:
         """The scale tensor in the dtype and layout ``_scaled_mm`` takes."""
         if self.scale_layout == "tensor":
-            if self.decode_scale is not None:  # the quantizer's own 1 / scale (one IEEE division)
-                return self.decode_scale.reshape(1)
+            d = self.decode_scale  # the quantizer's own 1 / scale (one IEEE division)
+            if d is not None:  # the Triton quantizer's is already the 1-element tensor _scaled_mm takes
+                return d if d.dim() == 1 else d.reshape(1)
             return (1.0 / self.scales).reshape(1).float()
         s = to_blocked(self.scales) if self.scale_layout == "blocked" else self.scales
         two_level = FORMATS[self.fmt].kind == Scaling.TWO_LEVEL  # NVFP4: E4M3 block scales

@@ -53,7 +53,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -453,6 +453,8 @@ class TritonQuantResult:
     prescale: float = 1.0
     bf16: torch.Tensor | None = None  # the BF16 form (``bf16_form=True``), in the layout asked for
     out_scale: torch.Tensor | None = None  # its FP32 factor for the GEMM output (None: none)
+    decode_scale: torch.Tensor | None = None  # per-tensor codes: 1 / scale, shape (1,) as _scaled_mm takes it
+    workspace: torch.Tensor | None = None  # per-tensor: the kernel's [scale, 1/scale] (shared by a second layout)
 
 
 def _collapse(shape, strides):
@@ -516,10 +518,12 @@ _DUMMIES: dict = {}
 
 
 def _dummies(dev: torch.device):
-    """Placeholder pointers for arguments a launch does not read (made once per device)."""
+    """Placeholder pointers for arguments a launch does not read (made once per device); the int64
+    one has two cells, so a launch may also add a clip count nobody reads into it (a cast-transpose's
+    second layout, whose count is the first's)."""
     key = (dev.type, dev.index)
     if key not in _DUMMIES:
-        _DUMMIES[key] = (torch.zeros(1, device=dev), torch.zeros(1, dtype=torch.int64, device=dev))
+        _DUMMIES[key] = (torch.zeros(1, device=dev), torch.zeros(2, dtype=torch.int64, device=dev))
     return _DUMMIES[key]
 
 
@@ -549,6 +553,7 @@ def quantize_triton(
     bf16_form: bool = False,
     _capture: list | None = None,
     _own_amax: torch.Tensor | None = None,
+    _shared: TritonQuantResult | None = None,
 ) -> TritonQuantResult:
     """Quantize ``x`` to ``fmt`` in one fused pass (two for per-tensor formats and NVFP4).
 
@@ -695,7 +700,15 @@ def quantize_triton(
 
     # ---- tensor-level numbers: computed in the kernel from the amax (no host-side arithmetic); the
     #      amax pass runs only for a current scale: a given amax leaves one launch -------------------
-    if per_tensor:
+    if per_tensor and _shared is not None:  # a cast-transpose's second layout, same format and amax:
+        # its scale, 1/scale, amax and clip count are the first layout's (the same elements against
+        # the same scale), so it writes the same ts and adds its clip count where nobody reads it
+        ts = _shared.workspace
+        run(MODE_TENSOR, _own_amax, codes_o, None, dq_o, dummy_i, ts, u_t, seed_t)
+        res = replace(_shared, axis=axis, codes=codes_o.tensor if codes_o is not None else None,
+                                  dequantized=dq_o.tensor if dq_o is not None and not bf16_form else None, bf16=None)
+        out_scale = _shared.out_scale
+    elif per_tensor:
         ws = torch.zeros(2, dtype=torch.int64, device=dev)  # [own amax (float32 bits), clipped count]
         ts = torch.empty(2, device=dev)  # [scale, 1/scale], written by the kernel
         amax_out = given is not None and _own_amax is None  # the quantize pass finds the amax itself
@@ -706,8 +719,11 @@ def quantize_triton(
             amax_out=amax_out)
         res = TritonQuantResult(fmt, axis, codes_o.tensor if codes_o is not None else None, ts[0],
                                 dq_o.tensor if dq_o is not None and not bf16_form else None, amax=own,
-                                num_clipped=ws[1])
-        out_scale = ts[1]  # the spec's dequantization: element * (1 / scale)
+                                num_clipped=ws[1], workspace=ts)
+        # the spec's dequantization, element * (1 / scale): a 0-d factor of the BF16 form's GEMM
+        # output; with codes, the 1-element scale torch._scaled_mm takes as it is (no reshape per GEMM)
+        out_scale = ts[1] if bf16_form else None
+        res.decode_scale = None if bf16_form else ts[1:2]
     else:
         scales_o = _Out(shape, axis, nblk, torch.uint8, dev, layout)
         gs = ts = g_enc = out_scale = None
@@ -844,7 +860,10 @@ def cast_transpose_triton(
     common = {"layout": "contraction_last", "codes": codes, "bf16_form": bf16_form, "tile_rows": tile,
               "_capture": captured, "_own_amax": own}
     row = quantize_triton(x, fmt_row, axis=1, sr=sr_row, amax=amax_row, **common)
-    col = quantize_triton(x, fmt_col, axis=0, sr=sr_col, amax=amax_col, **common)
+    same = (specs[0].kind == Scaling.TENSOR and amax_row is None and amax_col is None
+            and operand_format(fmt_row) == operand_format(fmt_col)  # one scale: one set of tensor numbers
+            and not operand_format(fmt_row).rounding.stochastic)  # (SR: each layout counts its own clips)
+    col = quantize_triton(x, fmt_col, axis=0, sr=sr_col, amax=amax_col, _shared=row if same else None, **common)
     (a_args, a_meta), (b_args, b_meta) = captured
     per = [[v for sl in _LAYOUT_ARGS for v in args[sl]] for args in (a_args, b_args)]
     meta = {}

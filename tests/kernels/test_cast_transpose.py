@@ -36,6 +36,8 @@ PAIRS = [  # (row layout: blocks along features, column layout: blocks along tok
     (OperandFormat("fp8_e4m3"), OperandFormat("fp8_e5m2", rounding="stochastic")),
     (OperandFormat("nvfp4", rounding="stochastic"), OperandFormat("mxfp8_e4m3")),
     (OperandFormat("mxfp6_e3m2"), OperandFormat("nvfp4")),
+    # one per-tensor format both ways: the second layout shares the first's scale, amax and clip count
+    (OperandFormat("fp8_e5m2"), OperandFormat("fp8_e5m2")),
 ]
 
 
@@ -147,3 +149,41 @@ def test_the_shared_dy_plan_is_an_argument_not_ambient_state(monkeypatch):
     assert len(calls) == 1
     for r in (alone, only_dgrad):
         assert all(torch.equal(a, b) for a, b in zip(both, r))
+
+
+@pytest.mark.parametrize("dgrad_w", ["fp8_e4m3", "fp8_e5m2"])
+def test_fprop_weight_gives_dgrad_its_layout_from_the_same_read(monkeypatch, dgrad_w):
+    """fp8's weight on the hardware path: Fprop's quantization also writes Dgrad's layout (one
+    cast-transpose), kept for the step; Dgrad takes it when its recipe has the same format and
+    quantizes for itself otherwise. Either way Dgrad's codes and scale equal the reference
+    quantizer's along the out-features; none of it without a backward to come (no_grad)."""
+    import kernels.triton_quant as tq
+    from kernels.operand import gemm_operands
+    from precision import LayerQuantState
+    from precision.recipe import Gemm, parse_gemm
+
+    launches = []
+    real = tq._launch
+    monkeypatch.setattr(tq, "_launch", lambda k, *a: launches.append(getattr(k, "__name__", None) or k.fn.__name__)
+                        or real(k, *a))
+    g = torch.Generator().manual_seed(1)
+    x, w, dy = (torch.randn(*s, generator=g).to(DEV) for s in ((64, 64), (32, 64), (64, 32)))
+    w[3, 7] = 1e6  # an outlier sets the per-tensor scale
+    state = LayerQuantState(0, "l")
+    fprop = gemm_operands(Gemm.FPROP, x, w, parse_gemm("fp8_e4m3", Gemm.FPROP), state, impl="triton", codes=True)
+    assert launches.count("_cast_transpose_kernel") == 1
+    launches.clear()
+    dgrad = gemm_operands(Gemm.DGRAD, dy, w, parse_gemm(f"fp8_e5m2@{dgrad_w}", Gemm.DGRAD), state, impl="triton",
+                          codes=True)
+    served = dgrad_w == "fp8_e4m3"
+    assert launches == ["_amax_kernel", "_quant_kernel"] * (1 if served else 2), launches  # dy (and w)
+    for q, axis, f in ((fprop.b, 1, "fp8_e4m3"), (dgrad.b, 0, dgrad_w)):
+        ref = quantize(w.cpu(), f, axis=axis)
+        assert same(q.codes, ref.codes.movedim(axis, -1)) and same(q.scales, ref.scales), (f, axis)
+        assert same(q.decode_scale, (1.0 / ref.scales).reshape(1))  # what torch._scaled_mm takes
+    assert state.stats["dgrad/w"]["numel"] == w.numel()
+    with torch.no_grad():
+        launches.clear()
+        gemm_operands(Gemm.FPROP, x, w.clone(), parse_gemm("fp8_e4m3", Gemm.FPROP), LayerQuantState(0, "l"),
+                      impl="triton", codes=True)
+        assert "_cast_transpose_kernel" not in launches
