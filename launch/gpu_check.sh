@@ -31,7 +31,8 @@
 #      iteration), 10 timed iterations after 3 of warm-up; MFU against the found device's BF16
 #      peak by name and the BF16 GEMM ceiling measured in the run, FP8 rows also against the FP8
 #      peak                                                                                     (200 s)
-#   3. pytest -m gpu: GEMM backends against the emulated spec; BF16 output as cuBLAS promises it (45 s)
+#   3. pytest -m gpu: GEMM backends against the emulated spec; BF16 output as cuBLAS promises it;
+#      one linear's operand pipeline (Triton quantizers included) under torch.compile(fullgraph=True) (45 s)
 #   4. bench_kernels: host work per GEMM and per linear step (counted), bounded quantizer and
 #      policy_linear tables at the 1.3B's fc1 (2048 -> 11264 under SwiGLU)                      (45 s)
 #   5. pytest -m gpu: the megatron engine (two-process cases skip on one GPU)                   (30 s)
@@ -223,8 +224,9 @@ EOF
     fi
 fi
 
-echo "== 3. GEMM backends against the emulated spec"
-step 3 45 "$OUT/pytest_gpu.txt" "${PYTEST[@]}" tests/kernels/test_scaled_mm.py tests/kernels/test_bf16_path.py || status=1
+echo "== 3. GEMM backends against the emulated spec; the operand pipeline without graph breaks"
+step 3 45 "$OUT/pytest_gpu.txt" "${PYTEST[@]}" tests/kernels/test_scaled_mm.py tests/kernels/test_bf16_path.py \
+    tests/kernels/test_operand_compile.py || status=1
 
 echo "== 4. kernel benchmarks"
 KB=(--formats mxfp4,nvfp4,fp8_e4m3 --impls triton,triton_bf16,cast_transpose_bf16 --presets bf16,fp8,mxfp4,wgrad_hadamard

@@ -30,11 +30,12 @@ def test_dry_run_prints_every_bounded_step_within_the_budget(tmp_path):
     assert len(budgets) == 6 and sum(budgets) + INSTALL_S <= BUDGET_S, budgets  # steps 0-5, each bounded
     # the device checks: GEMM backends, then Triton quantizers and cast-transpose, then the engine
     for name in ("test_scaled_mm.py", "test_bf16_path.py", "test_triton_quant.py", "test_triton_bf16.py",
-                 "test_cast_transpose.py", "test_megatron_engine.py"):
+                 "test_cast_transpose.py", "test_megatron_engine.py", "test_operand_compile.py"):
         assert re.search(rf"-m pytest -q -m gpu .*{name}", out), name
     # ordered by value: versions and paths, Triton bit-exactness, the 1.3B tokens/s, then the rest
     assert out.index("api_report, the probe") < out.index("test_triton_quant.py") \
         < out.index("bench_pretrain.py --model-size 1.3b") < out.index("test_scaled_mm.py") \
+        < out.index("test_operand_compile.py") \
         < out.index("bench_kernels.py") < out.index("test_megatron_engine.py")
     assert "--formats mxfp4,nvfp4,fp8_e4m3 " in out and "--hidden 2048 --ffn 11264" in out  # the 1.3B's fc1
     bench = next(ln for ln in out.splitlines() if "bench_pretrain.py --model-size 1.3b" in ln)
@@ -98,6 +99,9 @@ def test_gpu_marker_selects_the_triton_and_cast_transpose_tests():
     for name in ("test_triton_quant.py", "test_triton_bf16.py", "test_cast_transpose.py"):
         assert re.search(r"^pytestmark = .*pytest\.mark\.gpu", (REPO / "tests/kernels" / name).read_text(),
                          re.MULTILINE), name
+    # step 3's compile check: its CUDA case carries the marker (the CPU case runs in every CI run)
+    text = (REPO / "tests/kernels/test_operand_compile.py").read_text()
+    assert "@pytest.mark.gpu\n" in text and "fullgraph=True" in text
 
 
 @pytest.mark.slow
