@@ -25,10 +25,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 if not __package__:  # run as a script: the repository root first on sys.path (launch/_paths.py)
     import _paths  # noqa: F401
+from pretrain.evaluation.results import write_comparison
+from pretrain.runtime import filter_expected_warnings
 
 _PROG = "evaluate.py"
 
@@ -70,93 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _tokenizer(args, loaded):
-    from pretrain.data.tokenizer import Tokenizer
-    from pretrain.evaluation.hf_tokenizer import HFTokenizer
-
-    if args.tokenizer_model:
-        return Tokenizer(args.tokenizer_model)
-    if args.hf_tokenizer:
-        return HFTokenizer(args.hf_tokenizer)
-    if loaded.tokenizer_dir:
-        return HFTokenizer(loaded.tokenizer_dir)
-    if loaded.tokenizer_model and os.path.isfile(loaded.tokenizer_model):
-        return Tokenizer(loaded.tokenizer_model)
-    raise ValueError(f"--load {args.load}: no tokenizer came with it; pass --tokenizer-model or --hf-tokenizer")
-
-
-def evaluate(args) -> list[dict]:
-    """Run ``args.tasks`` on ``args.load``; write and return the result rows."""
-    import torch
-
-    from pretrain.evaluation import mc_task
-    from pretrain.evaluation.results import result_rows, sample_rows, write_results
-
-    names = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    specs, needs_builtin = mc_task.resolve_tasks(names)
-    if not needs_builtin:  # local data only: never touch the network
-        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-    import lm_eval
-
-    from pretrain.evaluation.lm_eval_adapter import MegatronLM
-    from pretrain.evaluation.loading import init_single_process, load_for_eval
-
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    init_single_process()
-    vocab = None
-    if args.tokenizer_model:
-        from pretrain.data.tokenizer import Tokenizer
-
-        vocab = Tokenizer(args.tokenizer_model).vocab_size
-    t0 = time.perf_counter()
-    loaded = load_for_eval(args.load, precision=args.precision, precision_rules=args.precision_rule,
-                           vocab_size=vocab, device=device, seed=args.seed)
-    tokenizer = _tokenizer(args, loaded)
-    if tokenizer.vocab_size > loaded.cfg.vocab_size:
-        raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens, the model only {loaded.cfg.vocab_size}")
-    seq_length = args.seq_length or loaded.cfg.seq_length
-    lm = MegatronLM(loaded.model, tokenizer, seq_length=seq_length, batch_size=args.batch_size,
-                    vocab_size=loaded.cfg.vocab_size, add_bos_token=args.add_bos_token,
-                    max_gen_toks=args.max_gen_toks, use_cache=args.use_cache, device=device)
-    precision = args.precision or ("checkpoint plan" if loaded.kind == "checkpoint" else "bf16")
-    print(f"loaded {loaded.kind} {loaded.path} ({time.perf_counter() - t0:.1f}s), precision {precision}, "
-          f"{tokenizer!r}, seq_length {seq_length}, device {device}")
-    out = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=specs,
-        task_manager=mc_task.task_manager(needs_builtin),
-        num_fewshot=args.num_fewshot,
-        limit=int(args.limit) if args.limit and args.limit >= 1 else args.limit,
-        bootstrap_iters=args.bootstrap_iters,
-        log_samples=True,  # per-sample results: --compare's paired test
-        random_seed=args.seed,
-        numpy_random_seed=args.seed,
-        torch_random_seed=args.seed,
-        fewshot_random_seed=args.seed,
-    )
-    rows = result_rows(out["results"])
-    samples = sample_rows(out.get("samples") or {})
-    label = args.label or f"{os.path.basename(os.path.normpath(args.load))} ({precision})"
-    write_results(rows, args.out, label=label, extra={
-        "load": os.path.abspath(loaded.path), "kind": loaded.kind, "precision": precision,
-        "precision_plan": loaded.plan.to_dict(), "tasks": names, "limit": args.limit,
-        "num_fewshot": args.num_fewshot, "seq_length": seq_length, "tokenizer": repr(tokenizer),
-        "n_samples": out.get("n-samples"), "versions": out.get("versions"),
-        "lm_eval_version": getattr(lm_eval, "__version__", None),
-    }, samples=samples)
-    return rows
-
-
 def main(argv: list[str] | None = None) -> int:
-    from pretrain.runtime import filter_expected_warnings
-
     filter_expected_warnings()  # megatron-core's notes on TransformerEngine / Apex being absent
     args = build_parser().parse_args(argv)
     if args.compare:
-        from pretrain.evaluation.results import write_comparison
-
         labels = tuple(args.labels) if args.labels else tuple(os.path.basename(os.path.normpath(d)) for d in args.compare)
         try:
             write_comparison(*args.compare, args.out, labels=labels)
@@ -166,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.load or not args.tasks:
         return _fail("--load and --tasks are required (or use --compare A_DIR B_DIR)")
+    from pretrain.evaluate_run import evaluate  # torch and megatron-core: not loaded for --help or --compare
+
     try:
         evaluate(args)
     except (ValueError, FileNotFoundError) as e:

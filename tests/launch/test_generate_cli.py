@@ -76,10 +76,11 @@ def test_generate_writes_samples_and_logprobs(ckpt, tmp_path):
 
 def test_rollout_batch_is_what_the_cli_wrote(ckpt, tmp_path):
     """The function a trainer-recompute step calls returns the padded batch of the written samples."""
-    import launch.generate as gen
+    import launch.generate as cli
+    import pretrain.generate_run as gen
 
     plain, prompts, _ = ckpt
-    args = gen.build_parser().parse_args(["--load", plain, "--prompts", prompts, "--out", str(tmp_path),
+    args = cli.build_parser().parse_args(["--load", plain, "--prompts", prompts, "--out", str(tmp_path),
                                           "--rollout-precision", "nvfp4", "--max-new-tokens", "3"])
     session = gen.load_session(args)
     rows = gen.read_prompts(args.prompts, session.tokenizer)
