@@ -236,8 +236,8 @@ class TorchEngine(_StepMixin):
 
     name = "torch"
 
-    def __init__(self, model: torch.nn.Module, run, device: torch.device, nonfinite: NonFinitePolicy | None = None):
-        self.run = run = RunConfig.of(run)
+    def __init__(self, model: torch.nn.Module, run: RunConfig, device: torch.device, nonfinite: NonFinitePolicy | None = None):
+        self.run = run
         self.model, self.device = model, device
         self.main = MainParams(model) if run.memory.bf16 else None  # --bf16: FP32 mains
         self.optimizer = build_optimizer(model, run.training, self.main)
@@ -359,8 +359,8 @@ class MegatronEngine(_StepMixin):
 
     name = "megatron"
 
-    def __init__(self, model: torch.nn.Module, run, device: torch.device, nonfinite: NonFinitePolicy | None = None):
-        self.run = run = RunConfig.of(run)
+    def __init__(self, model: torch.nn.Module, run: RunConfig, device: torch.device, nonfinite: NonFinitePolicy | None = None):
+        self.run = run
         self.model, self.device = model, device
         t = run.training
         config = model.config

@@ -38,7 +38,7 @@ from megatron.core.tensor_parallel import (
     param_is_not_tensor_parallel_duplicate,
 )
 
-from pretrain.config import RunConfig, TrainingConfig
+from pretrain.config import TrainingConfig
 
 
 class MainParams:
@@ -240,11 +240,6 @@ class LRSchedule(OptimizerParamScheduler):
     def from_training(cls, optimizer, training: TrainingConfig) -> LRSchedule:
         """The schedule of the run's ``pretrain.config.TrainingConfig``."""
         return cls.from_config(optimizer, LRScheduleConfig.from_training(training))
-
-    @classmethod
-    def from_args(cls, optimizer, args) -> LRSchedule:
-        """:meth:`from_training` of a validated Namespace's run (``RunConfig.of``)."""
-        return cls.from_training(optimizer, RunConfig.of(args).training)
 
     def lr_at(self, iteration: int) -> float:
         """Learning rate of (1-based) ``iteration``, without moving the schedule."""

@@ -391,13 +391,6 @@ class RunConfig:
             pretrained_vocab_size=getattr(args, "pretrained_vocab_size", None),
         )  # fmt: skip
 
-    @classmethod
-    def of(cls, run) -> RunConfig:
-        """``run`` itself; a validated Namespace is frozen first. The one place a Namespace is still
-        accepted after parsing: for callers outside pretrain/ and launch/ not yet moved to
-        ``parse_run_config`` (the package's own code passes a ``RunConfig``)."""
-        return run if isinstance(run, RunConfig) else cls.from_namespace(run)
-
     def to_dict(self) -> dict:
         """Every value under its flag's ``dest`` (the Namespace's form): what checkpoints save as ``args``."""
         return to_flat_dict(self)

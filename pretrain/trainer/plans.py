@@ -168,11 +168,10 @@ def check_quantized_plans(run, schedule, whole: dict) -> None:
                             f"QAT starts with histories of {warmup} step{'s' * (warmup != 1)}, not {window}")
 
 
-def build_scheduled_model(run, vocab_size: int, device: torch.device):
+def build_scheduled_model(run: RunConfig, vocab_size: int, device: torch.device):
     """This rank's model and every phase's plan (``(model, SchedulePlans)``): each quantized phase of
     the run's schedule (``pretrain.arguments.precision_schedule``) resolved by global layer names and
     its GEMM backends checked, so a bad phase is refused before training; phase 0's plan applied."""
-    run = RunConfig.of(run)
     p, num_layers = run.precision, run.model.num_layers
     sequence_parallel = run.parallel.sequence_parallel and run.parallel.tensor_model_parallel_size > 1
     model = build_gpt(run.model_config(vocab_size), sequence_parallel=sequence_parallel, seed=run.training.seed,
@@ -202,7 +201,7 @@ def build_scheduled_model(run, vocab_size: int, device: torch.device):
     return model.to(device), plans
 
 
-def build_model(run, vocab_size: int, device: torch.device):
+def build_model(run: RunConfig, vocab_size: int, device: torch.device):
     """This rank's model with the resolved precision plan applied; returns ``(model, stage plan,
     whole-model plan)`` (the two plans are the same without pipeline parallelism). With a schedule:
     phase 0's plans (``build_scheduled_model`` has every phase's)."""

@@ -163,7 +163,7 @@ def test_a_skipped_step_restored_from_a_checkpoint_drops_the_cache():
 def test_the_torch_engine_ends_the_step(world_of_one):
     """The training loop's optimizer step (``pretrain.engine``, shared by the torch and megatron
     engines) drops every layer's step cache."""
-    from pretrain.arguments import parse_args, validate_args
+    from pretrain.arguments import parse_run_config
     from pretrain.engine import TorchEngine
     from pretrain.optim import LRSchedule
     from pretrain.train import build_model
@@ -171,11 +171,11 @@ def test_the_torch_engine_ends_the_step(world_of_one):
     tiny = ["--num-layers", "1", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "2",
             "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
             "--train-iters", "2", "--precision", "nvfp4", "--gemm-backend", "reference"]
-    args = validate_args(parse_args(tiny), world_size=1, cuda=False)
+    run = parse_run_config(tiny, world_size=1, cuda=False)
     torch.manual_seed(0)
-    model, _, _ = build_model(args, vocab_size=256, device=torch.device("cpu"))
-    engine = TorchEngine(model, args, torch.device("cpu"))
-    schedule = LRSchedule.from_args(engine.optimizer, args)
+    model, _, _ = build_model(run, vocab_size=256, device=torch.device("cpu"))
+    engine = TorchEngine(model, run, torch.device("cpu"))
+    schedule = LRSchedule.from_training(engine.optimizer, run.training)
     g = torch.Generator().manual_seed(0)
     micro = []
     for _ in range(2):
