@@ -97,10 +97,13 @@ class Context:
         self.args, self.extra, self.pargs = args, extra, pargs
         self.budget = parse_budget(args.budget)
         self.seeds = parse_seeds(args.seeds)
-        if args.confirm_seeds is None:
-            self.confirm_seeds = [max(self.seeds) + 1 + i for i in range(len(self.seeds))]
+        if args.confirm_seeds is None:  # at least 2: the confirmation's bound is its own runs' spread
+            self.confirm_seeds = [max(self.seeds) + 1 + i for i in range(max(2, len(self.seeds)))]
         else:
             self.confirm_seeds = parse_seeds(args.confirm_seeds).copy()
+            if len(self.confirm_seeds) < 2 and not getattr(args, "no_confirm", False):
+                raise SearchError(f"--confirm-seeds {args.confirm_seeds}: at least 2 seeds (the confirmation's bound "
+                                  "uses the spread of its own runs), e.g. 3,4,5,6,7,8")
             if set(self.confirm_seeds) & set(self.seeds):
                 raise SearchError(f"--confirm-seeds {args.confirm_seeds}: {sorted(set(self.confirm_seeds) & set(self.seeds))} "
                                   f"also in --seeds {args.seeds}; the confirmation needs seeds no probe used")
@@ -263,9 +266,12 @@ def search(ctx: Context) -> dict:
     priority = sorted(ctx.unit_keys, key=lambda k: -score[k])
 
     # 3. probes
+    done = []
+
     def evaluate(levels):
         pid, runs = plan_runs(levels, numerics=levels == cheapest)
-        print(f"probe {pid}: {ctx.describe(levels)}", flush=True)
+        done.append(pid)
+        print(f"probe {len(done)} of at most {max_probes} ({pid}): {ctx.describe(levels)}", flush=True)
         ctx.execute(runs)
         sample, per_seed = ctx.sample(runs, base_runs, iters)
         records[pid] = {"plan_id": pid, "levels": {k: v for k, v in levels.items() if v}, "per_seed": per_seed,
@@ -285,8 +291,8 @@ def search(ctx: Context) -> dict:
         ctx.write_plan(path, plan)
         c_runs = ctx.runs_for(f"confirm-{cid}", str(path), full, seeds=ctx.confirm_seeds)
         cb_runs = ctx.runs_for("baseline-confirm", args.baseline, full, seeds=ctx.confirm_seeds)
-        print(f"confirmation: the candidate and the baseline at {full} iterations on fresh seeds "
-              f"{ctx.confirm_seeds}", flush=True)
+        print(f"confirmation: the candidate and the baseline at {full} iterations (--train-iters) on fresh seeds "
+              f"{ctx.confirm_seeds}; its bound uses these runs' own spread", flush=True)
         ctx.execute(cb_runs + c_runs)
         sample, per_seed = ctx.sample(c_runs, cb_runs, full)
         confirm_record["per_seed"] = per_seed
@@ -386,6 +392,10 @@ def report(ctx: Context, s: dict, result, records: dict, chosen: dict, cal_id: s
     lines.append(f"- error budget: one-sided {s['alpha']:.2%} in all, {s['alpha'] / 2:.2%} over at most "
                  f"{s['max_probes']} probes ({s['probe_alpha']:.2e} each), {s['alpha'] / 2:.2%} on the confirmation; "
                  f"coarse groups of {s['group_layers']} layers per GEMM first")
+    lines.append(f"- what is guaranteed: the delivered plan's true validation gap **at {ctx.pargs.train_iters} "
+                 "iterations (--train-iters) on this data** exceeds the budget with probability at most the "
+                 "confirmation's share, its bound from the confirmation runs' own spread; nothing is guaranteed "
+                 "for a longer or larger production run")
     if s["confirmation"]:
         c = s["confirmation"]
         g = c["gap"]
