@@ -1,0 +1,131 @@
+"""Each study's write-up against its committed per-seed results (configs/sweeps/results/*.csv): the
+tables are regenerated with the project's statistics and must appear in the write-up as printed, and
+a figure in the prose that the results do not give fails the test -- so a write-up can be checked
+without re-running its sweeps (issue #37)."""
+
+import csv
+import math
+import re
+from pathlib import Path
+
+import pytest
+from scipy.stats import t
+
+from pretrain.evaluation import stats
+
+SWEEPS = Path(__file__).resolve().parents[2] / "configs" / "sweeps"
+RESULTS = SWEEPS / "results"
+
+
+def _csv(name: str) -> list[dict]:
+    with open(RESULTS / name, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _section(text: str, start: str, end: str) -> str:
+    i = text.index(start)
+    return text[i:text.index(end, i + len(start))]
+
+
+def _figures(text: str, decimals: int) -> set[str]:
+    """Every signed or unsigned decimal with exactly ``decimals`` digits, minus signs normalized."""
+    return {m.replace("−", "-").lstrip("+") for m in re.findall(rf"[+−-]?\d+\.\d{{{decimals}}}(?!\d)", text)}
+
+
+# ---------------------------------------------------------------- hif8_qat_cpu.md
+def _hif8_table() -> tuple[list[str], set[str]]:
+    per_seed, telemetry = _csv("hif8_qat_cpu_per_seed.csv"), _csv("hif8_qat_cpu_telemetry.csv")
+    names = list(dict.fromkeys(r["treatment"] for r in per_seed))
+    values = {n: [float(r["val_loss_gap_to_bf16"]) for r in per_seed if r["treatment"] == n] for n in names}
+    gaps = [stats.paired_interval(values[n]) for n in names]
+    verdicts = stats.table_verdicts(gaps, [False] * len(names), margin=0.01)
+    tel = {r["treatment"]: r for r in telemetry}
+    rows = [f"| {n} | {g.text(4, seeds=True)} | {v} | {tel[n]['readings_with_clipping']} / {tel[n]['readings']} | "
+            f"{tel[n]['max_clipped_fraction']} | {tel[n]['max_amax_ratio']} |" for n, g, v in zip(names, gaps, verdicts)]
+    allowed = {f"{x:.4f}".lstrip("+") for vs in values.values() for x in vs}
+    allowed |= {f"{g.mean:+.4f}".lstrip("+") for g in gaps} | {f"{g.half_width:.4f}" for g in gaps}
+    allowed |= {f"{float(r['val_batch_se_of_gap']):.4f}" for r in telemetry}
+    return rows, allowed
+
+
+def test_hif8_write_up_table_regenerates_from_its_per_seed_values():
+    text = (SWEEPS / "hif8_qat_cpu.md").read_text()
+    rows, allowed = _hif8_table()
+    for row in rows:
+        assert row in text, f"hif8_qat_cpu.md lacks the regenerated row:\n{row}"
+    results = _section(text, "## Results", "## Reading")
+    missing = _figures(results, 4) - allowed
+    assert not missing, f"figures in hif8_qat_cpu.md's results that the per-seed values do not give: {missing}"
+    _assert_headline(text)
+
+
+def _assert_headline(text: str) -> None:
+    """The write-up's first paragraph after its title names its design, its family and a verdict."""
+    head = text.split("\n\n")[1]
+    assert head.startswith("**Headline**") and "design:" in head and "family:" in head, head[:200]
+    assert any(v in head for v in ("shown", "supported", "not resolved", "non-reproduction")), head[:200]
+
+
+# ---------------------------------------------------------------- mxfp4_fullbatch_cpu.md
+def _claims_rows() -> list[str]:
+    rows = _csv("mxfp4_fullbatch_cpu_claims.csv")
+    ps = []
+    for r in rows:
+        n, m = int(r["seeds"]), float(r["mean_pct"])
+        se = float(r["half_width_pct"]) / t.ppf(0.975, n - 1)
+        ps.append(float(t.sf((m if r["direction"] == "worse" else -m) / se, n - 1)))
+    out = []
+    for r, p, a in zip(rows, ps, stats.holm_adjust(ps)):
+        out.append(f"| {r['claim']} | {r['contrast']} | {r['direction']} | {r['seeds']} | "
+                   f"{float(r['mean_pct']):+.2f} ± {float(r['half_width_pct']):.2f} | {p:.2g} | {a:.2g} | "
+                   f"{'supported' if a < stats.ALPHA else 'not supported'} |")
+    return out
+
+
+def test_mxfp4_fullbatch_claims_table_regenerates_holm_over_the_study():
+    text = (SWEEPS / "mxfp4_fullbatch_cpu.md").read_text()
+    rows = _claims_rows()
+    assert len(rows) == 9 and "Holm over 9" in text
+    _assert_headline(text)
+    for row in rows:
+        assert row in text, f"mxfp4_fullbatch_cpu.md lacks the regenerated claim row:\n{row}"
+
+
+# (section heading, the row's first cell, the column holding extra steps) per (section, treatment)
+ROWS = {("2", "wgrad_fp8"): ("## 2.", "FP8", 2), ("2", "wgrad_mxfp4"): ("## 2.", "MXFP4", 2),
+        ("2", "wgrad_had16"): ("## 2.", "MXFP4 + had16", 2), ("2", "wgrad_rht16"): ("## 2.", "MXFP4 + rht16", 2),
+        ("2", "wgrad_sr"): ("## 2.", "MXFP4 + SR", 2),
+        ("7.2", "wgrad_fp8"): ("### 7.2", "FP8", 2), ("7.2", "wgrad_mxfp4"): ("### 7.2", "MXFP4", 2),
+        ("7.2", "wgrad_had16"): ("### 7.2", "MXFP4 + had16", 2), ("7.2", "wgrad_rht16"): ("### 7.2", "MXFP4 + rht16", 2),
+        ("7.2", "wgrad_sr"): ("### 7.2", "MXFP4 + SR", 2),
+        ("7.3", "wgrad_mxfp4"): ("### 7.3", "MXFP4", 1), ("7.3", "wgrad_had16"): ("### 7.3", "MXFP4 + had16", 1),
+        ("7.4", "mxfp4_fprop"): ("### 7.4", "`mxfp4_fprop`", 2), ("7.4", "mxfp4"): ("### 7.4", "`mxfp4`", 2)}
+
+
+def test_mxfp4_fullbatch_tables_regenerate_from_the_per_seed_values():
+    # The write-up's figures came from unrounded values; the committed per-seed values are rounded to
+    # 0.01, so a regenerated mean may move by 0.005 and a half-width by a little more: within 0.006
+    # and 0.015 is "the same figure".
+    text = (SWEEPS / "mxfp4_fullbatch_cpu.md").read_text()
+    per_seed = _csv("mxfp4_fullbatch_cpu_per_seed.csv")
+    for (section, treatment), (heading, label, col) in ROWS.items():
+        vals = [float(r["extra_steps_pct"]) for r in per_seed if (r["section"], r["treatment"]) == (section, treatment)]
+        iv = stats.paired_interval(vals)
+        body = _section(text, heading, "\n#")
+        line = next(x for x in body.splitlines() if x.startswith(f"| {label} |"))
+        m = re.match(r"\s*([+−-][\d.]+) ± ([\d.]+)", line.split("|")[col + 1])
+        mean, hw = float(m.group(1).replace("−", "-")), float(m.group(2))
+        assert mean == pytest.approx(iv.mean, abs=0.006), (section, treatment, mean, iv.mean)
+        assert hw == pytest.approx(iv.half_width, abs=0.015), (section, treatment, hw, iv.half_width)
+        for v in vals:  # every per-seed value is in the write-up's prose or per-seed table
+            assert f"{v:+.2f}".replace("-", "−") in body or f"{v:+.2f}" in body, (section, treatment, v)
+    # §6's MXFP4 Fprop from scratch, quoted in §9
+    fprop = stats.paired_interval([float(r["extra_steps_pct"]) for r in per_seed if r["treatment"] == "fprop_mxfp4"])
+    assert f"{fprop.mean:+.2f} ± " in _section(text, "## 9.", "## 10.")
+    # the seeds-4-7 look: plain MXFP4 at 4 seeds and on seeds 4-7 alone, as §7.2 prints them
+    adam = {int(r["seed"]): float(r["extra_steps_pct"]) for r in per_seed
+            if (r["section"], r["treatment"]) == ("7.2", "wgrad_mxfp4")}
+    first = stats.paired_interval([adam[s] for s in range(4)])
+    assert f"p = {first.p_value():.4f} at 4" in text
+    assert f"(mean {sum(adam[s] for s in range(4, 8)) / 4:+.2f})" in text
+    assert math.isclose(stats.paired_interval(list(adam.values())).p_value(), 0.058, abs_tol=0.001)
