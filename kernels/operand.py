@@ -79,7 +79,8 @@ class QuantizedOperand:
     ``bf16`` / ``out_scale``: the BF16 form, contraction axis last ``[rows, K]``, and the FP32 factor
     that goes to the GEMM output (``kernels.bf16_operand``; the pre-scale is ``fmt.prescale_factor``).
     ``decode_scale``: per-tensor formats in hardware form, ``1 / scales`` as the Triton kernel computed
-    it (the specification's decode factor, handed to ``torch._scaled_mm`` as is); None: compute it.
+    it (the specification's decode factor, handed to ``torch._scaled_mm`` as is); NVFP4's
+    ``1 / tensor_scale`` likewise; None: compute it. ``hw``: the hardware forms made of it so far.
     """
 
     fmt: OperandFormat
@@ -92,6 +93,7 @@ class QuantizedOperand:
     bf16: torch.Tensor | None = None
     out_scale: torch.Tensor | None = None
     decode_scale: torch.Tensor | None = None
+    hw: dict | None = None  # scale layout -> its kernels.scaled_mm.HwOperand, made on first use
 
 
 @dataclass

@@ -10,8 +10,10 @@ out its way (``hw_operand``, ``kernels.layouts``) and the call to ``torch._scale
 
 * FP8: E4M3/E5M2 data, float32 decode scales ``1/scale`` (one per tensor), FP32 output.
 * MX: E2M1 packed two per byte (``float4_e2m1fn_x2``) or FP8 data, E8M0 block scales
-  (``float8_e8m0fnu``); NVFP4: E4M3 block scales and the two FP32 tensor scales applied to the
-  output. Scales in the cuBLAS blocked layout on sm_100, row-major on gfx950.
+  (``float8_e8m0fnu``); NVFP4: E4M3 block scales and the two FP32 tensor scales -- applied by the
+  GEMM itself through ``F.scaled_mm``'s two-level recipe (1x16 blocks, then per tensor: BF16 output
+  written directly), else to the FP32 output. Scales in the cuBLAS blocked layout on sm_100,
+  row-major on gfx950, laid out once per prepared operand (a weight's, once per optimizer step).
 
 Shapes are zero-padded (contraction axis to a multiple of 32, rows to a multiple of 32): zero
 codes are +0.0 and all-zero blocks have zero scales, so the product is unchanged and the output is
@@ -22,6 +24,7 @@ emulated backend's operands for every GEMM layout (the ``_scaled_mm`` call itsel
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from dataclasses import dataclass
@@ -60,18 +63,18 @@ class HwOperand:
     k: int
     tensor_scale: torch.Tensor | None = None  # NVFP4 g_enc
     prescale: float = 1.0
-    decode_scale: torch.Tensor | None = None  # per-tensor: 1 / scales, computed by the quantizer
+    decode_scale: torch.Tensor | None = None  # 1 / scales per tensor (NVFP4: 1 / tensor_scale), from the quantizer
 
-    @property
+    @functools.cached_property
     def data(self) -> torch.Tensor:
         """The data tensor in the dtype ``_scaled_mm`` takes."""
         if FORMATS[self.fmt].bits == 4:
             return self.codes.view(torch.float4_e2m1fn_x2)
         return self.codes.view(FORMATS[self.fmt].element.torch_dtype)
 
-    @property
+    @functools.cached_property
     def scale(self) -> torch.Tensor:
-        """The scale tensor in the dtype and layout ``_scaled_mm`` takes."""
+        """The scale tensor in the dtype and layout ``_scaled_mm`` takes (laid out on first use)."""
         if self.scale_layout == "tensor":
             d = self.decode_scale  # the quantizer's own 1 / scale (one IEEE division)
             if d is not None:  # the Triton quantizer's is already the 1-element tensor _scaled_mm takes
@@ -80,6 +83,19 @@ class HwOperand:
         s = to_blocked(self.scales) if self.scale_layout == "blocked" else self.scales
         two_level = FORMATS[self.fmt].kind == Scaling.TWO_LEVEL  # NVFP4: E4M3 block scales
         return s.view(torch.float8_e4m3fn if two_level else torch.float8_e8m0fnu)
+
+    @functools.cached_property
+    def tensor_decode(self) -> torch.Tensor:
+        """NVFP4: the FP32 decode factor ``1 / g_enc`` as a 1-element tensor (the quantizer's own
+        division where it handed one over), the second level of ``F.scaled_mm``'s NVFP4 recipe."""
+        if self.decode_scale is not None:
+            return self.decode_scale.reshape(1)
+        return (1.0 / self.tensor_scale).reshape(1).float()
+
+    def two_level_in_gemm(self, entry: str) -> bool:
+        """Whether the GEMM through ``entry`` applies NVFP4's tensor scales itself: ``F.scaled_mm``'s
+        two-level recipe, which takes swizzled (blocked) block scales only."""
+        return FORMATS[self.fmt].kind == Scaling.TWO_LEVEL and entry == "F.scaled_mm" and self.scale_layout == "blocked"
 
     def decode(self) -> torch.Tensor:
         """float32 ``[rows, K]`` values, with the reference's dequantization expressions."""
@@ -108,7 +124,17 @@ def hw_operand(q: QuantizedOperand, scale_layout: str = "blocked") -> HwOperand:
     """The hardware form of an operand from ``kernels.operand``: codes (contiguous: A row-major, B
     column-major once transposed) and block scales zero-padded
     (contraction axis to a multiple of 32, rows to a multiple of 32; +0.0 codes and all-zero blocks'
-    scale bytes are 0 in MX and NVFP4 alike), FP4 packed two per byte."""
+    scale bytes are 0 in MX and NVFP4 alike), FP4 packed two per byte. Made once per operand and
+    layout: a weight served again from the step cache brings its hardware form (scales laid out) along."""
+    kept = q.hw.get(scale_layout) if q.hw is not None else None
+    if kept is not None:
+        return kept
+    hw = _hw_operand(q, scale_layout)
+    q.hw = {**(q.hw or {}), scale_layout: hw}
+    return hw
+
+
+def _hw_operand(q: QuantizedOperand, scale_layout: str) -> HwOperand:
     spec = FORMATS[q.fmt.fmt]
     block = spec.blocked
     rows = q.codes.shape[0]
@@ -153,7 +179,8 @@ def torch_scaled_mm(a: HwOperand, b: HwOperand, out_dtype: torch.dtype = torch.f
     propagates.
     """
     entry = entry or entry_points(a.fmt)[0]
-    if (out_dtype == torch.bfloat16 and FORMATS[a.fmt].kind != Scaling.TWO_LEVEL and a.prescale == 1.0
+    in_gemm = a.two_level_in_gemm(entry)  # NVFP4's tensor scales applied by the GEMM (F.scaled_mm)
+    if (out_dtype == torch.bfloat16 and (FORMATS[a.fmt].kind != Scaling.TWO_LEVEL or in_gemm) and a.prescale == 1.0
             and b.prescale == 1.0):
         return _call_scaled_mm(a, b, torch.bfloat16, entry)
     key = (a.fmt, b.fmt, entry)
@@ -169,7 +196,7 @@ def torch_scaled_mm(a: HwOperand, b: HwOperand, out_dtype: torch.dtype = torch.f
         out = _call_scaled_mm(a, b, dt, entry)
     _OUT_DTYPE[key] = dt
     out = out.float()
-    if FORMATS[a.fmt].kind == Scaling.TWO_LEVEL:  # NVFP4's FP32 tensor scales multiply the output (g_dec_a * g_dec_b)
+    if FORMATS[a.fmt].kind == Scaling.TWO_LEVEL and not in_gemm:  # NVFP4's FP32 tensor scales (g_dec_a * g_dec_b)
         out = out * ((1.0 / a.tensor_scale) * (1.0 / b.tensor_scale))
     if a.prescale != 1.0 or b.prescale != 1.0:  # undo the 3/4 SR pre-scale
         out = out / (a.prescale * b.prescale)
@@ -183,9 +210,16 @@ def _via_torch_scaled_mm(a: HwOperand, b: HwOperand, out_dtype: torch.dtype) -> 
 
 
 def _via_f_scaled_mm(a: HwOperand, b: HwOperand, out_dtype: torch.dtype) -> torch.Tensor:
-    """``torch.nn.functional.scaled_mm``: the scaling recipe and swizzle named explicitly (NVFP4 as
-    single-level 1x16 blocks; its FP32 tensor scales are applied to the output by the caller)."""
+    """``torch.nn.functional.scaled_mm``: the scaling recipe and swizzle named explicitly. NVFP4 with
+    blocked scales as the two-level recipe (1x16 E4M3 blocks, then the FP32 tensor decode factor: the
+    GEMM applies ``g_dec_a * g_dec_b`` to its FP32 accumulator before the one rounding to
+    ``out_dtype``); with row-major scales as single-level 1x16 blocks (the caller applies them)."""
     enums = scaled_mm_enums()
+    if a.two_level_in_gemm("F.scaled_mm"):
+        rec, sw = [enums["block16"], enums["tensor"]], [enums["swizzle"], enums["no_swizzle"]]
+        return torch.nn.functional.scaled_mm(a.data, b.data.t(), [a.scale, a.tensor_decode], rec,
+                                             [b.scale, b.tensor_decode], rec, swizzle_a=sw, swizzle_b=sw,
+                                             output_dtype=out_dtype)
     if a.scale_layout == "tensor":
         rec, sw = enums["tensor"], enums["no_swizzle"]
     else:

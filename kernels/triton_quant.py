@@ -453,7 +453,7 @@ class TritonQuantResult:
     prescale: float = 1.0
     bf16: torch.Tensor | None = None  # the BF16 form (``bf16_form=True``), in the layout asked for
     out_scale: torch.Tensor | None = None  # its FP32 factor for the GEMM output (None: none)
-    decode_scale: torch.Tensor | None = None  # per-tensor codes: 1 / scale, shape (1,) as _scaled_mm takes it
+    decode_scale: torch.Tensor | None = None  # codes: 1 / scale (NVFP4: 1 / g_enc), shape (1,) as GEMMs take it
     workspace: torch.Tensor | None = None  # per-tensor: the kernel's [scale, 1/scale] (shared by a second layout)
 
 
@@ -736,9 +736,10 @@ def quantize_triton(
             ts = torch.empty(2, device=dev)  # [g_enc, 1/g_enc], written by the kernel
             g_enc, out_scale = ts[0], ts[1]
         run(_MODE[spec.kind], gs, codes_o, scales_o, dq_o, None, ts, u_t, seed_t)
+        decode = ts[1:2] if ts is not None and codes_o is not None else None  # NVFP4's 1/g_enc for the GEMM
         res = TritonQuantResult(fmt, axis, codes_o.tensor if codes_o is not None else None, scales_o.tensor,
                                 dq_o.tensor if dq_o is not None and not bf16_form else None, tensor_scale=g_enc,
-                                prescale=prescale if spec.has_scale_rules else 1.0)
+                                prescale=prescale if spec.has_scale_rules else 1.0, decode_scale=decode)
     res.out_scale = out_scale
     if bf16_form:
         res.bf16 = dq_o.tensor

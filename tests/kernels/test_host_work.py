@@ -48,11 +48,11 @@ def test_host_work_per_linear_step_is_pinned():
     """One linear layer, one optimizer step of 2 micro-batches (12 GEMMs): the weight quantized once
     per step (both layouts from one read: Fprop's and Dgrad's), dy shared by Dgrad and Wgrad (its
     two layouts sharing one set of tensor numbers). fp8: at most 8 ATen ops and 2 Triton launches
-    per GEMM (93 and 14 in all; before: 122 and 16), one device kernel (a zero fill) per fresh
+    per GEMM (89 and 14 in all; before: 122 and 16), one device kernel (a zero fill) per fresh
     operand; the MX presets no worse than before."""
     rows = {r["case"]: r for r in _bench().host_work_cases(DEV)}
     fp8 = rows["fp8 linear, one step of 2 micro-batches (total)"]
-    assert fp8["triton"] == 14 and fp8["kernels"] == 10 and fp8["aten"] <= 93, fp8["ops"]
+    assert fp8["triton"] == 14 and fp8["kernels"] == 10 and fp8["aten"] <= 89, fp8["ops"]
     assert fp8["aten"] / 12 <= 8 and fp8["triton"] / 12 <= 2
     assert fp8["launches"] == {"_amax_kernel": 7, "_quant_kernel": 4, "_cast_transpose_kernel": 3}, fp8["launches"]
     mx = rows["mxfp4 linear, one step of 2 micro-batches (total)"]

@@ -23,6 +23,7 @@ from kernels.gemm import CONTRACTION_AXES, gemm
 from kernels.operand import _pad_axis
 from kernels.layouts import blocked_offsets, from_blocked, pack_fp4, to_blocked, unpack_fp4
 from kernels.scaled_mm import HwOperand, emulated_scaled_mm, hw_gemm
+from kernels.torch_api import scaled_mm_enums
 from tests.kernels._promises import assert_one_bf16_rounding_of
 from precision import Gemm, LayerQuantState, quantize
 from precision.quantize import FORMATS
@@ -263,3 +264,70 @@ def test_gemm_out_dtype_is_one_rounding_of_the_spec_and_refuses_others():
     assert b16.dtype == torch.bfloat16 and torch.equal(b16, f32.to(torch.bfloat16))
     with pytest.raises(ValueError, match=r"^fprop: out_dtype torch.int8 is not supported; valid: float32, bfloat16"):
         gemm(Gemm.FPROP, a, b, recipe, "reference", out_dtype=torch.int8)
+
+
+# ------------------------------------------------------------------ NVFP4: tensor scales in the GEMM
+@pytest.mark.skipif(scaled_mm_enums() is None, reason="this torch has no F.scaled_mm")
+@pytest.mark.parametrize("g", list(Gemm))
+def test_nvfp4_bf16_output_from_the_two_level_gemm(monkeypatch, g):
+    """NVFP4 on ``F.scaled_mm``: the GEMM takes both scale levels and writes BF16 itself (no FP32
+    output and no elementwise passes after it); on ``torch._scaled_mm`` (block scales only) the FP32
+    output is scaled and rounded after, as before. The stand-in for the CUDA kernel decodes what
+    it is handed (E2M1 codes, swizzled E4M3 block scales, the per-tensor factors), accumulates in
+    FP32 and applies ``g_dec_a * g_dec_b`` before the one rounding -- the two-level recipe's
+    semantics; the result is one BF16 rounding of the emulated spec's FP32 product."""
+    enums = scaled_mm_enums()
+    calls = []
+
+    def stand_in(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, *, swizzle_a, swizzle_b, output_dtype):
+        calls.append((list(recipe_a), output_dtype))
+        assert list(recipe_a) == [enums["block16"], enums["tensor"]] and list(swizzle_a)[0] == enums["swizzle"]
+
+        e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])  # OCP's E2M1
+
+        def decode(data, scales, rows):
+            codes = unpack_fp4(data.view(torch.uint8)).long()
+            s = from_blocked(scales[0].view(torch.uint8), rows, codes.shape[1] // 16)
+            return (e2m1[codes].reshape(rows, -1, 16)
+                    * s.view(torch.float8_e4m3fn).float()[..., None]).reshape(rows, -1), scales[1]
+
+        va, ga = decode(mat_a, scale_a, mat_a.shape[0])
+        vb, gb = decode(mat_b.t(), scale_b, mat_b.shape[1])
+        return ((va @ vb.t()) * (ga * gb)).to(output_dtype)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_mm", stand_in)
+    a, b = operands()[g]
+    recipe = parse_gemm("nvfp4", g)
+
+    def run(entry, dt):
+        return hw_gemm(g, a, b, recipe, LayerQuantState(3, "l"), backend="mx_scaled_mm", capability=(10, 0),
+                       quantizer="reference", out_dtype=dt, entry=entry)
+
+    b16 = run("F.scaled_mm", torch.bfloat16)
+    assert calls == [([enums["block16"], enums["tensor"]], torch.bfloat16)]  # BF16 written by the GEMM
+    spec = gemm(g, a, b, recipe, "reference", state=LayerQuantState(3, "l"))
+    assert_one_bf16_rounding_of(b16, spec, a.shape[CONTRACTION_AXES[g][0]], f"nvfp4 {g.value}")
+    f32 = run("F.scaled_mm", torch.float32)  # FP32 asked for: the GEMM still applies both levels
+    torch.testing.assert_close(f32, spec, rtol=1e-5, atol=1e-5 * spec.abs().max().item())
+
+
+def test_a_kept_weight_brings_its_laid_out_scales(monkeypatch):
+    """Block scales are laid out (``to_blocked``) once per prepared operand: the weight, kept for the
+    optimizer step, is laid out once per step however many micro-batches consume it."""
+    import kernels.scaled_mm as ksm
+
+    calls = []
+    real = ksm.to_blocked
+    monkeypatch.setattr(ksm, "to_blocked", lambda s: calls.append(tuple(s.shape)) or real(s))
+    a, b = operands()[Gemm.FPROP]
+    recipe, state = parse_gemm("mxfp4", Gemm.FPROP), LayerQuantState(3, "l")
+
+    def micro_batch():
+        return hw_gemm(Gemm.FPROP, a, b, recipe, state, backend="mx_scaled_mm", capability=(10, 0),
+                       quantizer="reference", mm=lambda qa, qb: (qa.scale, qb.scale, emulated_scaled_mm(qa, qb))[-1])
+
+    first = micro_batch()
+    assert torch.equal(micro_batch(), first) and len(calls) == 3  # x, w; then x only
+    state.end_step()  # a new step: the weight may have changed
+    micro_batch()
+    assert len(calls) == 5

@@ -117,3 +117,22 @@ def test_the_guard_matches_this_torchs_meta_checks():
         except RuntimeError:
             ok = False
         assert ok == fp4_meta_check_ok(entry), entry
+
+
+@pytest.mark.skipif(scaled_mm_enums() is None, reason="this torch has no F.scaled_mm")
+def test_nvfp4_through_f_scaled_mm_is_the_two_level_recipe():
+    """NVFP4's tensor scales go into the GEMM (1x16 E4M3 blocks, then one FP32 decode factor per
+    operand, swizzled block scales) so it can write BF16 itself; torch checks that form too: a
+    global factor that is not one element is refused."""
+    (a, b), = [v for g, v in _hw_operands("nvfp4", (64, 128, 96)).items() if g is Gemm.FPROP]
+    a, b = _meta(a), _meta(b)
+    assert a.two_level_in_gemm("F.scaled_mm") and not a.two_level_in_gemm("torch._scaled_mm")
+    assert a.tensor_decode.shape == (1,) and a.tensor_decode.dtype == torch.float32
+    out = ksm.ENTRY_POINTS["F.scaled_mm"](a, b, torch.bfloat16)
+    assert out.is_meta and out.dtype == torch.bfloat16 and tuple(out.shape) == (a.rows, b.rows)
+    enums = scaled_mm_enums()
+    rec, sw = [enums["block16"], enums["tensor"]], [enums["swizzle"], enums["no_swizzle"]]
+    two = torch.empty(2, device="meta")
+    with pytest.raises(RuntimeError, match="(?i)scal"):
+        torch.nn.functional.scaled_mm(a.data, b.data.t(), [a.scale, two], rec, [b.scale, b.tensor_decode], rec,
+                                      swizzle_a=sw, swizzle_b=sw, output_dtype=torch.bfloat16)
