@@ -24,6 +24,13 @@ Held-out set: ``eval_problems`` draws ``n_eval`` distinct problems from the stre
 every training and SFT draw that lands on a held-out problem is redrawn (``attempt`` + 1), so the
 held-out set is disjoint from every problem the policy is ever trained on.
 
+True replicates: with ``replicate: r`` in the task seed file a run draws its training prompts from
+its own stream (``"{seed}/rep{r}/train/..."``) and evaluates on its own share of the held-out set
+(``replicate_eval`` problems, disjoint from every other replicate's), so replicates differ in prompts
+and in evaluation sample, not only in response sampling, and an interval over replicates carries the
+evaluation sample's error. Every replicate's problems still come from the one held-out set, so none
+was seen by the starting policy's SFT corpus or by any replicate's training.
+
 Where a problem starts: in the starting policy's corpus every example follows an end-of-document
 id, but an RL prompt is tokenized from its text alone and sits at position 0. The default template
 therefore begins with a newline (one token of the task tokenizer), so the corpus holds
@@ -96,6 +103,15 @@ class TaskSpec:
     newline marks where a problem starts, in the SFT corpus as in an RL prompt (see the module docstring)."""
     format_reward: float = 0.0
     """Reward of a well-formed but wrong integer answer (0: off); must be in [0, 1)."""
+    replicate: int | None = None
+    """A true replicate (0, 1, ...): its own training prompt stream (``"{seed}/rep{r}/train/..."``) and
+    its own evaluation sample -- the ``replicate_eval`` problems at ``r * replicate_eval`` of a seeded
+    shuffle of the held-out set, disjoint from every other replicate's. None: the task seed's stream
+    and the whole held-out set, shared by every run (a run's ``--seed`` then changes only sampling)."""
+    replicate_eval: int | None = None
+    """Held-out problems per replicate (default: ``n_eval // 4``); ``(replicate + 1) * replicate_eval``
+    must not exceed ``n_eval``. Every replicate's problems come from the held-out set, which no
+    training or starting-policy (SFT) draw ever lands on."""
 
     def __post_init__(self):
         object.__setattr__(self, "a_digits", tuple(self.a_digits))
@@ -190,12 +206,19 @@ def _validated(data: dict, where: str) -> TaskSpec:
             fail(f"prompt_template: {err} in {t!r}")
         if sorted(names) != sorted(_PLACEHOLDERS):
             fail(f"prompt_template: must use each of {{a}}, {{op}}, {{b}} exactly once and nothing else, got {t!r}")
+    if data.get("replicate") is not None:
+        out["replicate"] = integer("replicate", 0)
+    if data.get("replicate_eval") is not None:
+        out["replicate_eval"] = integer("replicate_eval", 1)
     if "format_reward" in data:
         v = data["format_reward"]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
             fail(f"format_reward: must be a number in [0, 1) (0: off), got {v!r}")
         out["format_reward"] = float(v)
     spec = TaskSpec(**out)
+    if spec.replicate is not None and (spec.replicate + 1) * _per_replicate(spec) > spec.n_eval:
+        fail(f"replicate: {spec.replicate} needs {(spec.replicate + 1) * _per_replicate(spec)} held-out problems "
+             f"({_per_replicate(spec)} per replicate) but n_eval is {spec.n_eval}; raise n_eval or lower replicate_eval")
     if spec.problem_space() < 2 * spec.n_eval:
         fail(f"n_eval: {spec.n_eval} held-out problems leave too few for training: the digit ranges and operations "
              f"give {spec.problem_space()} problems; use n_eval <= {spec.problem_space() // 2} or wider ranges")
@@ -256,9 +279,24 @@ def _training_draw(spec: TaskSpec, stream: str) -> tuple[int, str, int]:
         attempt += 1
 
 
+def _per_replicate(spec: TaskSpec) -> int:
+    return spec.replicate_eval or max(1, spec.n_eval // 4)
+
+
 def eval_problems(spec: TaskSpec) -> list[Problem]:
-    """The fixed held-out set: ``spec.n_eval`` distinct problems, never drawn for training."""
-    return [_problem(spec, *t) for t in _held_out(spec)[0]]
+    """The held-out problems a run evaluates on, never drawn for training: the whole fixed set
+    (``spec.n_eval`` distinct problems), or a replicate's own disjoint share of it."""
+    draws = _held_out(spec)[0]
+    if spec.replicate is not None:
+        k = _per_replicate(spec)
+        order = list(range(len(draws)))
+        random.Random(f"{spec.seed}/replicate-eval-order").shuffle(order)
+        picked = order[spec.replicate * k:(spec.replicate + 1) * k]
+        if len(picked) < k:
+            raise ValueError(f"TaskSpec {spec.name!r}: replicate {spec.replicate} needs "
+                             f"{(spec.replicate + 1) * k} held-out problems, n_eval is {spec.n_eval}")
+        draws = [draws[i] for i in picked]
+    return [_problem(spec, *t) for t in draws]
 
 
 def train_problems(spec: TaskSpec, iteration: int, n: int, *, rank_offset: int = 0) -> list[Problem]:
@@ -267,7 +305,8 @@ def train_problems(spec: TaskSpec, iteration: int, n: int, *, rank_offset: int =
     if iteration < 0 or n < 0 or rank_offset < 0:
         raise ValueError(f"train_problems: iteration, n and rank_offset must be >= 0, got {iteration}, {n}, "
                          f"{rank_offset}")
-    return [_problem(spec, *_training_draw(spec, f"{spec.seed}/train/{iteration}/{i}"))
+    stream = f"{spec.seed}/train" if spec.replicate is None else f"{spec.seed}/rep{spec.replicate}/train"
+    return [_problem(spec, *_training_draw(spec, f"{stream}/{iteration}/{i}"))
             for i in range(rank_offset, rank_offset + n)]
 
 
