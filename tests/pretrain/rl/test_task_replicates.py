@@ -36,8 +36,8 @@ def test_no_replicate_is_the_task_seeds_shared_stream_unchanged():
 
 @pytest.mark.parametrize("extra, message", [
     ("replicate: -1\n", r"replicate: must be an integer >= 0"),
-    ("replicate: 4\nreplicate_eval: 100\n", r"replicate: 4 needs 500 held-out problems \(100 per replicate\) but "
-                                            r"n_eval is 400"),
+    ("replicate: 4\nreplicate_eval: 100\n", (r"replicate: 4 needs 500 held-out problems \(100 per replicate\) but "
+                                            r"n_eval is 400")),
     ("replicate_eval: 0\n", r"replicate_eval: must be an integer >= 1"),
 ])
 def test_bad_replicate_fields_are_one_line_errors(tmp_path, extra, message):
