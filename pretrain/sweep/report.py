@@ -114,7 +114,8 @@ def write_claims(out: Path, rows: list[dict], descent: list[int] | None) -> None
                         " ".join(map(str, r.seeds)), r.mean, r.p, r.p_holm, r.verdict])
     md = (out / "results.md").read_text().split("\n", 2)
     first = json.loads((out / FIRST_LOOK).read_text()) if (out / FIRST_LOOK).is_file() else None
-    (out / "results.md").write_text("\n".join([md[0], md[1], *claims_table(results, claims, first), md[2]]))
+    rest = md[2].replace("| verdict (Holm over", "| exploratory verdict (Holm over")
+    (out / "results.md").write_text("\n".join([md[0], md[1], *claims_table(results, claims, first), rest]))
 
 
 def collect_rl(out: Path, runs: list[Run], baseline: str | None, margin: float | None = None) -> list[dict]:

@@ -97,6 +97,10 @@ def load_sweep(path: str) -> dict:
     _check_descent(data.get("descent_steps"), path)
     _check_published(data.get("published"), path)
     _check_claims(data.get("claims"), path)
+    if data.get("claims") and script == "rl":
+        raise SweepError(f"sweep file {path}: claims: not supported for script: rl (the declared metrics are "
+                         "pretraining's: val_loss, excess_loss, extra_steps, extra_tokens); state an RL sweep's "
+                         "claims in its write-up")
     if data.get("claims"):  # a YAML date becomes its ISO text (sweep.json is JSON)
         data["claims"] = {**data["claims"], "declared": str(data["claims"]["declared"])}
     contrasts = data.get("contrasts")

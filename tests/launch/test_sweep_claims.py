@@ -86,6 +86,7 @@ def test_declared_claims_are_tested_one_sided_and_holm_adjusted_over_the_whole_s
     md = (out / "results.md").read_text()
     assert "## Declared claims of study toy (declared 2026-12-06; Holm over the study's 3 claims)" in md
     assert "Every other verdict in this report is exploratory" in md and "declared before the runs" in md
+    assert "| exploratory verdict (Holm over 2) |" in md
     assert json.loads((out / "claims_first.json").read_text())["seeds"]["mx_costs"] == [0, 1, 2, 3]
 
 
@@ -104,6 +105,8 @@ def test_seeds_added_after_the_first_table_are_a_new_confirmatory_run(tmp_path):
 
 @pytest.mark.parametrize("claims, message", [
     ("claims: {study: s, tests: []}", r"claims must map study, declared \(a date\) and tests"),
+    ("script: rl\nclaims: {study: s, declared: 2026-12-06, tests: [{id: a, contrast: [mxfp4, fp8], "
+     "metric: val_loss, direction: worse}]}", r"claims: not supported for script: rl"),
     (("claims: {study: s, declared: yesterday, tests: [{id: a, contrast: [mxfp4, fp8], metric: val_loss, "
      "direction: worse}]}"), r"claims.declared must be an ISO date, e.g. 2026-12-06"),
     (("claims: {study: s, declared: 2026-12-06, tests: [{id: a, contrast: [mxfp4, fp8], metric: loss, "
