@@ -223,7 +223,7 @@ def with_origins(message: str, args: argparse.Namespace) -> str:
             return f"{m.group(0)} ({origins[dest]})"
         return m.group(0)
 
-    return re.sub(r"(--[a-z][a-z0-9-]*) ([^\s,;:()]+)(?! \((?:from|=))", note, message)
+    return re.sub(r"(--[a-z][a-z0-9-]*) ([^\s,;:()\[\]]+)(?! \((?:from|=))", note, message)
 
 
 def _starts_with_observe(args: argparse.Namespace) -> bool:

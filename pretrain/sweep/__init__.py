@@ -7,6 +7,8 @@ and intervals (the command line is ``launch/sweep.py``). In the order a sweep us
              verdicts (``pretrain.evaluation.stats`` / ``extra_tokens``)
 ``report``   ``collect``: the CSV and Markdown tables, and the plots (``plots``); an RL sweep's
              results are ``pretrain.rl.sweep_results``
+``cli``      ``launch/sweep.py``'s work in that order: validate every run before any starts, refuse
+             runs made by other flags, run with progress (last loss, ETA), collect
 
-Imports flow one way: report -> plots, results, runner -> spec.
+Imports flow one way: cli -> report -> plots, results, runner -> spec.
 """

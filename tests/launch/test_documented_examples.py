@@ -207,6 +207,19 @@ def _fill(cmd: str) -> str:
                            cmd.replace("OMP_NUM_THREADS", "\0")).replace("\0", "OMP_NUM_THREADS")
 
 
+def _check_sweep(own: list[str], extra: list[str]) -> None:
+    from pretrain.sweep.runner import SweepError, validate_runs
+    from pretrain.sweep.spec import expand_runs, load_sweep
+
+    sweep = load_sweep(own[0])
+    runs = expand_runs(sweep, own[0])
+    try:
+        validate_runs(REPO / "runs" / "documented", runs, int(sweep.get("nproc-per-node", 1)), extra)
+    except SweepError as e:
+        if not _absent_input(str(e), [t for r in runs for t in r.flags]):
+            raise
+
+
 def _check_command(cmd: str, monkeypatch, template: bool = False) -> None:
     tokens = shlex.split(cmd.replace("$OUT", "out"))
     script = next(t for t in tokens if re.match(r"launch/\w+(?:/\w+)*\.(?:py|sbatch)$", t))
@@ -238,6 +251,8 @@ def _check_command(cmd: str, monkeypatch, template: bool = False) -> None:
     if name == "rl":
         return _check_rl(own, world)
     _check_launcher(name, args, monkeypatch, elided=template)
+    if name == "sweep" and not template:  # every run of the sweep file through its script's validation
+        _check_sweep(own, passthrough)
     if passthrough and name in ("sweep", "bench_pretrain", "gradient_error", "scale_target"):
         from pretrain.arguments import build_parser
 

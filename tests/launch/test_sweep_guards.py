@@ -1,0 +1,78 @@
+"""A sweep refuses, in one line and before any run starts, what would cost runs or report wrong
+results: a run whose flags ``pretrain.py`` refuses (a typo in the sweep file), a run directory made
+by other flags (an edited sweep file), ``--slurm`` without ``sbatch``; and as runs finish it prints
+each one's last loss and the whole sweep's ETA."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from torch.utils.tensorboard import SummaryWriter
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "launch"))
+
+import sweep  # noqa: E402
+
+from pretrain.sweep.cli import Progress  # noqa: E402
+from pretrain.sweep.runner import run_args, run_identity  # noqa: E402
+
+SWEEP = "base:\n  model-size: tiny\n  train-iters: {iters}\n  lr-warmup-iters: 1\nbaseline: bf16\n" \
+        "grid:\n  presets: [bf16, fp8]\n"
+
+
+def _file(tmp_path, text: str) -> str:
+    f = tmp_path / "s.yaml"
+    f.write_text(text)
+    return str(f)
+
+
+def _one_error_line(capsys) -> str:
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def test_a_typo_in_a_base_flag_is_refused_before_any_run(tmp_path, capsys):
+    f = _file(tmp_path, SWEEP.format(iters=4).replace("train-iters", "train-iter"))
+    assert sweep.main([f, "--out", str(tmp_path / "out")]) == 2
+    line = _one_error_line(capsys)
+    assert line == "error: run bf16: pretrain.py refuses its flags: unrecognized arguments: --train-iter 4"
+    assert not (tmp_path / "out" / "runs").exists()  # nothing started
+
+
+def test_an_edited_sweep_is_refused_rather_than_reported_under_its_new_flags(tmp_path, capsys):
+    out = tmp_path / "out"
+    old = sweep.expand_runs(sweep.load_sweep(_file(tmp_path, SWEEP.format(iters=4))), "s.yaml")
+    for r in old:  # what start_run / finish_run record for a finished run
+        d = sweep.run_dir(out, r)
+        d.mkdir(parents=True)
+        sweep.write_status(d, state="done", identity=run_identity(r, 1, []), nproc=1, args=run_args(r, []))
+    f = _file(tmp_path, SWEEP.format(iters=8))
+    assert sweep.main([f, "--out", str(out), "--collect"]) == 2
+    line = _one_error_line(capsys)
+    assert "run bf16 in --out" in line and "(--train-iters 4 -> --train-iters 8; 2 run(s) changed)" in line
+    assert line.endswith(f"remove {out / 'runs' / 'bf16'} to run it again")
+    f = _file(tmp_path, SWEEP.format(iters=4))
+    assert sweep.main([f, "--out", str(out), "--collect", "--", "--lr", "1e-3"]) == 2  # flags after -- count too
+    assert "((nothing) -> --lr 1e-3; 2 run(s) changed)" in _one_error_line(capsys)
+    assert sweep.main([f, "--out", str(out), "--collect"]) == 0  # the same sweep: collected as before
+
+
+def test_slurm_without_sbatch_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch here
+    assert sweep.main([_file(tmp_path, SWEEP.format(iters=4)), "--out", str(tmp_path / "o"), "--slurm"]) == 2
+    assert _one_error_line(capsys).startswith("error: --slurm: sbatch not found on PATH")
+
+
+def test_progress_gives_the_last_loss_and_the_eta(tmp_path):
+    run = sweep.Run("fp8", "fp8")
+    with SummaryWriter(str(sweep.run_dir(tmp_path, run) / "tensorboard")) as w:
+        for it, loss in ((1, 9.0), (2, 4.0), (3, 2.5)):
+            w.add_scalar("train/loss", loss, it)
+    progress = Progress(tmp_path, todo=5, parallel=2)
+    assert progress(run, "done", 30.0) == ", last loss 2.5000 at iteration 3; 4 run(s) left, ETA 1m00s"
+    # mean of 30 s and 90 s = 60 s per run, 3 left at 2 a time = 2 rounds
+    assert progress.__call__(sweep.Run("x", "bf16"), "failed", 90.0) == "; 3 run(s) left, ETA 2m00s"
