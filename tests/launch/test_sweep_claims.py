@@ -105,8 +105,8 @@ def test_seeds_added_after_the_first_table_are_a_new_confirmatory_run(tmp_path):
 
 @pytest.mark.parametrize("claims, message", [
     ("claims: {study: s, tests: []}", r"claims must map study, declared \(a date\) and tests"),
-    ("script: rl\nclaims: {study: s, declared: 2026-12-06, tests: [{id: a, contrast: [mxfp4, fp8], "
-     "metric: val_loss, direction: worse}]}", r"claims: not supported for script: rl"),
+    (("script: rl\nclaims: {study: s, declared: 2026-12-06, tests: [{id: a, contrast: [mxfp4, fp8], "
+     "metric: val_loss, direction: worse}]}"), r"claims: not supported for script: rl"),
     (("claims: {study: s, declared: yesterday, tests: [{id: a, contrast: [mxfp4, fp8], metric: val_loss, "
      "direction: worse}]}"), r"claims.declared must be an ISO date, e.g. 2026-12-06"),
     (("claims: {study: s, declared: 2026-12-06, tests: [{id: a, contrast: [mxfp4, fp8], metric: loss, "
