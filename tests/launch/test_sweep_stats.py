@@ -223,11 +223,15 @@ def test_sweep_tables_positive_extra_tokens_equivalence_margin_and_gap_curves(tm
     assert mean == pytest.approx([0.01] * 300, abs=1e-5) and hi[-1] - lo[-1] == pytest.approx(0.0, abs=1e-4)
 
 
-def test_tuned_table_says_selection_and_intervals_share_seeds(tmp_path):
+def _sweep(tmp_path, text: str):
+    """The runs of a sweep file holding ``text``, and the output directory."""
     f = tmp_path / "s.yaml"
-    f.write_text("seeds: [0, 1]\nbaseline: fp8\ngrid:\n  presets: [fp8, mxfp4]\n  lr: [0.001, 0.002]\n")
-    runs = sweep.expand_runs(sweep.load_sweep(str(f)), str(f))
-    out = tmp_path / "out"
+    f.write_text(text)
+    return sweep.expand_runs(sweep.load_sweep(str(f)), str(f)), tmp_path / "out"
+
+
+def test_tuned_table_says_selection_and_intervals_share_seeds(tmp_path):
+    runs, out = _sweep(tmp_path, "seeds: [0, 1]\nbaseline: fp8\ngrid:\n  presets: [fp8, mxfp4]\n  lr: [0.001, 0.002]\n")
     for r in runs:
         raw = _raw_curve(r.seed, 0.01 * (r.label == "mxfp4") + (0.02 if r.point["lr"] == 0.001 else 0.0), n=60)
         _write(out, r, list(range(1, 61)), raw, 4.0 + raw[-1])
@@ -303,10 +307,7 @@ def test_rank_test_counts_a_divergence_as_the_worst_outcome():
 
 
 def test_sweep_table_calls_a_treatment_diverging_in_3_of_4_seeds_worse(tmp_path):
-    f = tmp_path / "s.yaml"
-    f.write_text("seeds: [0, 1, 2, 3]\nbaseline: fp8\ngrid:\n  presets: [fp8, mxfp4]\n")
-    runs = sweep.expand_runs(sweep.load_sweep(str(f)), str(f))
-    out = tmp_path / "out"
+    runs, out = _sweep(tmp_path, "seeds: [0, 1, 2, 3]\nbaseline: fp8\ngrid:\n  presets: [fp8, mxfp4]\n")
     for r in runs:
         raw = _raw_curve(r.seed, 0.01 * (r.label == "mxfp4"), n=60)
         _write(out, r, list(range(1, 61)), raw, 4.5 + 0.01 * r.seed + 0.2 * (r.label == "mxfp4"))
