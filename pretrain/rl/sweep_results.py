@@ -19,7 +19,8 @@ Each run of ``launch/rl.py`` logs TensorBoard scalars (``rl/reward_mean``, ``rl/
 ``memory_bytes``         peak rollout memory (KV + packed weights on CPU, CUDA peak on GPUs)
 =======================  ==========================================================================
 
-Runs with the same seed start from the same weights and see the same prompts, so each treatment's
+Runs with the same seed start from the same weights and see the same prompts (unless the task file
+gives each a ``replicate:``, ``pretrain.rl.task``: then its own prompts and evaluation share), so each treatment's
 gap to the baseline (``baseline:``, e.g. BF16 rollouts) is paired by seed, with a 95% Student-t
 interval over seeds (``pretrain.evaluation.stats``); higher accuracy and reward are better. The
 verdict (on the final held-out accuracy gap) is Holm-adjusted over the table's treatments: *worse* /
@@ -232,7 +233,12 @@ def write_rl_results(out: Path, rows: list[dict], summary: list[dict], baseline:
                    "95% Student-t interval over seeds (unadjusted). verdict: on the final held-out accuracy "
                    "gap, Holm-adjusted over the table's treatments (worse/better: shown to differ; equivalent "
                    "(±m): inside the sweep's equivalence_margin by two one-sided tests; not shown to differ: "
-                   "neither, which is not 'no cost'). mean k3_kl: trainer-vs-rollout log-prob mismatch "
+                   "neither, which is not 'no cost'; with a margin both verdicts print). Replicates: seeds of a "
+                   "task seed file without 'replicate:' share one prompt stream and one held-out set, so the "
+                   "intervals are over response sampling only and leave out the evaluation sample's error (an "
+                   "accuracy p on n problems has binomial s.e. sqrt(p(1-p)/n)); with 'replicate:' per run "
+                   "(pretrain.rl.task) each seed draws its own prompts and evaluation share, and the interval "
+                   "carries both. mean k3_kl: trainer-vs-rollout log-prob mismatch "
                    "(verl's k3) of the rollout against the trainer's own numerics (--precision; also under --rollout-qat), "
                    "averaged over iterations; in brackets the baseline's (BF16 rollouts: the floor that sampling "
                    "and float rounding leave). raw ESS: effective sample size of the unclipped token ratio "
