@@ -14,7 +14,8 @@ A sweep file may carry a ``claims:`` section (checked by ``pretrain.sweep.spec``
 Each test pairs the runs of ``contrast[0]`` with those of ``contrast[1]`` by seed (and
 hyper-parameters) and tests its ``metric`` one-sided in the declared ``direction``: ``worse`` /
 ``better`` beyond ``margin`` (default 0) by a t-test, ``equivalent`` inside ``±margin`` by two
-one-sided tests. Extra tokens/steps are tested on ``log(1 + x)`` (``margin`` in %). The p-values are
+one-sided tests. A seed whose run diverged is the worst outcome of its side (+inf for the treatment):
+the test is then the exact one-sided Wilcoxon signed-rank test, and equivalence is not shown. Extra tokens/steps are tested on ``log(1 + x)`` (``margin`` in %). The p-values are
 Holm-adjusted over **all** the study's claims (``study_claims``; a claim of the study whose p-value
 this report does not hold counts as p = 1, which only makes the adjustment stricter). Every other
 comparison of the report is exploratory.
@@ -73,6 +74,15 @@ def _p_value(values: list[float], direction: str, margin: float) -> tuple[float,
     """(mean, p) of the declared test on per-seed values."""
     from scipy.stats import t
 
+    if any(math.isinf(v) for v in values):  # a divergence: the worst outcome (+inf; -inf: the other side's)
+        if direction == "equivalent" or len(values) < 2:
+            return math.nan if len(values) < 2 else math.inf, 1.0
+        from scipy.stats import wilcoxon
+
+        big = 1e6 * max([abs(v) for v in values if math.isfinite(v)] + [1.0])
+        finite = [max(-big, min(big, v)) for v in values]
+        alt = "greater" if direction == "worse" else "less"
+        return math.inf, float(wilcoxon([v - margin for v in finite], alternative=alt, method="exact").pvalue)
     gap = paired_interval(values)
     if gap.n < 2 or gap.excluded:
         return gap.mean, math.nan
@@ -87,7 +97,7 @@ def _p_value(values: list[float], direction: str, margin: float) -> tuple[float,
 
 def _per_seed(rows: list[dict], test: dict, window: list[int] | None) -> dict[int, float]:
     """The metric's paired value per seed (a higher value is worse for the first label)."""
-    from pretrain.sweep.results import descent_numbers, pair_numbers, partner
+    from pretrain.sweep.results import _diverged, descent_numbers, pair_numbers, partner
 
     a, b = test["contrast"]
     out = {}
@@ -106,6 +116,8 @@ def _per_seed(rows: list[dict], test: dict, window: list[int] | None) -> dict[in
         else:
             p = pair_numbers(m, base)
             v = p["gap_val_loss"] if metric == "val_loss" else p["extra_tokens_pct"]
+        if _diverged(m) or _diverged(base):  # counted as the worst outcome of the side that diverged
+            v = math.inf if _diverged(m) else -math.inf
         out[m["_run"].seed] = log_ratio(v) if CLAIM_METRICS[metric][1] and math.isfinite(v) else v
     return out
 
@@ -166,6 +178,8 @@ def claims_table(results: list[ClaimResult], claims: dict, first: dict | None = 
     for r in results:
         pct = CLAIM_METRICS[r.metric][1]
         mean = f"{100 * math.expm1(r.mean):+.2f} %" if pct and math.isfinite(r.mean) else f"{r.mean:+.4f}"
+        if math.isinf(r.mean):
+            mean = "diverged seeds: signed-rank test"
         declared = r.direction + (f" (margin {r.margin:g})" if r.margin or r.direction == "equivalent" else "")
         name = r.id + (" (new confirmatory run)" if r.new_run else "")
         lines.append(f"| {name} | {r.contrast[0]} vs {r.contrast[1]} | {r.metric} | {declared} | "

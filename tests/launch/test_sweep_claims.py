@@ -45,7 +45,7 @@ def _write(out: Path, run, val: float):
     sweep.write_status(d, state="done")
 
 
-def _study(tmp_path: Path, seeds: list[int]):
+def _study(tmp_path: Path, seeds: list[int], diverged: tuple[str, ...] = ()):
     f = tmp_path / "s.yaml"
     f.write_text(f"seeds: {seeds}\nbaseline: fp8\ngrid:\n  presets: [fp8, mxfp4, bf16]\n" + CLAIMS)
     sw = sweep.load_sweep(str(f))
@@ -54,6 +54,8 @@ def _study(tmp_path: Path, seeds: list[int]):
     for r in runs:
         if not (out / "runs" / r.name).exists():
             _write(out, r, VAL[r.label][r.seed])
+        if r.name in diverged:
+            sweep.write_status(out / "runs" / r.name, state="diverged")
     (out / "sweep.json").write_text(json.dumps({"sweep": sw, "extra": [], "runs": [r.__dict__ for r in runs]}))
     sweep.collect(out, runs, "fp8", window=5)
     return out
@@ -101,6 +103,16 @@ def test_seeds_added_after_the_first_table_are_a_new_confirmatory_run(tmp_path):
     assert float(new["p"]) == pytest.approx(sps.ttest_1samp(gaps, 0.0, alternative="greater").pvalue, rel=1e-4)
     assert "Holm over the study's 5 claims" in (out / "results.md").read_text()  # 3 declared + 2 new runs
     assert "(new confirmatory run)" in (out / "results.md").read_text()
+
+
+def test_a_diverged_seed_counts_as_the_worst_outcome_of_a_claim(tmp_path):
+    # mxfp4 diverges in seeds 0-2: +inf for those seeds, and the 4th is worse too -> all four positive;
+    # the exact one-sided signed-rank p with 4 seeds is 1/16 (scipy's, the oracle): not enough seeds
+    out = _study(tmp_path, [0, 1, 2, 3], diverged=("mxfp4__seed-0", "mxfp4__seed-1", "mxfp4__seed-2"))
+    cost = _rows(out)[("mx_costs", "False")]
+    ref = sps.wilcoxon([3e9, 2e9, 1e9, VAL["mxfp4"][3] - VAL["fp8"][3]], alternative="greater", method="exact")
+    assert float(cost["p"]) == pytest.approx(ref.pvalue) == pytest.approx(1 / 16)
+    assert "diverged seeds: signed-rank test" in (out / "results.md").read_text()
 
 
 @pytest.mark.parametrize("claims, message", [
