@@ -101,6 +101,40 @@ def describe_names(names: Iterable[str]) -> str:
     return ", ".join(described + others)
 
 
+def _compact_names(names: list[str]) -> str:
+    """Layer names exactly and compactly: transformer layers as ``decoder.layers.[0-3,5].SUFFIX`` (the
+    suffixes of one layer set in braces), other names as they are."""
+    layers: dict[str, list[int]] = {}
+    others = []
+    for name in names:
+        parts = name.split(".", 3)
+        if len(parts) == 4 and parts[:2] == ["decoder", "layers"] and parts[2].isdigit():
+            layers.setdefault(parts[3], []).append(int(parts[2]))
+        else:
+            others.append(name)
+    by_set: dict[str, list[str]] = {}
+    for suffix, ix in layers.items():
+        ix = sorted(set(ix))
+        runs = [[ix[0], ix[0]]]
+        for i in ix[1:]:
+            if i == runs[-1][1] + 1:
+                runs[-1][1] = i
+            else:
+                runs.append([i, i])
+        by_set.setdefault(",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs), []).append(suffix)
+    out = []
+    for ranges, suffixes in by_set.items():
+        prefix = {s.rsplit(".", 1)[0] for s in suffixes}
+        if len(suffixes) == 1:
+            tail = suffixes[0]
+        elif len(prefix) == 1:
+            tail = f"{prefix.pop()}.{{{','.join(s.rsplit('.', 1)[1] for s in suffixes)}}}"
+        else:
+            tail = f"{{{','.join(suffixes)}}}"
+        out.append(f"decoder.layers.[{ranges}].{tail}")
+    return ", ".join(out + others)
+
+
 def layer_index(name: str) -> int | None:
     m = _LAYER_RE.search(name)
     return int(m.group(1)) if m else None
@@ -393,6 +427,15 @@ class PrecisionPlan(Mapping):
         for name, (p, rule) in self._entries.items():
             lines.append(f"{name:<{width}}  {p.fprop.spec():<22} {p.dgrad.spec():<22} {p.wgrad.spec():<24} {rule}")
         return "\n".join(lines)
+
+    def summary(self) -> str:
+        """The plan grouped: one line per distinct (precision, rule), its layers named compactly, e.g.
+        ``decoder.layers.[0-3].{linear_proj,linear_qkv,linear_fc1,linear_fc2} (16): fprop=...  <- rule``."""
+        groups: dict[tuple[str, str], list[str]] = {}
+        for name, (p, rule) in self._entries.items():
+            groups.setdefault((str(p), rule), []).append(name)
+        lines = [f"{_compact_names(names)} ({len(names)}): {p}  <- {rule}" for (p, rule), names in groups.items()]
+        return "\n".join(["layer (count): precision  <- rule", *lines])
 
     def to_dict(self) -> dict[str, dict[str, str]]:
         return {n: {"precision": str(p), "rule": r} for n, (p, r) in self._entries.items()}

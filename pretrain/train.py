@@ -322,15 +322,18 @@ def setup(run: RunConfig) -> Trainer:
     )
 
     total, local = count_parameters(model)
-    rank0_print(model)
-    rank0_print(f"parameters: {total:,} ({local:,} on each of {tp * pp} model-parallel rank(s))")
+    if run.logging.print_model:
+        rank0_print(model)
+    rank0_print(f"parameters: {total:,} ({local:,} on each of {tp * pp} model-parallel rank(s))"
+                + ("" if run.logging.print_model else "; the module tree: --print-model"))
     given = (f"--precision-schedule {p.precision_schedule}" if p.precision_schedule
              else f"--precision {p.precision}" + (f" --qat-warmup-iters {p.qat_warmup_iters}"
                                                   if p.qat_warmup_iters else ""))
     given += "".join(f" --precision-rule {r}" for r in p.precision_rule)
     schedule = plans.schedule
     if len(schedule) == 1:
-        rank0_print(f"precision plan ({given}):\n{plans.whole[0].table()}")
+        rank0_print(f"precision plan ({given}), by rule (per layer: TensorBoard text precision_plan, "
+                    f"checkpoints):\n{plans.whole[0].summary()}")
     else:  # each phase's plan table is printed when the phase begins (PrecisionPhases.maybe_switch_phase)
         rank0_print(f"precision schedule ({given}): {schedule.describe(t.train_iters)}")
     texts = ({"precision_plan": "```\n" + plans.whole[0].table() + "\n```"} if len(schedule) == 1 else

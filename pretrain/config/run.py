@@ -350,6 +350,10 @@ class LoggingConfig:
     """A progress line every N iterations."""
     tensorboard_dir: str | None = arg("--tensorboard-dir", metavar="DIR")
     """TensorBoard event files (and ``val_batches.jsonl``) here; ``None``: none."""
+    print_model: bool = arg("--print-model", action="store_true",
+                            help="print the model's module tree (each linear with its per-GEMM precision) at "
+                            "start-up; the plan is printed either way, grouped by rule")
+    """Print ``print(model)`` at start-up (off: the start-up output stays one screen)."""
 
 
 # (argparse group title, the classes whose fields it holds), in --help order

@@ -209,3 +209,16 @@ def test_partial_spec_and_full_spec_existing_forms_unchanged():
         _FP8, wgrad=GemmRecipe(_MX, _MX, "had16"))
     with pytest.raises(SpecError, match="empty spec"):
         LinearPrecision.parse(" , ")
+
+
+def test_plan_summary_groups_layers_by_rule_exactly():
+    plan = PrecisionPolicy.from_args("mxfp4", ["layers:0-1=bf16", "layers:3-3=bf16"]).resolve(NAMES, 12)
+    lines = plan.summary().splitlines()
+    assert lines[0] == "layer (count): precision  <- rule"
+    both = "{self_attention.linear_qkv,self_attention.linear_proj,mlp.linear_fc1,mlp.linear_fc2}"
+    assert lines[1] == (f"decoder.layers.[0-1].{both} (8): fprop=bf16,dgrad=bf16,wgrad=bf16  "
+                        "<- --precision-rule layers:0-1=bf16")
+    assert lines[2] == f"decoder.layers.[2,4-11].{both} (36): {presets.get('mxfp4')}  <- --precision mxfp4"
+    assert lines[3].startswith(f"decoder.layers.[3].{both} (4): ")
+    assert lines[4] == "output_layer (1): fprop=bf16,dgrad=bf16,wgrad=bf16  <- preset mxfp4: kind:output=bf16"
+    assert sum(int(line.rsplit(" (", 1)[1].split(")")[0]) for line in lines[1:]) == len(NAMES)
