@@ -129,3 +129,8 @@ def test_mxfp4_fullbatch_tables_regenerate_from_the_per_seed_values():
     assert f"p = {first.p_value():.4f} at 4" in text
     assert f"(mean {sum(adam[s] for s in range(4, 8)) / 4:+.2f})" in text
     assert math.isclose(stats.paired_interval(list(adam.values())).p_value(), 0.058, abs_tol=0.001)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in SWEEPS.glob("*.md")))
+def test_every_write_up_opens_with_design_family_and_verdict(name):
+    _assert_headline((SWEEPS / name).read_text())
