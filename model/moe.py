@@ -68,6 +68,7 @@ __all__ = ["PolicyMoELayer", "PolicyRouter", "PortableAllGatherTokenDispatcher",
            "moe_module_spec", "set_aux_loss_scale"]
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+MX_BLOCK = 32
 
 
 # ============================================================================================
@@ -242,9 +243,41 @@ def set_aux_loss_scale(scale: float, device: torch.device | str = "cpu") -> None
 # ============================================================================================
 
 
+def token_bucket(n: int) -> int:
+    """Rows an expert's GEMMs run on for ``n`` routed tokens: the next power of two, at least one MX
+    block (32). Zero rows change no result: Fprop and Dgrad are row-wise, and along Wgrad's token
+    contraction zeros change neither a block's amax nor a per-tensor amax nor the sum (the linear pads
+    partial blocks with zeros itself; stochastic rounding keys on each element's index, which trailing
+    rows leave alone)."""
+    return max(MX_BLOCK, 1 << max(n - 1, 0).bit_length())
+
+
+class PaddedSequentialMLP(SequentialMLP):
+    """megatron's ``SequentialMLP`` whose experts run on token counts padded by :func:`token_bucket`.
+
+    Why: the routed token count of an expert changes every step, and the compiled quantizers
+    (``kernels.fused``) compile once per shape -- bucketed, an expert GEMM sees a handful of shapes
+    instead of hundreds. An expert that receives no token still runs on one block of zeros, so every
+    expert weight has a (zero) gradient each step, as data-parallel reductions expect. Megatron pads the
+    same way for FP8 / FP4 (to multiples of 16 / 32)."""
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        if self.config.moe_apply_probs_on_input:
+            raise ValueError("PaddedSequentialMLP: moe_apply_probs_on_input is not supported")
+        counts = tokens_per_expert.tolist()
+        outputs = []
+        for expert, tokens, probs in zip(self.local_experts, torch.split(permuted_local_hidden_states, counts),
+                                         torch.split(permuted_probs, counts), strict=True):
+            n = tokens.shape[0]
+            pad = token_bucket(n) - n
+            out, _ = expert(torch.nn.functional.pad(tokens, (0, 0, 0, pad)), torch.nn.functional.pad(probs, (0, pad)))
+            outputs.append(out[:n])
+        return torch.cat(outputs, dim=0), None
+
+
 def expert_mlp_modules() -> tuple[type, MLPSubmodules]:
-    """Experts as megatron's ``SequentialMLP`` of MLPs whose fc1 / fc2 are policy linears."""
-    return SequentialMLP, MLPSubmodules(linear_fc1=PolicyColumnParallelLinear, linear_fc2=PolicyRowParallelLinear)
+    """Experts as a (padded) megatron ``SequentialMLP`` of MLPs whose fc1 / fc2 are policy linears."""
+    return PaddedSequentialMLP, MLPSubmodules(linear_fc1=PolicyColumnParallelLinear, linear_fc2=PolicyRowParallelLinear)
 
 
 def moe_module_spec() -> ModuleSpec:
@@ -274,9 +307,6 @@ def moe_layer_pattern(num_layers: int, freq: int | list[int]) -> list[int]:
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")  # global_aux_loss: CUDA buffers
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 DISPATCHERS = ("allgather", "alltoall")  # flex needs DeepEP
-MX_BLOCK = 32
-
-
 def validate_moe(cfg, tp_size: int, ep_size: int, cuda: bool) -> None:
     """Raise ValueError (one line naming the Megatron-LM flag and what is valid) if ``cfg``'s
     mixture-of-experts settings cannot run at ``tp_size`` x ``ep_size`` (``cuda``: on a GPU)."""
