@@ -69,6 +69,7 @@ __all__ = ["PolicyMoELayer", "PolicyRouter", "PortableAllGatherTokenDispatcher",
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 MX_BLOCK = 32
+_AUX_SCALE: dict[str, float] = {}  # the value set_aux_loss_scale last gave MoEAuxLossAutoScaler
 
 
 # ============================================================================================
@@ -234,8 +235,12 @@ class PolicyMoELayer(MoELayer):
 
 
 def set_aux_loss_scale(scale: float, device: torch.device | str = "cpu") -> None:
-    """The gradient the aux and z losses get in backward (megatron's schedules set 1 / micro-batches)."""
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(float(scale), device=device))
+    """The gradient the aux and z losses get in backward (megatron's schedules set 1 / micro-batches).
+    A host-to-device copy only when the value or device changes, not every step."""
+    current = MoEAuxLossAutoScaler.main_loss_backward_scale
+    if current is None or current.device != torch.device(device) or _AUX_SCALE.get("value") != float(scale):
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(float(scale), device=device))
+        _AUX_SCALE["value"] = float(scale)
 
 
 # ============================================================================================

@@ -92,6 +92,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from model.gpt import allreduce_tp_partial_grads, policy_linears
+from model.moe import set_aux_loss_scale
 from pretrain.checkpointing import CheckpointError
 from pretrain.config import RunConfig
 from pretrain.optim import MainParams, build_optimizer, clip_grad_norm
@@ -267,6 +268,7 @@ class TorchEngine(_StepMixin):
         # torch DDP averages over data-parallel ranks: scale by dp so the result is sum / global tokens
         dp_size = parallel_state.get_data_parallel_world_size() if self.ddp is not self.model else 1
         self.begin_step()
+        set_aux_loss_scale(1 / len(micro), self.device)  # MoE aux / z losses: megatron's per-micro-batch weight
         loss_sum = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro):
             last = i == len(micro) - 1
