@@ -89,8 +89,40 @@ def collect(out: Path, runs: list[Run], baseline: str | None, window: int = SMOO
             tuned = summarize(rows, baseline, groups, base_runs, margin=margin)
     write_tables(out, rows, summary, tuned, baseline, hyper, descent_rows, published)
     write_claims(out, rows, descent)
+    note_first_table(out, rows)
     write_plots(out, rows, grid_summary, tuned or grid_summary, baseline, base_runs if tuned else None)
     return rows
+
+
+FIRST_TABLE = "first_table.json"
+
+
+def note_first_table(out: Path, rows: list[dict]) -> None:
+    """Record when this sweep's table was first produced and on which seeds (``first_table.json``);
+    when seeds finished since, say so under results.md's title: the table now extends a sample that was
+    looked at, so its verdicts are exploratory (a declared claim tests such seeds as a new
+    confirmatory run, ``pretrain.sweep.claims``)."""
+    import json
+    from datetime import datetime, timezone
+
+    seeds = sorted({r["_run"].seed for r in rows if r.get("status") in ("done", "diverged") and r["_run"].seed is not None})
+    f = out / FIRST_TABLE
+    if not f.is_file():
+        if seeds:
+            tmp = f.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"produced": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                                       "seeds": seeds}, indent=1))
+            tmp.replace(f)
+        return
+    first = json.loads(f.read_text())
+    added = [s for s in seeds if s not in first["seeds"]]
+    if not added:
+        return
+    md = (out / "results.md").read_text().split("\n", 1)
+    note = (f"**Seeds {', '.join(map(str, added))} finished after this table was first produced ({first['produced']}, "
+            f"seeds {', '.join(map(str, first['seeds']))}): the table extends a sample that was looked at, so its "
+            "verdicts are exploratory; test the added seeds on their own (a claims: section does).**")
+    (out / "results.md").write_text("\n".join([md[0], "", note, md[1]]))
 
 
 def write_claims(out: Path, rows: list[dict], descent: list[int] | None) -> None:

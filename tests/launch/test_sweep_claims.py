@@ -103,6 +103,8 @@ def test_seeds_added_after_the_first_table_are_a_new_confirmatory_run(tmp_path):
     assert float(new["p"]) == pytest.approx(sps.ttest_1samp(gaps, 0.0, alternative="greater").pvalue, rel=1e-4)
     assert "Holm over the study's 5 claims" in (out / "results.md").read_text()  # 3 declared + 2 new runs
     assert "(new confirmatory run)" in (out / "results.md").read_text()
+    # and the tables themselves say that seeds 4-5 came after the first look
+    assert "**Seeds 4, 5 finished after this table was first produced" in (out / "results.md").read_text()
 
 
 def test_a_diverged_seed_counts_as_the_worst_outcome_of_a_claim(tmp_path):
