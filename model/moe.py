@@ -52,7 +52,7 @@ as the gradient of the aux loss -- ``set_aux_loss_scale(1 / micro-batches)`` mat
 from __future__ import annotations
 
 import torch
-from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_default_pg_collection
@@ -264,7 +264,27 @@ class PaddedSequentialMLP(SequentialMLP):
     (``kernels.fused``) compile once per shape -- bucketed, an expert GEMM sees a handful of shapes
     instead of hundreds. An expert that receives no token still runs on one block of zeros, so every
     expert weight has a (zero) gradient each step, as data-parallel reductions expect. Megatron pads the
-    same way for FP8 / FP4 (to multiples of 16 / 32)."""
+    same way for FP8 / FP4 (to multiples of 16 / 32).
+
+    Initialisation (``use_cpu_initialization``): every rank draws every expert's weights in global
+    order from the same CPU stream and keeps its own, as TP keeps its shard of a master weight, so an
+    expert and every layer after it start from the same values at any EP size (megatron builds only
+    the local experts: on CPU, EP rank 1's experts would repeat rank 0's). One discarded expert at a time.
+    """
+
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None):
+        rng = torch.get_rng_state()
+        super().__init__(num_local_experts, config, submodules, pg_collection)
+        ep_size, ep_rank = self.ep_group.size(), self.ep_group.rank()
+        if ep_size == 1 or not config.use_cpu_initialization:
+            return
+        torch.set_rng_state(rng)  # draw again, every expert in global order
+        for e in range(num_local_experts * ep_size):
+            expert = MLP(self.config, submodules, ffn_hidden_size=self.config.moe_ffn_hidden_size, is_expert=True,
+                         tp_group=pg_collection.expt_tp)
+            owner, i = divmod(e, num_local_experts)
+            if owner == ep_rank:
+                self.local_experts[i] = expert
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         if self.config.moe_apply_probs_on_input:
