@@ -140,6 +140,7 @@ def _log_fields(text: str) -> dict:
 
 def _plain_bf16(spec: str) -> bool:
     """Whether a GEMM recipe (the start-up report's spec) has two unscaled BF16-exact operands."""
+    # torch (through precision): the parent process only spawns and reads runs, it never loads it
     from precision import Gemm
     from precision.formats import Scaling, get_format
     from precision.recipe import parse_gemm
@@ -218,6 +219,7 @@ def is_emulated(precision: str, paths: dict) -> bool:
     """Whether some GEMM of a quantized recipe is emulated (FP32 GEMMs, or the format on BF16 tensor
     cores): its speed is an emulation's, not the format's. A preset whose operands are all BF16 runs
     plain cuBLAS BF16 GEMMs on ``bf16_mm``: not an emulation."""
+    # torch (through precision): the parent process only spawns and reads runs, it never loads it
     from precision import Gemm, presets
     from precision.formats import Scaling, get_format
 
@@ -307,6 +309,7 @@ def child(stats_path: str, argv: list[str]) -> int:
 
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")  # as launch/pretrain.py
 
+    # megatron-core after the warning filter above, and only in the measured child process
     from kernels import operand
     from pretrain.train import main as pretrain_main
 

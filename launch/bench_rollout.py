@@ -69,6 +69,7 @@ def _fail(message: str) -> int:
 
 
 def _model(args, device: str):
+    # torch and megatron-core (through model and pretrain): not loaded for --help
     import torch
 
     from model.gpt import ModelConfig, apply_precision_plan, build_gpt, policy_linear_names
@@ -90,6 +91,7 @@ def _model(args, device: str):
 
 
 def bench(args) -> list[dict]:
+    # torch and megatron-core (through model): not loaded for --help
     import torch
 
     from model.generate import Engine, SamplingParams

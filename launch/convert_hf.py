@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="model_config seq_length (default: max_position_embeddings)")
     args = p.parse_args(argv)
 
+    # torch and megatron-core: not loaded for --help
     from pretrain.hf_convert import HFConvertError, convert_hf_checkpoint, save_converted
 
     t0 = time.perf_counter()

@@ -32,14 +32,14 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
 import torch
 
+from precision import OperandFormat, quantize
+
 TARGETS = list(range(16))  # log2 of the scale target
 JUMPS = (1, 2, 8, 64, 512, 4096, 8192)
 
 
 def sqnr_parts(x: torch.Tensor, fmt, amax=None) -> tuple[float, float, int]:
     """(signal energy, noise energy, clipped count) of quantizing ``x``."""
-    from precision import quantize
-
     q = quantize(x.float().reshape(1, -1), fmt, amax=amax)
     err = x.float().reshape(1, -1) - q.dequantize()
     return float(x.double().square().sum()), float(err.double().square().sum()), int(q.num_clipped)
@@ -50,13 +50,12 @@ def db(signal: float, noise: float) -> float:
 
 
 def hif8(k: int):
-    from precision import OperandFormat
-
     return OperandFormat("hif8", margin=3 - k)  # target 2^3 / 2^margin = 2^k
 
 
 def checkpoint_operands(flags: list[str]) -> dict[str, list[torch.Tensor]]:
     """``x``, ``w`` and ``dy`` of every policy linear, one forward/backward on the next global batch."""
+    # megatron-core (through model and pretrain): not loaded for --help
     from model.gpt import policy_linears
     from pretrain.arguments import ConfigError, fail, parse_run_config
     from pretrain.train import setup
@@ -79,7 +78,7 @@ def checkpoint_operands(flags: list[str]) -> dict[str, list[torch.Tensor]]:
             continue
         got["w"].append(m.weight.detach().float().clone())
         hooks.append(m.register_forward_hook(capture))
-    from pretrain.data import batches
+    from pretrain.data import batches  # (megatron-core, as above)
     from pretrain.engine import _to
 
     model.train()

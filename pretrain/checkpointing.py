@@ -62,6 +62,7 @@ import numpy as np
 import torch
 from megatron.core import parallel_state
 
+from model.gpt import ModelConfig
 from pretrain.checkpoint_files import (  # noqa: F401 - the layout's names, re-exported (loaders, tests)
     _HF_TOKENIZER_FILES,
     _ITER_DIR,
@@ -94,6 +95,7 @@ from pretrain.checkpoint_files import (  # noqa: F401 - the layout's names, re-e
     read_tracker,
     saved_iterations,
 )
+from pretrain.reshard import reshard
 
 # ================================================================================================
 # RNG state
@@ -331,9 +333,6 @@ def _incomplete(ckpt_dir: str, saved: int, found: int) -> CheckpointError:
 
 def _load_resharded(load_dir: str, ckpt_dir: str, saved_tp: int, tp_size: int) -> dict:
     """This rank's model, resharded from all ``saved_tp`` rank files (see ``load_checkpoint``)."""
-    from model.gpt import ModelConfig
-    from pretrain.reshard import reshard
-
     files = [rank_file(ckpt_dir, r) for r in range(saved_tp)]
     for path in files:
         if not os.path.isfile(path):

@@ -50,8 +50,10 @@ import os
 import shutil
 
 import torch
+from megatron.core import parallel_state
 
 from model.gpt import ModelConfig
+from pretrain.reshard import ReshardError, model_layout, shard_tensor
 
 FORMAT = "hf_converted"
 FORMAT_VERSION = 1
@@ -238,10 +240,6 @@ def load_converted_state_dict(model: torch.nn.Module, state: dict[str, torch.Ten
     embedding gets the embedding table as its ``output_layer.weight`` (megatron keeps the two
     copies equal from then on).
     """
-    from megatron.core import parallel_state
-
-    from pretrain.reshard import ReshardError, model_layout, shard_tensor
-
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     pipelined = parallel_state.get_pipeline_model_parallel_world_size() > 1

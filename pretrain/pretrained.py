@@ -32,6 +32,16 @@ import os
 import torch
 
 from model.gpt import ModelConfig
+from pretrain import hf_convert
+from pretrain.checkpointing import (
+    FILE,
+    TRACKER,
+    CheckpointError,
+    checkpoint_tokenizer,
+    iter_dir_name,
+    load_checkpoint,
+    read_tracker,
+)
 from pretrain.config.model import SHAPE_FROM_CONFIG, shape_of  # noqa: F401 - SHAPE_FROM_CONFIG re-exported
 
 HF_TOKENIZER_TYPE = "HuggingFaceTokenizer"
@@ -53,8 +63,6 @@ class Pretrained:
 
 
 def _converted_file(path: str) -> str | None:
-    from pretrain import hf_convert
-
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, hf_convert.FILE_NAME)):
         return os.path.join(path, hf_convert.FILE_NAME)
     if os.path.isfile(path):
@@ -64,8 +72,6 @@ def _converted_file(path: str) -> str | None:
 
 def _checkpoint_rank0_file(ckpt_dir: str) -> str | None:
     """The first rank file of a training checkpoint directory (any TP/PP layout)."""
-    from pretrain.checkpointing import FILE
-
     if not os.path.isdir(ckpt_dir):
         return None
     ranks = sorted(d for d in os.listdir(ckpt_dir) if d.startswith("mp_rank_"))
@@ -74,15 +80,6 @@ def _checkpoint_rank0_file(ckpt_dir: str) -> str | None:
 
 def read_pretrained(path: str) -> Pretrained:
     """Config and metadata of ``path`` (see module docstring) without reading its tensors."""
-    from pretrain import hf_convert
-    from pretrain.checkpointing import (
-        TRACKER,
-        CheckpointError,
-        checkpoint_tokenizer,
-        iter_dir_name,
-        read_tracker,
-    )
-
     flag = f"--pretrained-checkpoint {path}"
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, TRACKER)):
         try:
@@ -127,8 +124,6 @@ shape_args = shape_of  # the model flags that reproduce a config's shape (pretra
 def load_pretrained_weights(model: torch.nn.Module, pre: Pretrained, tp_size: int) -> None:
     """Copy this rank's shard of ``pre``'s weights into ``model`` (built from ``pre.cfg`` at TP
     ``tp_size``, unwrapped). The policy linears' quantization state stays the model's own."""
-    from pretrain import hf_convert
-
     flag = f"--pretrained-checkpoint {pre.path}"
     if pre.kind == "hf_converted":
         state, cfg, _ = hf_convert.load_converted(pre.path)
@@ -137,8 +132,6 @@ def load_pretrained_weights(model: torch.nn.Module, pre: Pretrained, tp_size: in
         except hf_convert.HFConvertError as e:
             raise PretrainedError(f"{flag}: {e}") from None
         return
-    from pretrain.checkpointing import load_checkpoint
-
     ckpt = load_checkpoint(pre.path, tp_size, reshard_model=True)
     weights = {k: v for k, v in ckpt["model"].items() if not k.endswith("._extra_state")}
     own = model.state_dict()

@@ -234,6 +234,7 @@ def run(main_fn, *, prog: str, parse) -> int:
     return is the exit status; refusals found later are one line with their exit status
     (``pretrain.status``); the process group is torn down at the end. ``main_fn`` closes what it
     opened (e.g. its TensorBoard writer) itself."""
+    # this module is imported before megatron-core (start() filters its warnings first); these load it
     import torch
 
     from pretrain.arguments import ConfigError

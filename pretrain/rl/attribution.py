@@ -56,6 +56,7 @@ import torch
 
 from model.attention import core_attentions
 from model.generate import RolloutBatch, attention_mask, forward_logits
+from model.gpt import policy_linear_names
 from model.kv_cache import KVFormat
 from model.rollout import RolloutModel
 from model.rollout_plan import RolloutPlan, resolve_rollout_plan
@@ -269,8 +270,6 @@ class Attribution:
 
 
 def _plan(model, rollout: str, rules: Sequence[str]) -> RolloutPlan:
-    from model.gpt import policy_linear_names
-
     attns = core_attentions(model)
     head_dim = attns[0].config.kv_channels if attns else 0
     return resolve_rollout_plan(rollout, rules, policy_linear_names(model), len(attns), head_dim)

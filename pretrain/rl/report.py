@@ -29,10 +29,13 @@ from collections.abc import Sequence
 
 import torch
 
+from model.attention import core_attentions, set_kv_quant
 from model.generate import RolloutBatch
 from model.gpt import apply_precision_plan, policy_linear_names, policy_linears
-from pretrain.rl.attribution import attribute_mismatch, score_logprobs
+from precision import PrecisionPolicy
+from pretrain.rl.attribution import attribute_mismatch, score_logprobs, sequences
 from pretrain.rl.mismatch import write_mismatch_report
+from pretrain.rl.score import policy_logprobs
 
 __all__ = ["trainer_logprobs", "trainer_precision", "write_generation_mismatch"]
 
@@ -54,9 +57,6 @@ def trainer_precision(model, precision: str | None, rules: Sequence[str] = (), k
     """Inside: ``model``'s linears under the training plan ``precision`` (+ ``rules``; None: the plan
     the model already has) and its core attentions fake-quantizing K/V in ``kv_quant`` (None: off);
     the model's own plan and KV settings after."""
-    from model.attention import core_attentions, set_kv_quant
-    from precision import PrecisionPolicy
-
     attentions = core_attentions(model)
     with (_attributes_restored([m for _, m in policy_linears(model)], "precision"),
           _attributes_restored(attentions, "kv_format", "kv_amax")):
@@ -76,9 +76,6 @@ def trainer_logprobs(model, batch: RolloutBatch, *, vocab_size: int, precision: 
     with trainer_precision(model, precision, rules, kv_quant):
         if not (top_k or top_p < 1):
             return score_logprobs(model, batch, vocab_size=vocab_size, temperature=temperature)
-        from pretrain.rl.attribution import sequences
-        from pretrain.rl.score import policy_logprobs
-
         device = next(model.parameters()).device
         tokens, valid, slot = (x.to(device) for x in sequences(batch))
         was_training = model.training
