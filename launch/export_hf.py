@@ -24,6 +24,7 @@ import time
 
 if not __package__:  # run as a script: the repository root first on sys.path (launch/_paths.py)
     import _paths  # noqa: F401
+from pretrain.runtime import filter_expected_warnings
 
 _PROG = "export_hf.py"
 
@@ -41,20 +42,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pretrain.runtime import filter_expected_warnings
-
     filter_expected_warnings()  # megatron-core's notes on TransformerEngine / Apex being absent
     args = build_parser().parse_args(argv)
 
+    # torch and megatron-core: not loaded for --help
     from pretrain.evaluation.loading import init_single_process
     from pretrain.hf_export import HFExportError, export_hf, load_tp1_weights, weight_formats_from_rollout
 
     t0 = time.perf_counter()
     try:
         init_single_process()  # training checkpoints are read through megatron's parallel state
-        state, cfg, tok_dir = load_tp1_weights(args.load)
+        state, cfg, tok = load_tp1_weights(args.load)
         formats, acts, note = weight_formats_from_rollout(args.rollout_precision, args.rollout_precision_rule, cfg)
-        files = export_hf(state, cfg, args.out, weight_format=formats, activations=acts, tokenizer_dir=tok_dir,
+        files = export_hf(state, cfg, args.out, weight_format=formats, activations=acts, tokenizer=tok,
                           info={"source": os.path.abspath(args.load), "rollout_precision": args.rollout_precision,
                                 "rollout_precision_rules": args.rollout_precision_rule, "note": note})
     except (HFExportError, ValueError, FileNotFoundError) as e:  # SpecError is a ValueError
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, --rollout-precision "
           f"{args.rollout_precision}: {weights}, {size / 2**20:.2f} MiB; wrote {len(files)} files to {args.out} "
           f"({time.perf_counter() - t0:.1f}s)"
-          + ("" if tok_dir else "; no tokenizer files came with --load"))
+          + ("" if tok else "; no tokenizer came with --load"))
     return 0
 
 

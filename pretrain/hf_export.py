@@ -60,8 +60,13 @@ import os
 import shutil
 
 import torch
+from sentencepiece import sentencepiece_model_pb2
 
 from model.gpt import ModelConfig
+from model.rollout_plan import resolve_rollout_plan
+from precision.quantize import quantize
+from pretrain import hf_convert
+from pretrain.checkpointing import TRACKER, checkpoint_tokenizer, load_checkpoint
 from pretrain.hf_convert import TOKENIZER_FILES
 
 __all__ = [
@@ -90,23 +95,21 @@ class HFExportError(ValueError):
 
 
 def load_tp1_weights(path: str) -> tuple[dict[str, torch.Tensor], ModelConfig, str | None]:
-    """(TP=1 state dict without ``_extra_state``, ModelConfig, HF tokenizer dir or None) of a
+    """(TP=1 state dict without ``_extra_state``, ModelConfig, tokenizer or None) of a
     training checkpoint directory (any TP size: shards merged by ``pretrain.reshard``), a
     ``launch/convert_hf.py`` output, or a plain ``{"model", "model_config"}`` file. Training
-    checkpoints need torch.distributed set up (``pretrain.evaluation.loading.init_single_process``)."""
-    from pretrain import hf_convert
-    from pretrain.checkpointing import TRACKER
-
+    checkpoints need torch.distributed set up (``pretrain.evaluation.loading.init_single_process``).
+    The tokenizer is the one that came with the weights: a Hugging Face tokenizer folder, or the
+    sentencepiece model a training run used (the copy its checkpoint carries), for :func:`export_hf`."""
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, TRACKER)):
-        from pretrain.checkpointing import checkpoint_tokenizer, load_checkpoint
-
         ckpt = load_checkpoint(path, tp_size=1, reshard_model=True)
         if ckpt is None or not ckpt.get("model_config"):
             raise HFExportError(f"--load {path}: no checkpoint with a model_config (saved by an older version)")
         tok, tok_type = checkpoint_tokenizer(ckpt["path"], ckpt)
-        hf_dir = tok if tok_type == "HuggingFaceTokenizer" and os.path.isdir(tok) else None
+        hf = tok_type == "HuggingFaceTokenizer"
+        tok = tok if tok and (os.path.isdir(tok) if hf else os.path.isfile(tok)) else None
         state = {k: v for k, v in ckpt["model"].items() if not k.endswith("._extra_state")}
-        return state, ModelConfig(**ckpt["model_config"]), hf_dir
+        return state, ModelConfig(**ckpt["model_config"]), tok
     file = os.path.join(path, hf_convert.FILE_NAME) if os.path.isdir(path) else path
     if not os.path.isfile(file):
         raise HFExportError(f"--load {path}: neither a training checkpoint ({TRACKER}) nor a "
@@ -207,9 +210,8 @@ def hf_config(cfg: ModelConfig, dtype: str = "bfloat16") -> dict:
     if not qwen:
         d.update(attention_bias=False, mlp_bias=False)
     if cfg.rope_scaling_factor is not None:
-        from pretrain.hf_convert import _MEGATRON_ROPE_SCALING
-
-        d["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor, **_MEGATRON_ROPE_SCALING}
+        d["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
+                             **hf_convert._MEGATRON_ROPE_SCALING}
     return d
 
 
@@ -223,8 +225,6 @@ def quantize_weight(w: torch.Tensor, fmt, amax: torch.Tensor | None = None) -> d
     quantized by ``precision.quantize`` along in-features (the Fprop contraction axis) in ``fmt``
     (an ``OperandFormat`` or format name: nvfp4 / mxfp4). ``amax``: NVFP4's tensor amax (the fused
     projection's, see the module docstring); default the weight's own."""
-    from precision.quantize import quantize
-
     name = getattr(fmt, "fmt", fmt)
     if name not in EXPORT_FORMATS:
         raise HFExportError(f"--rollout-precision: weight format {name!r} has no compressed-tensors export; "
@@ -303,8 +303,6 @@ def weight_formats_from_rollout(value: str, rules, cfg: ModelConfig) -> tuple[di
     OperandFormat or None}``, whether MXFP4 activations are declared, a note for export_info).
     Refused in one line: weight formats compressed-tensors' FP4 packing cannot hold, two FP4
     formats in one model, a rotation (the exported weight would be the rotated one)."""
-    from model.rollout_plan import resolve_rollout_plan
-
     names = decoder_linear_names(cfg) + ["output_layer"]
     plan = resolve_rollout_plan(value, list(rules), names, cfg.num_layers, cfg.hidden_size // cfg.num_attention_heads)
     formats, xs = {}, set()
@@ -339,9 +337,10 @@ def weight_formats_from_rollout(value: str, rules, cfg: ModelConfig) -> tuple[di
 
 
 def export_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str, *, weight_format=None,
-              activations: bool = False, tokenizer_dir: str | None = None, info: dict | None = None) -> list[str]:
-    """Write ``out_dir/{config.json, model.safetensors, export_info.json}`` (+ tokenizer files from
-    ``tokenizer_dir``). ``weight_format``: None (BF16); ``"nvfp4"`` / ``"mxfp4"`` or an
+              activations: bool = False, tokenizer: str | None = None, info: dict | None = None) -> list[str]:
+    """Write ``out_dir/{config.json, model.safetensors, export_info.json}`` and the tokenizer in
+    Hugging Face's format: ``tokenizer`` a Hugging Face tokenizer folder (its files copied) or a
+    sentencepiece model (:func:`write_sentencepiece_tokenizer`). ``weight_format``: None (BF16); ``"nvfp4"`` / ``"mxfp4"`` or an
     ``OperandFormat`` of them for every decoder linear; or ``{our linear name: format or None}``
     (:func:`weight_formats_from_rollout`), BF16 ones listed in the scheme's ``ignore``.
     ``activations``: declare dynamic MXFP4 input activations (mxfp4 only). Returns the files written."""
@@ -380,9 +379,63 @@ def export_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str, *,
             "model_config": dataclasses.asdict(cfg), **(info or {})}
     with open(files[2], "w") as f:
         json.dump(meta, f, indent=2)
-    if tokenizer_dir:
+    if tokenizer and os.path.isdir(tokenizer):
         for fn in TOKENIZER_FILES:
-            if os.path.isfile(os.path.join(tokenizer_dir, fn)):
-                shutil.copy2(os.path.join(tokenizer_dir, fn), out_dir)
+            if os.path.isfile(os.path.join(tokenizer, fn)):
+                shutil.copy2(os.path.join(tokenizer, fn), out_dir)
                 files.append(os.path.join(out_dir, fn))
+    elif tokenizer:
+        files += write_sentencepiece_tokenizer(tokenizer, out_dir, model_max_length=cfg.seq_length)
     return files
+
+
+# The sentencepiece settings Hugging Face's Llama tokenizer reproduces (pretrain.data.train_tokenizer's):
+# BPE pieces, text as given (no normalization, whitespace kept), no dummy prefix unless the model adds one.
+_SP_BPE = 2  # sentencepiece's TrainerSpec.model_type BPE
+
+
+def write_sentencepiece_tokenizer(model_file: str, out_dir: str, model_max_length: int | None = None) -> list[str]:
+    """A sentencepiece BPE model in Hugging Face's format: ``tokenizer.model`` (the model itself),
+    ``tokenizer.json`` and ``tokenizer_config.json``, converted by transformers' ``LlamaTokenizer``
+    (byte fallback, user-defined pieces such as ``"\\n"`` as non-special added tokens, no BOS / EOS
+    added: ``AutoTokenizer`` encodes a text to the ids ``pretrain.data.Tokenizer.tokenize`` gives).
+    A model whose segmentation it would not reproduce (unigram, a normalization rule, collapsed
+    whitespace) is refused in one line. Returns the files written."""
+    # transformers: an optional dependency (the [hf] extra), and seconds to import
+    try:
+        from transformers import LlamaTokenizer
+    except ImportError:
+        raise HFExportError(f"{model_file}: writing the tokenizer in Hugging Face's format needs transformers "
+                            "(pip install '.[hf]')") from None
+    proto = sentencepiece_model_pb2.ModelProto()
+    try:
+        with open(model_file, "rb") as f:
+            proto.ParseFromString(f.read())
+    except Exception as e:  # noqa: BLE001 - protobuf's DecodeError and OSError alike: not a model file
+        raise HFExportError(f"tokenizer {model_file}: not a sentencepiece model ({e})") from None
+    norm = proto.normalizer_spec
+    unlike = [why for bad, why in (
+        (proto.trainer_spec.model_type != _SP_BPE, "not a BPE model"),
+        (norm.name not in ("identity", "") or bool(norm.precompiled_charsmap), f"normalization rule {norm.name!r}"),
+        (norm.remove_extra_whitespaces, "it collapses whitespace"),
+        (not proto.trainer_spec.byte_fallback, "no byte fallback")) if bad]
+    if unlike:
+        raise HFExportError(f"tokenizer {model_file}: {unlike[0]}; Hugging Face's Llama tokenizer would not "
+                            "segment text as it does (a model from launch/preprocess_data.py --train-tokenizer does)")
+    shutil.copy2(model_file, os.path.join(out_dir, "tokenizer.model"))
+    tok = LlamaTokenizer.from_pretrained(out_dir, legacy=False, add_prefix_space=norm.add_dummy_prefix,
+                                         add_bos_token=False, add_eos_token=False,
+                                         **({"model_max_length": model_max_length} if model_max_length else {}))
+    written = [os.path.join(out_dir, "tokenizer.model"), *tok.save_pretrained(out_dir)]
+    # The conversion lists user-defined pieces among the special tokens, which tokenizer.json does not
+    # mark special (so decoding keeps them); the config says the same. Drop the loading-time keys.
+    config_file = os.path.join(out_dir, "tokenizer_config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    special = {t.content for t in tok.backend_tokenizer.get_added_tokens_decoder().values() if t.special}
+    config["extra_special_tokens"] = [t for t in config.get("extra_special_tokens", []) if t in special]
+    for key in ("is_local", "local_files_only"):
+        config.pop(key, None)
+    with open(config_file, "w") as f:
+        json.dump(config, f, indent=2)
+    return sorted(set(written))

@@ -275,3 +275,87 @@ def test_export_follows_the_rollout_plan(state, tmp_path):
     assert torch.equal(weights["model.layers.0.mlp.down_proj.weight"], state["decoder.layers.0.mlp.linear_fc2.weight"])
     assert torch.equal(weights["model.layers.1.mlp.down_proj.weight"],
                        engine.packed["decoder.layers.1.mlp.linear_fc2"].values().bfloat16().float())
+
+
+# ================================================================================================
+# The tokenizer a training run used, in Hugging Face's format
+# ================================================================================================
+
+# A page of text: Python source (runs of spaces, tabs, newlines, digits) and prose beyond the
+# tokenizer's pieces (accents, CJK, an emoji: byte fallback).
+PAGE = (json.decoder.__doc__ or "") + "".join(
+    f"\ndef f_{i}(x, y={i * 37}):\n\tif x  >  {i}:\n        return x ** 2 - y  # {i} times\n    return None\n"
+    for i in range(40)) + "\nNaïve café — 日本語のテキスト 🙂, 12345.678 and   three   spaces.\n"
+
+
+SP_CFG = dataclasses.replace(CFG, vocab_size=600)  # the stdlib text's characters alone take 334 pieces
+
+
+def _sentencepiece(path) -> str:
+    """A BPE model as ``launch/preprocess_data.py --train-tokenizer`` (and the built-in data) trains it."""
+    from pretrain.data.corpus import stdlib_corpus
+    from pretrain.data.tokenizer import train_tokenizer
+
+    train_tokenizer([d.text for d in stdlib_corpus(max_mb=0.2)[0][:6]], str(path), vocab_size=SP_CFG.vocab_size)
+    return str(path)
+
+
+def test_a_training_checkpoints_tokenizer_loads_with_auto_tokenizer(world_of_one, tmp_path, capsys):
+    """launch/export_hf.py on a training checkpoint made with a sentencepiece tokenizer (its copy in the
+    checkpoint; the original deleted): AutoTokenizer encodes a page of text to sentencepiece's ids and
+    decodes it back, and AutoModelForCausalLM loads the same folder and gives our model's logits."""
+    import sentencepiece as spm
+
+    from launch.export_hf import main
+    from pretrain.checkpointing import checkpoint_tokenizer, save_checkpoint
+
+    tf = pytest.importorskip("transformers")
+    sp_model = _sentencepiece(tmp_path / "tok.model")
+    cfg = SP_CFG
+    state = _random_state(cfg)
+    model = build_gpt(cfg)
+    args = {"tensor_model_parallel_size": 1, "tokenizer_model": None, "tokenizer_type": "SentencePieceTokenizer"}
+    ckpt_dir = save_checkpoint(str(tmp_path / "ckpt"), 1, {"model": {**model.state_dict(), **state}, "args": args,
+                                                          "model_config": dataclasses.asdict(cfg),
+                                                          "tokenizer_model": sp_model})
+    os.remove(sp_model)
+    copy, _ = checkpoint_tokenizer(ckpt_dir)
+    out = tmp_path / "out"
+    assert main(["--load", str(tmp_path / "ckpt"), "--out", str(out)]) == 0
+    assert "no tokenizer" not in capsys.readouterr().out
+    assert {"tokenizer.json", "tokenizer_config.json", "tokenizer.model"} <= set(os.listdir(out))
+
+    tok = tf.AutoTokenizer.from_pretrained(str(out))
+    want = spm.SentencePieceProcessor(model_file=copy).encode(PAGE)
+    ids = tok(PAGE)["input_ids"]
+    assert len(ids) > 1000 and ids == want  # no BOS added: the ids the model was trained on
+    assert tok.decode(ids) == PAGE and tok.eos_token_id == 2 and tok.model_max_length == cfg.seq_length
+    assert tok.decode(ids, skip_special_tokens=True) == PAGE  # "\n" is a piece, not a special token
+
+    hf = tf.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    tokens = torch.tensor([ids[:cfg.seq_length], ids[cfg.seq_length : 2 * cfg.seq_length]])
+    ours = build_gpt(cfg)
+    ours.load_state_dict(state, strict=False)
+    apply_precision_plan(ours, PrecisionPolicy.from_args("fp32").resolve(policy_linear_names(ours), cfg.num_layers))
+    with torch.no_grad():
+        ref = hf(tokens).logits
+        mine = ours.eval()(tokens, torch.arange(cfg.seq_length).expand_as(tokens), None)[..., : cfg.vocab_size]
+    assert (mine - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()  # BF16 weights, FP32 GEMMs
+
+
+def test_a_tokenizer_hugging_face_would_segment_differently_is_refused(state, tmp_path):
+    import io
+
+    import sentencepiece as spm
+
+    pytest.importorskip("transformers")
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(PAGE.splitlines() * 20), model_writer=buf,
+                                   model_type="unigram", vocab_size=SP_CFG.vocab_size, byte_fallback=True, hard_vocab_limit=False,
+                                   minloglevel=2)
+    (tmp_path / "unigram.model").write_bytes(buf.getvalue())
+    with pytest.raises(HFExportError, match=r"unigram.model: not a BPE model; Hugging Face's Llama tokenizer"):
+        export_hf(state, CFG, str(tmp_path / "out"), tokenizer=str(tmp_path / "unigram.model"))
+    (tmp_path / "junk.model").write_bytes(b"not a model")
+    with pytest.raises(HFExportError, match="junk.model: not a sentencepiece model"):
+        export_hf(state, CFG, str(tmp_path / "out"), tokenizer=str(tmp_path / "junk.model"))
