@@ -238,12 +238,16 @@ def entry_points(fmt: str, *, f_scaled_mm: bool | None = None, torch_scaled_mm: 
     tries them: ``torch._scaled_mm`` first (cuBLASLt, in every CUDA build; MXFP4 through
     ``F.scaled_mm`` needs a build with FBGEMM GenAI, and torch 2.13's meta check of that call counts
     MXFP4 scales from the packed K, so it fails under fake tensors for K > 128), then
-    ``F.scaled_mm`` (recipe and swizzle named explicitly). ``f_scaled_mm`` / ``torch_scaled_mm``:
-    whether each exists (None: ask this torch, ``kernels.torch_api``)."""
-    del fmt  # the same order for every format today; the probe records what served each pair
+    ``F.scaled_mm`` (recipe and swizzle named explicitly) -- except NVFP4, which tries
+    ``F.scaled_mm`` first: only its two-level recipe lets the GEMM apply the tensor scales and write
+    BF16 itself. ``f_scaled_mm`` / ``torch_scaled_mm``: whether each exists (None: ask this torch,
+    ``kernels.torch_api``); the probe records what served each pair."""
     have_f = scaled_mm_enums() is not None if f_scaled_mm is None else f_scaled_mm
     have_t = has_scaled_mm() if torch_scaled_mm is None else torch_scaled_mm
-    return tuple(e for e, ok in (("torch._scaled_mm", have_t), ("F.scaled_mm", have_f)) if ok)
+    order = (("torch._scaled_mm", have_t), ("F.scaled_mm", have_f))
+    if FORMATS[fmt].kind == Scaling.TWO_LEVEL:
+        order = order[::-1]
+    return tuple(e for e, ok in order if ok)
 
 
 def _call_scaled_mm(a: HwOperand, b: HwOperand, out_dtype: torch.dtype, entry: str) -> torch.Tensor:

@@ -123,13 +123,13 @@ def test_sm100_probe_tries_every_entry_point_before_emulating_mxfp4(clean_refusa
     by_fmt = {ln.split(":")[0].strip(): ln for ln in lines[1:]}
     assert set(by_fmt) == set(kp.PROBE_FORMATS)
     assert by_fmt["fp8_e4m3"].startswith("  fp8_e4m3: fp8_scaled_mm via torch._scaled_mm (relative error")
-    assert by_fmt["nvfp4"].startswith("  nvfp4: mx_scaled_mm via torch._scaled_mm (relative error")
+    assert by_fmt["nvfp4"].startswith("  nvfp4: mx_scaled_mm via F.scaled_mm (relative error")  # two-level first
     assert by_fmt["mxfp4"].startswith("  mxfp4: mx_scaled_mm via F.scaled_mm (relative error")
     assert by_fmt["mxfp4"].endswith("; torch._scaled_mm: RuntimeError: CUDA error: operation not supported)")
     mxfp4, nvfp4 = parse_gemm("mxfp4", Gemm.FPROP), parse_gemm("nvfp4", Gemm.FPROP)
     assert kb.select_backend(mxfp4, SM100) == "mx_scaled_mm"  # served, by the second entry point
     assert kb.probed_entry(SM100, ("mxfp4", "mxfp4")) == "F.scaled_mm"
-    assert kb.probed_entry(SM100, ("nvfp4", "nvfp4")) == "torch._scaled_mm"
+    assert kb.probed_entry(SM100, ("nvfp4", "nvfp4")) == "F.scaled_mm"
     assert kb.select_backend(nvfp4, SM100) == "mx_scaled_mm"
 
 
@@ -144,7 +144,7 @@ def test_training_gemms_take_the_probed_entry_point(clean_refusals, monkeypatch)
                 capability=SM100)
     ksm.hw_gemm(Gemm.FPROP, x, w, parse_gemm("nvfp4", Gemm.FPROP), LayerQuantState(), backend="mx_scaled_mm",
                 capability=SM100)  # not probed: the first entry point this torch offers
-    assert used == ["F.scaled_mm", ksm.entry_points("nvfp4")[0]] and used[1] == "torch._scaled_mm"
+    assert used == ["F.scaled_mm", ksm.entry_points("nvfp4")[0]]
 
 
 def test_a_format_every_entry_point_refuses_is_emulated_and_said_in_one_line(clean_refusals):
@@ -171,7 +171,8 @@ def test_a_format_every_entry_point_refuses_is_emulated_and_said_in_one_line(cle
 def test_probe_refuses_a_format_whose_result_is_off_the_spec(clean_refusals):
     lines = kp.probe_formats("cpu", capability=SM100, formats=("nvfp4",),
                              mm=lambda a, b: ksm.emulated_scaled_mm(a, b) * 1.1)
-    assert "nvfp4: mx_scaled_mm refused (torch._scaled_mm: ValueError: result off the emulated spec" in lines[1]
+    assert "nvfp4: mx_scaled_mm refused (F.scaled_mm: ValueError: result off the emulated spec" in lines[1]
+    assert "; torch._scaled_mm: ValueError: result off the emulated spec" in lines[1]  # each entry tried
     assert lines[1].endswith("-> bf16_mm")
 
 
@@ -215,6 +216,9 @@ def test_entry_points_follow_what_this_torch_has():
     assert ksm.entry_points("mxfp4", f_scaled_mm=False, torch_scaled_mm=True) == ("torch._scaled_mm",)
     assert ksm.entry_points("mxfp4", f_scaled_mm=True, torch_scaled_mm=False) == ("F.scaled_mm",)
     assert ksm.entry_points("nvfp4", f_scaled_mm=False, torch_scaled_mm=False) == ()
+    # NVFP4: F.scaled_mm first, its two-level recipe applies the tensor scales in the GEMM (BF16 output)
+    assert ksm.entry_points("nvfp4", f_scaled_mm=True, torch_scaled_mm=True) == ("F.scaled_mm", "torch._scaled_mm")
+    assert ksm.entry_points("nvfp4", f_scaled_mm=False, torch_scaled_mm=True) == ("torch._scaled_mm",)
 
 
 class _OldScaling:  # the enum spellings of another torch release
@@ -262,7 +266,7 @@ def test_sm100_probe_runs_a_2d_weight_through_fprop_and_dgrad_from_one_quantizat
         return ksm.emulated_scaled_mm(a, b)
 
     lines = kp.probe_formats("cpu", capability=SM100, mm=recording_scaled_mm, formats=("nvfp4@nvfp4/2d",))
-    assert lines[1].startswith("  nvfp4@nvfp4/2d: mx_scaled_mm via torch._scaled_mm, Fprop and Dgrad from one "
+    assert lines[1].startswith("  nvfp4@nvfp4/2d: mx_scaled_mm via F.scaled_mm, Fprop and Dgrad from one "
                                "quantization of w (relative error vs the emulated spec")
     w_fprop, wt_dgrad = seen  # [out, in] and [in, out], each zero-padded to the hardware multiples
     assert torch.equal(w_fprop[:96, :128], wt_dgrad[:128, :96].t())
@@ -282,8 +286,8 @@ def test_a_refused_2d_weight_probe_reroutes_its_format(clean_refusals):
         return ksm.emulated_scaled_mm(a, b)
 
     lines = kp.probe_formats("cpu", capability=SM100, mm=refusing, formats=("nvfp4@nvfp4/2d",))
-    assert lines[1] == ("  nvfp4@nvfp4/2d: mx_scaled_mm refused (torch._scaled_mm: RuntimeError: CUDA error: invalid "
-                        "argument; F.scaled_mm: RuntimeError: CUDA error: invalid argument) -> bf16_mm")
+    assert lines[1] == ("  nvfp4@nvfp4/2d: mx_scaled_mm refused (F.scaled_mm: RuntimeError: CUDA error: invalid "
+                        "argument; torch._scaled_mm: RuntimeError: CUDA error: invalid argument) -> bf16_mm")
     assert kb.select_backend(parse_gemm("nvfp4", Gemm.FPROP), SM100) == "bf16_mm"
 
 
