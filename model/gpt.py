@@ -60,7 +60,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from model.layers import PolicyColumnParallelLinear, PolicyRowParallelLinear
-from model.moe import PolicyRouter, validate_moe
+from model.moe import PolicyRouter, moe_layer_pattern, validate_moe
 from model.recompute import RecomputeConfig, RecomputeTransformerBlock
 from model.spec import gpt_block_spec
 
@@ -226,17 +226,25 @@ def training_flops_per_token(cfg: ModelConfig, seq_length: int, vocab_size: int 
     every GEMM of every layer (QKV with grouped K/V, projection, MLP with SwiGLU's two input
     projections), attention scores and context over the full ``seq_length`` (no causal discount),
     and the logits layer over the (padded) vocabulary; norms, softmax and activations not counted.
+    A mixture-of-experts layer counts what a token runs: the router, its top-k experts and the shared
+    experts (padding rows of ``model.moe.PaddedSequentialMLP`` are not model FLOPs).
     Independent of the precision recipe, so MFU compares recipes fairly."""
-    h, ffn = cfg.hidden_size, cfg.ffn_hidden_size
+    h = cfg.hidden_size
     kv = cfg.num_query_groups * (h // cfg.num_attention_heads)
-    per_layer = (
-        2 * h * (h + 2 * kv)  # linear_qkv
-        + 2 * h * h  # linear_proj
-        + 2 * h * ffn * (2 if cfg.activation == "swiglu" else 1)  # linear_fc1
-        + 2 * ffn * h  # linear_fc2
-        + 2 * 2 * seq_length * h  # q.k^T and attention.v
-    )
-    return 3.0 * (cfg.num_layers * per_layer + 2 * h * (vocab_size or cfg.vocab_size))
+    gate = 2 if cfg.activation == "swiglu" else 1
+
+    def mlp(width: int) -> int:  # linear_fc1 (SwiGLU: two input projections) + linear_fc2
+        return 2 * h * width * gate + 2 * width * h
+
+    attention = 2 * h * (h + 2 * kv) + 2 * h * h + 2 * 2 * seq_length * h  # qkv, proj, q.k^T and attention.v
+    dense = mlp(cfg.ffn_hidden_size)
+    moe = dense
+    if cfg.num_experts is not None:
+        moe = (2 * h * cfg.num_experts + cfg.moe_router_topk * mlp(cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size)
+               + (mlp(cfg.moe_shared_expert_intermediate_size) if cfg.moe_shared_expert_intermediate_size else 0))
+    pattern = moe_layer_pattern(cfg.num_layers, cfg.moe_layer_freq) if cfg.num_experts else [0] * cfg.num_layers
+    layers = sum(attention + (moe if is_moe else dense) for is_moe in pattern)
+    return 3.0 * (layers + 2 * h * (vocab_size or cfg.vocab_size))
 
 
 def transformer_config(
@@ -396,7 +404,9 @@ def build_gpt(
     ep_size = parallel_state.get_expert_model_parallel_world_size()
     if ep_size != cfg.expert_model_parallel_size:
         raise ValueError(f"--expert-model-parallel-size {cfg.expert_model_parallel_size}: megatron's parallel state "
-                         f"was initialized with {ep_size}")
+                         f"has expert parallelism {ep_size} (initialize_model_parallel(expert_model_parallel_size=...)); "
+                         "launch/pretrain.py does not run expert parallelism yet (its data-parallel reduction would "
+                         "average different experts): use 1 there")
     if recompute is not None:
         recompute.check(cfg.num_layers // parallel_state.get_pipeline_model_parallel_world_size())
     if sequence_parallel and not torch.cuda.is_available():

@@ -203,3 +203,16 @@ def test_moe_layer_freq_builds_dense_and_moe_layers():
     names = policy_linear_names(model)
     assert "decoder.layers.0.mlp.linear_fc1" in names and "decoder.layers.1.mlp.router" in names
     assert not any(n.startswith("decoder.layers.0.mlp.experts") for n in names)
+
+
+def test_training_flops_count_the_router_top_k_and_shared_experts():
+    from model.gpt import training_flops_per_token
+
+    h, s, v = MOE.hidden_size, MOE.seq_length, MOE.vocab_size
+    swiglu_mlp = 2 * h * 64 * 2 + 2 * 64 * h  # width 64: fc1's two projections, fc2
+    moe_layer = 2 * h * 4 + 2 * swiglu_mlp + swiglu_mlp  # router, top-2 experts, shared expert
+    dense_layer = 2 * h * 128 * 2 + 2 * 128 * h
+    attention = 2 * h * (h + 2 * 32) + 2 * h * h + 4 * s * h
+    assert training_flops_per_token(MOE, s) == 3.0 * (2 * (attention + moe_layer) + 2 * h * v)
+    mixed = dataclasses.replace(MOE, moe_layer_freq=(0, 1))
+    assert training_flops_per_token(mixed, s) == 3.0 * (2 * attention + moe_layer + dense_layer + 2 * h * v)
