@@ -108,30 +108,18 @@ class _Gather(torch.autograd.Function):
         return (_reduce_scatter(dy, ctx.group) if ctx.backward == "sum" else _slice(dy, ctx.group)), None, None
 
 
-class _ReduceScatter(torch.autograd.Function):
-    """Sum over ranks, keep this rank's slice of dim 0; backward all-gathers."""
+class _Scatter(torch.autograd.Function):
+    """This rank's slice of dim 0 -- of the sum over ranks (``"sum"``: a reduce-scatter) or of a
+    TP-replicated tensor (``"slice"``); backward all-gathers the slices' gradients."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, op):
         ctx.group = group
-        return _reduce_scatter(x, group)
+        return _reduce_scatter(x, group) if op == "sum" else _slice(x, group)
 
     @staticmethod
     def backward(ctx, dy):
-        return _all_gather(dy, ctx.group), None
-
-
-class _Slice(torch.autograd.Function):
-    """This rank's slice of a TP-replicated tensor; backward all-gathers the slices' gradients."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _slice(x, group)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _all_gather(dy, ctx.group), None
+        return _all_gather(dy, ctx.group), None, None
 
 
 # ============================================================================================
@@ -187,8 +175,8 @@ class PortableAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
             if tokens % self.attn_tp_group.size():
                 raise ValueError(f"MoE layer: {tokens} tokens per micro-batch are not divisible by "
                                  f"--tensor-model-parallel-size {self.attn_tp_group.size()}")
-            hidden_states = _Slice.apply(hidden_states, self.attn_tp_group)
-            probs = _Slice.apply(probs, self.attn_tp_group)
+            hidden_states = _Scatter.apply(hidden_states, self.attn_tp_group, "slice")
+            probs = _Scatter.apply(probs, self.attn_tp_group, "slice")
             self.routing_map = _slice(self.routing_map, self.attn_tp_group)
         return hidden_states, probs
 
@@ -203,7 +191,7 @@ class PortableAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
     def token_combine(self, hidden_states):
         if self.tp_size > 1 or self.ep_size > 1:
             dtype = hidden_states.dtype
-            hidden_states = _ReduceScatter.apply(hidden_states.to(self.local_probs.dtype), self.tp_ep_group).to(dtype)
+            hidden_states = _Scatter.apply(hidden_states.to(self.local_probs.dtype), self.tp_ep_group, "sum").to(dtype)
         if self.slice_tp:
             hidden_states = _Gather.apply(hidden_states, self.attn_tp_group, "slice")
         return hidden_states
