@@ -126,14 +126,13 @@ def test_every_rl_flag_is_an_rl_config_field_in_its_own_group():
 
 
 LAUNCHER_LINES = 150
-LAUNCHERS_NOT_YET_SLIM = {"sweep.py"}  # its spec/runner/results split is under way (pretrain/sweep/)
 
 
 def test_each_launcher_parses_calls_the_package_and_prints():
     """``launch/*.py`` hold no logic of their own: each at most 150 lines (benchmarks may be longer)."""
     long = {p.name for p in sorted((REPO / "launch").glob("*.py"))
             if not p.name.startswith("bench_") and len(p.read_text().splitlines()) > LAUNCHER_LINES}
-    assert long == LAUNCHERS_NOT_YET_SLIM
+    assert long == set()
 
 
 # Where a parsed Namespace becomes frozen configs; nothing after parsing reads one.
