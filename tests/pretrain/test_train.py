@@ -4,6 +4,7 @@ end (progress lines, TensorBoard events, checkpoints) and TP=2 == TP=1 on the sa
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import re
 
@@ -148,7 +149,9 @@ def test_tp2_run_logs_tensorboard_and_checkpoints(tmp_path, data_cache):
         "iter_0000003",
         "iter_0000006",
         "latest_checkpointed_iteration.txt",
+        "run_status.json",  # pretrain.status: every ending is recorded
     ]
+    assert json.loads((ckpt / "run_status.json").read_text())["state"] == "done"
     shards = [load_rank_checkpoint(ckpt / "iter_0000006", r) for r in (0, 1)]
     for r, c in enumerate(shards):
         assert {
