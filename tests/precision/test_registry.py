@@ -13,7 +13,7 @@ from precision.formats import format_table
 from precision.recipe import parse_gemm
 from precision.tensorwise import AmaxHistory
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "precision.md"  # the format table moved there from README.md
 
 
 def test_enums_read_write_and_pickle_as_plain_strings():

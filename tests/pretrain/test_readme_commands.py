@@ -13,7 +13,7 @@ from pretrain.arguments import build_parser
 
 from ._launch import REPO
 
-TEXT = (REPO / "README.md").read_text()
+TEXT = "\n".join(p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))])  # README + docs/
 PRETRAIN_FLAGS = {o for a in build_parser()._actions for o in a.option_strings}
 TO_PRETRAIN = ("launch/pretrain.py", "launch/slurm/pretrain.sbatch")
 
