@@ -88,22 +88,8 @@ _SPEC_FILE_KEYS = ("base", "fprop", "dgrad", "wgrad")
 _PLAN_FILE_KEYS = ("default", "linears", "rules", "metadata")
 
 
-def describe_names(names: Iterable[str]) -> str:
-    """Layer names compactly: ``decoder.layers.{0..11}.mlp.linear_fc1, ..., output_layer``."""
-    layers, others = {}, []
-    for name in names:
-        parts = name.split(".", 3)
-        if len(parts) == 4 and parts[:2] == ["decoder", "layers"] and parts[2].isdigit():
-            layers.setdefault(parts[3], []).append(int(parts[2]))
-        else:
-            others.append(name)
-    described = [f"decoder.layers.{{{min(ix)}..{max(ix)}}}.{suffix}" for suffix, ix in layers.items()]
-    return ", ".join(described + others)
-
-
-def _compact_names(names: list[str]) -> str:
-    """Layer names exactly and compactly: transformer layers as ``decoder.layers.[0-3,5].SUFFIX`` (the
-    suffixes of one layer set in braces), other names as they are."""
+def _by_suffix(names: Iterable[str]) -> tuple[dict[str, list[int]], list[str]]:
+    """``({suffix after decoder.layers.N.: [N, ...]}, other names)``."""
     layers: dict[str, list[int]] = {}
     others = []
     for name in names:
@@ -112,6 +98,20 @@ def _compact_names(names: list[str]) -> str:
             layers.setdefault(parts[3], []).append(int(parts[2]))
         else:
             others.append(name)
+    return layers, others
+
+
+def describe_names(names: Iterable[str]) -> str:
+    """Layer names compactly: ``decoder.layers.{0..11}.mlp.linear_fc1, ..., output_layer``."""
+    layers, others = _by_suffix(names)
+    described = [f"decoder.layers.{{{min(ix)}..{max(ix)}}}.{suffix}" for suffix, ix in layers.items()]
+    return ", ".join(described + others)
+
+
+def _compact_names(names: list[str]) -> str:
+    """Layer names exactly and compactly: transformer layers as ``decoder.layers.[0-3,5].SUFFIX`` (the
+    suffixes of one layer set in braces), other names as they are."""
+    layers, others = _by_suffix(names)
     by_set: dict[str, list[str]] = {}
     for suffix, ix in layers.items():
         ix = sorted(set(ix))
