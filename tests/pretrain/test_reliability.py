@@ -371,7 +371,8 @@ def test_full_disk_under_torchrun_is_one_line_and_the_previous_checkpoint_surviv
     (line,) = error_lines(proc)
     assert line.startswith(f"pretrain.py: error: --save {save}: could not write iteration 2 (No space left")
     assert f"iteration 1 ({save / 'iter_0000001'}) is intact" in line
-    assert sorted(os.listdir(save)) == ["iter_0000001", TRACKER]  # the partial directory is gone
+    assert sorted(os.listdir(save)) == ["iter_0000001", TRACKER, RUN_STATUS]  # the partial directory is gone
+    assert json.loads((save / RUN_STATUS).read_text())["state"] == "save_failed"
 
 
 FULL_DISK_MODEL = ["--num-layers", "1", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads",
@@ -393,7 +394,8 @@ def test_a_real_full_disk_under_torchrun_is_one_line_and_exit_4(filesystem_for_o
     (line,) = error_lines(proc)
     assert line.startswith(f"pretrain.py: error: --save {save}: could not write iteration 2 (No space left")
     assert f"iteration 1 ({save / 'iter_0000001'}) is intact" in line
-    assert sorted(os.listdir(save)) == ["iter_0000001", TRACKER] and read_tracker(str(save)) == 1
+    # run_status.json is written where the full disk leaves room for it
+    assert sorted(set(os.listdir(save)) - {RUN_STATUS}) == ["iter_0000001", TRACKER] and read_tracker(str(save)) == 1
     assert load_checkpoint_file_ok(save / "iter_0000001")
 
 
