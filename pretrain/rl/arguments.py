@@ -68,6 +68,10 @@ class RLConfig:
     task: str | None = arg("--task", metavar="FILE",
                            help="task seed file (pretrain/rl/task.py), e.g. configs/rl/arith.yaml (required)")
     """Task seed file (``pretrain.rl.task``), e.g. configs/rl/arith.yaml."""
+    task_replicate: int | None = arg("--task-replicate", type=int, default=None, metavar="R",
+                                     help="true replicate R (0, 1, ...): its own prompt stream and held-out sample "
+                                          "(overrides the task file's replicate)")
+    """A true replicate: its own training prompt stream and evaluation sample (``TaskSpec.replicate``)."""
     rl_iters: int = arg("--rl-iters", type=int, default=100, help="RL iterations (sample, score, update)")
     """RL iterations: each samples, scores and updates once (``--ppo-epochs`` x ``--ppo-mini-batches`` steps)."""
     prompts_per_step: int = arg("--prompts-per-step", type=int, default=32,
@@ -290,7 +294,7 @@ def rl_config(args: argparse.Namespace, run: RunConfig, dp_size: int) -> RLConfi
     c = from_namespace(RLConfig, args, eval_interval=run.logging.eval_interval)
     _positive_rl(c)
     try:
-        load_task(c.task, "--task")
+        load_task(c.task, "--task", c.task_replicate)
     except TaskError as e:
         raise ConfigError(str(e)) from None
     if c.prompts_per_step % dp_size:

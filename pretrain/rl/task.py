@@ -136,8 +136,9 @@ class Problem:
 # ================================================================================================
 
 
-def load_task(path: str, flag: str = "--task") -> TaskSpec:
-    """The :class:`TaskSpec` of a YAML task seed file; any problem -> :class:`TaskError` naming ``flag`` and ``path``."""
+def load_task(path: str, flag: str = "--task", replicate: int | None = None) -> TaskSpec:
+    """The :class:`TaskSpec` of a YAML task seed file; any problem -> :class:`TaskError` naming ``flag`` and ``path``.
+    ``replicate`` (``--task-replicate``): this run's replicate, in place of the file's ``replicate``."""
     where = f"{flag} {path}"
     if not os.path.isfile(path):
         raise TaskError(f"{where}: no such file (give a task seed file, e.g. configs/rl/arith.yaml)")
@@ -158,6 +159,11 @@ def load_task(path: str, flag: str = "--task") -> TaskSpec:
         raise TaskError(f"{where}: unknown field {unknown[0]!r} (valid: {', '.join(valid)})")
     if "name" not in data:
         raise TaskError(f"{where}: missing field 'name'")
+    if replicate is not None:
+        if replicate < 0:
+            raise TaskError(f"--task-replicate {replicate}: must be >= 0 (a replicate number: 0, 1, ...)")
+        data = {**data, "replicate": replicate}
+        where = f"{where} with --task-replicate {replicate}"
     return _validated(data, where)
 
 

@@ -330,7 +330,7 @@ def setup(run: RunConfig, cfg: RLConfig) -> RLTrainer:
     engine = TorchEngine(model, run, device)  # FP32 mains with --bf16, AdamW, the non-finite policy
     main, optimizer = engine.main, engine.optimizer
     flags = {**run.to_dict(), **cfg.to_dict()}  # every flag's value, as checkpoints and rl_summary.json record them
-    trainer = RLTrainer(run, cfg, load_task(cfg.task), model, main, optimizer, LRSchedule.from_training(optimizer, t),
+    trainer = RLTrainer(run, cfg, load_task(cfg.task, "--task", cfg.task_replicate), model, main, optimizer, LRSchedule.from_training(optimizer, t),
                         plan, run.model_config(vocab), tokenizer, device, tokenizer.vocab_size, train_engine=engine,
                         flags=flags)
     if cfg.reward_function:

@@ -45,3 +45,18 @@ def test_bad_replicate_fields_are_one_line_errors(tmp_path, extra, message):
     f.write_text("name: t\nseed: 3\nn_eval: 400\n" + extra)
     with pytest.raises(TaskError, match=message):
         load_task(str(f))
+
+
+def test_task_replicate_flag_overrides_the_files_replicate(tmp_path):
+    """--task-replicate R: one task file serves every replicate of a sweep; bad values are one line
+    naming the flag."""
+    f = tmp_path / "task.yaml"
+    f.write_text("name: t\nseed: 3\nn_eval: 400\nreplicate: 0\nreplicate_eval: 100\n")
+    assert load_task(str(f)).replicate == 0
+    spec = load_task(str(f), "--task", 2)
+    assert spec.replicate == 2
+    assert eval_problems(spec) == eval_problems(dataclasses.replace(load_task(str(f)), replicate=2))
+    with pytest.raises(TaskError, match=r"--task-replicate -1: must be >= 0"):
+        load_task(str(f), "--task", -1)
+    with pytest.raises(TaskError, match=r"with --task-replicate 4: replicate: 4 needs 500 held-out problems"):
+        load_task(str(f), "--task", 4)
