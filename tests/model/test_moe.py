@@ -12,7 +12,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 
 from model.gpt import apply_precision_plan, build_gpt, policy_linear_names, policy_linears, validate_config
 from model.layers import PolicyColumnParallelLinear, PolicyRowParallelLinear
-from model.moe import PaddedSequentialMLP, PolicyRouter, token_bucket
+from model.moe import PaddedSequentialMLP, PolicyRouter, set_aux_loss_scale, token_bucket
 from precision import presets
 from precision.policy import PrecisionPolicy
 from precision.recipe import SpecError
@@ -89,6 +89,9 @@ def test_aux_and_z_losses_reach_the_router_gradient(which):
     on = {"moe_aux_loss_coeff": coeff} if which == "aux" else {"moe_z_loss_coeff": coeff}
     off = {"moe_aux_loss_coeff": 0.0} if which == "aux" else {}
     x = torch.randn(32, 2, MOE.hidden_size, generator=torch.Generator().manual_seed(5))
+    # the losses' backward weight is megatron's process-wide MoEAuxLossAutoScaler scale (a training run
+    # in this process sets 1 / micro-batches): one micro-batch here
+    set_aux_loss_scale(1.0)
 
     def router_grad(cfg):
         layer = built(dataclasses.replace(MOE, **cfg)).decoder.layers[0].mlp

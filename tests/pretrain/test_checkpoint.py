@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -19,6 +20,7 @@ from pretrain.checkpointing import (
     read_tracker,
     save_checkpoint,
 )
+from pretrain.status import RUN_STATUS
 
 from ._launch import (
     TINY,
@@ -223,7 +225,8 @@ def test_sigterm_finishes_the_iteration_saves_and_exits_zero(tmp_path, data_cach
     assert iteration >= 3 and read_tracker(str(ckpt)) == iteration
     done = ckpt / f"iter_{iteration:07d}"
     assert sorted(os.listdir(done)) == [CHECKSUMS, "mp_rank_00", "mp_rank_01", RUN_CONFIG, TOKENIZER_DIR]
-    assert sorted(os.listdir(ckpt)) == [done.name, TRACKER]
+    assert sorted(os.listdir(ckpt)) == [done.name, TRACKER, RUN_STATUS]  # run_status.json: state stopped
+    assert json.loads((ckpt / RUN_STATUS).read_text())["state"] == "stopped"
     assert load_rank_checkpoint(done, 1)["consumed_train_samples"] == 4 * iteration
 
 
