@@ -233,7 +233,7 @@ def write_rl_results(out: Path, rows: list[dict], summary: list[dict], baseline:
                    "95% Student-t interval over seeds (unadjusted). verdict: on the final held-out accuracy "
                    "gap, Holm-adjusted over the table's treatments (worse/better: shown to differ; equivalent "
                    "(±m): inside the sweep's equivalence_margin by two one-sided tests; not shown to differ: "
-                   "neither, which is not 'no cost'; with a margin both verdicts print). Replicates: seeds of a "
+                   "neither, which bounds nothing; with a margin both verdicts print). Replicates: seeds of a "
                    "task seed file without 'replicate:' share one prompt stream and one held-out set, so the "
                    "intervals are over response sampling only and leave out the evaluation sample's error (an "
                    "accuracy p on n problems has binomial s.e. sqrt(p(1-p)/n)); with 'replicate:' per run "
