@@ -79,10 +79,10 @@ def checkpoint_operands(flags: list[str]) -> dict[str, list[torch.Tensor]]:
         got["w"].append(m.weight.detach().float().clone())
         hooks.append(m.register_forward_hook(capture))
     from pretrain.data import batches  # (megatron-core, as above)
-    from pretrain.engine import _to
+    from pretrain.engine import batch_to_device
 
     model.train()
-    tokens, labels, pos, mask = _to(next(batches(trainer.train_ds, trainer.consumed_samples,
+    tokens, labels, pos, mask = batch_to_device(next(batches(trainer.train_ds, trainer.consumed_samples,
                                                   run.training.micro_batch_size)), trainer.device)
     per_token = model(tokens, pos, None, labels=labels).float()
     ((per_token * mask).sum() / mask.sum()).backward()

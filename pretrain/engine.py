@@ -100,7 +100,7 @@ from pretrain.optim import MainParams, build_optimizer, clip_grad_norm
 DISTRIBUTED_OPTIMIZER_FILE = "distrib_optim.pt"  # Megatron-LM's name, beside model_optim_rng.pt
 
 
-def _to(mb: dict, device: torch.device) -> tuple[torch.Tensor, ...]:
+def batch_to_device(mb: dict, device: torch.device) -> tuple[torch.Tensor, ...]:
     return (
         mb["tokens"].to(device, non_blocking=True),
         mb["labels"].to(device, non_blocking=True),
@@ -256,7 +256,7 @@ class TorchEngine(_StepMixin):
             )
 
     def _loss_sum(self, module, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, labels, position_ids, mask = _to(mb, self.device)
+        tokens, labels, position_ids, mask = batch_to_device(mb, self.device)
         per_token = module(tokens, position_ids, None, labels=labels)  # [b, s]
         return (per_token.float() * mask).sum(), mask.sum()
 
@@ -405,7 +405,7 @@ class MegatronEngine(_StepMixin):
     def _forward_step(self, data_iterator, model):
         """Megatron-LM's ``forward_step_func``: every stage reads the micro-batch; the first
         embeds the tokens, the last turns hidden states into per-token losses."""
-        tokens, labels, position_ids, mask = _to(next(data_iterator), self.device)
+        tokens, labels, position_ids, mask = batch_to_device(next(data_iterator), self.device)
         output = model(tokens, position_ids, None, labels=labels)
         return output, functools.partial(self._loss_func, mask)
 

@@ -21,7 +21,7 @@ from precision import PrecisionPolicy, SpecError
 from precision.state import LayerQuantState
 from pretrain.arguments import ConfigError, parse_run_config
 from pretrain.data import batches as data_batches
-from pretrain.engine import _to
+from pretrain.engine import batch_to_device
 from pretrain.train import setup as setup_trainer
 
 KINDS = ("embedding", "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer", "norm/bias")
@@ -189,7 +189,7 @@ def measure(run, trainer, plans: dict, reference: str, precisions: list[str], n_
     model.train()
     for i in range(n_batches):
         try:
-            micro = [_to(next(data), trainer.device) for _ in range(nmb)]
+            micro = [batch_to_device(next(data), trainer.device) for _ in range(nmb)]
         except StopIteration:
             raise DataRanOut(f"the training data ran out after {i} batches: lower --batches") from None
         g_ref, loss_ref = gradient(reference, micro)
