@@ -347,7 +347,7 @@ def _quantize_operand(t, axis, fmt, gemm, operand, state, call, *, impl, rotatio
             if codes:
                 out.codes = q.codes.movedim(axis, -1)
         if state.collect_stats:
-            state.record(gemm, operand, **operand_stats(t, out.values, name, axis))
+            state.record(gemm, operand, **operand_stats(t, out.values, name, axis, rotated=rotated))
         return out
 
     # === 2-D weight tiles: quantized once, the same codes serve Fprop and Dgrad (_block2d_weight)
@@ -389,7 +389,8 @@ def _quantize_operand(t, axis, fmt, gemm, operand, state, call, *, impl, rotatio
         stats_amax = None if scale_amax is None else float(scale_amax)
         spec = fmt.format  # per-tensor: values clip beyond scale_amax * max_normal / scale_target
         headroom = spec.max_normal / fmt.scale_target if spec.kind == Scaling.TENSOR else 1.0
-        state.record(gemm, operand, **operand_stats(t, deq, name, axis, stats_amax, fmt.scale_rule, headroom))
+        state.record(gemm, operand, **operand_stats(t, deq, name, axis, stats_amax, fmt.scale_rule, headroom,
+                                                   rotated=rotated))
     out = QuantizedOperand(fmt, axis, values=None if codes else res["values"], codes=res.get("codes"),
                            scales=res.get("scales"), tensor_scale=res.get("tensor_scale"),
                            packed=res.get("packed", False), decode_scale=res.get("decode_scale"))
@@ -424,7 +425,8 @@ def _block2d_weight(t, axis, fmt, gemm, operand, state, needs_whole, codes, want
     if codes:
         out.codes, out.scales = q.codes.movedim(axis, -1), q.scales.movedim(axis, -1)
     if state.collect_stats:
-        state.record(gemm, operand, **operand_stats(t, out.values, fmt.fmt, axis, None, fmt.scale_rule))
+        state.record(gemm, operand, **operand_stats(t, out.values, fmt.fmt, axis, None, fmt.scale_rule,
+                                                   rotated=not cacheable))
     if want_bf16:
         out.bf16, out.out_scale = bf16_form(fmt, out.codes, out.scales, out.tensor_scale)
     if codes and not want_bf16 and not state.collect_stats:

@@ -16,6 +16,11 @@ rotation: what the quantizer actually saw) with its dequantized value:
 ``amax_ratio`` this tensor's amax / the amax its scale came from (> 1: delayed scaling lagged)
 =============  ==================================================================================
 
+and the per-block figures of ``precision.block_stats`` (``flushed_nonzero``, ``block_max_median``,
+``block_top_share``, and the same after a 16-point Hadamard, ``had16_*``, for operands whose GEMM
+does not rotate them already: ``rotated=True`` leaves those out), over blocks along the
+contraction axis -- tokens for Wgrad's ``dy`` and ``x``, features for Fprop's and Dgrad's operands.
+
 These are the numbers a person reads to see which GEMM operand of which layer is breaking
 training (``launch/report.py`` renders them as heatmaps). Computed only on telemetry steps.
 """
@@ -27,13 +32,14 @@ import math
 import torch
 
 from precision import blocks
+from precision.block_stats import BLOCK_METRICS, DEFAULT_BLOCK, HADAMARD_METRICS, block_figures, hadamard_figures
 from precision.elements import E4M3, fdiv
 from precision.formats import Format, ScaleRule, Scaling, get_format
 from precision.quest import quest_quantize_blocks
 
 __all__ = ["operand_stats", "METRICS"]
 
-METRICS = ("sqnr_db", "clipped", "flushed", "amax", "amax_ratio")
+METRICS = ("sqnr_db", "clipped", "flushed", "amax", "amax_ratio", *BLOCK_METRICS, *HADAMARD_METRICS)
 _MAX_DB = 200.0
 
 
@@ -59,7 +65,7 @@ def _block_limits(hp: torch.Tensor, spec: Format, axis: int, tensor_amax: float 
 @torch.no_grad()
 def operand_stats(hp: torch.Tensor, deq: torch.Tensor, fmt: str, axis: int = -1,
                   scale_amax: float | None = None, scale_rule: str = "floor",
-                  headroom: float = 1.0) -> dict[str, float]:
+                  headroom: float = 1.0, rotated: bool = False) -> dict[str, float]:
     hp, deq = hp.float(), deq.float()
     finite = torch.isfinite(hp)
     hpf = torch.where(finite, hp, torch.zeros_like(hp))
@@ -83,4 +89,9 @@ def operand_stats(hp: torch.Tensor, deq: torch.Tensor, fmt: str, axis: int = -1,
         clipped = 0.0
     ref_amax = amax if scale_amax is None else scale_amax
     ratio = amax / ref_amax if ref_amax > 0 else 1.0
-    return {"sqnr_db": sqnr, "clipped": clipped, "flushed": flushed, "amax": amax, "amax_ratio": ratio}
+    out = {"sqnr_db": sqnr, "clipped": clipped, "flushed": flushed, "amax": amax, "amax_ratio": ratio}
+    block = spec.block if spec.blocked else DEFAULT_BLOCK
+    out.update(block_figures(hp, deq, axis, block))
+    if not rotated:
+        out.update(hadamard_figures(hp, fmt, axis, block, scale_rule))
+    return out

@@ -45,3 +45,32 @@ def test_collecting_stats_is_bit_neutral_and_covers_every_operand():
     for v in stats.values():
         assert all(k in v for k in ("sqnr_db", "clipped", "flushed", "amax"))
         assert 5 < v["sqnr_db"] < 40
+
+
+def test_block_figures_follow_each_gemms_contraction_axis():
+    """Wgrad's operands are blocked along tokens, Fprop's along features: the recorded per-block
+    figures are precision.block_stats' on the quantizer's input along that axis; a GEMM that rotates
+    its operands reports no had16_* (its input already is the rotated one)."""
+    from precision.block_stats import block_figures, hadamard_figures
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 64, generator=g)
+    x[0] *= 300.0  # a first-token row: one outlier in each 32-token column block
+    w, dy = torch.randn(32, 64, generator=g), torch.randn(64, 32, generator=g)
+    stats = {}
+    for preset in ("mxfp4", "wgrad_hadamard"):
+        st = LayerQuantState(1, "l")
+        st.collect_stats = True
+        policy_linear(x.clone().requires_grad_(True), w.clone().requires_grad_(True), presets.get(preset),
+                      state=st).backward(dy)
+        stats[preset] = st.stats
+    plain = stats["mxfp4"]
+    for key, axis in (("wgrad/x", 0), ("fprop/x", 1)):
+        want = block_figures(x, quantize(x, "mxfp4", axis=axis).dequantize(), axis=axis)
+        want.update(hadamard_figures(x, "mxfp4", axis=axis))
+        for k, v in want.items():
+            assert plain[key][k] == v, (key, k)
+    assert plain["wgrad/x"]["flushed_nonzero"] > 3 * plain["fprop/x"]["flushed_nonzero"]
+    assert plain["wgrad/x"]["had16_flushed_nonzero"] < plain["wgrad/x"]["flushed_nonzero"]
+    assert not any(k.startswith("had16_") for k in stats["wgrad_hadamard"]["wgrad/x"])
+    assert "had16_block_top_share" in stats["wgrad_hadamard"]["fprop/x"]
