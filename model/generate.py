@@ -71,6 +71,7 @@ import torch.nn.functional as F
 from model.attention import core_attentions
 from model.gpt import policy_linears
 from model.kv_cache import KVCache
+from model.moe_replay import RoutedTokens, RoutingRecorder, moe_routers
 from model.rollout_records import RoundingRecorder, select_recorded_linears
 
 __all__ = ["Engine", "Generation", "RolloutBatch", "SamplingParams", "attention_mask", "forward_logits", "sample"]
@@ -114,6 +115,7 @@ class RolloutBatch:
     response_mask: torch.Tensor  # [b, R] bool
     rollout_logprobs: torch.Tensor  # [b, R] float32, 0 where masked
     records: list[dict] | None = None  # per row {linear: RoundingRecord} (Engine record_layers), else None
+    routes: list[RoutedTokens] | None = None  # MoE policies: per row, each position's experts per layer
 
 
 @dataclass
@@ -127,6 +129,7 @@ class Generation:
     last_logits: list[torch.Tensor | None] = field(default_factory=list)  # [vocab] float32 of each row's last step
     records: list[dict] | None = None  # Engine(record_layers=...): per prompt {linear: RoundingRecord}
     record_codes: list[dict] | None = None  # Engine(record_codes=True): per prompt {linear: QuantizedTensor}
+    routes: list[RoutedTokens] | None = None  # MoE policies: per prompt, the experts each position chose
 
     def rollout_batch(self) -> RolloutBatch:
         def pad(rows, dtype):
@@ -141,7 +144,7 @@ class Generation:
         prompt_ids, prompt_mask = pad(self.prompts, torch.long)
         response_ids, response_mask = pad(self.tokens, torch.long)
         logprobs, _ = pad(self.logprobs, torch.float32)
-        return RolloutBatch(prompt_ids, prompt_mask, response_ids, response_mask, logprobs, self.records)
+        return RolloutBatch(prompt_ids, prompt_mask, response_ids, response_mask, logprobs, self.records, self.routes)
 
 
 # ================================================================================================
@@ -239,6 +242,10 @@ class Engine:
     rounding is recorded while generating (needs ``rollout``; ``model.rollout_records``):
     ``Generation.records`` / ``RolloutBatch.records``, per prompt ``{linear: RoundingRecord}``;
     ``record_codes``: also ``Generation.record_codes``, the rollout's own codes (to measure agreement).
+    A mixture-of-experts policy's generation also records, per prompt, the experts every MoE layer's
+    router chose for each position it ran and the router's probabilities (``Generation.routes``,
+    ``model.moe_replay.RoutedTokens``: the prompt, then every generated token but the last) -- what
+    the trainer replays (``--routing-replay``) and compares with its own routing.
     """
 
     def __init__(self, model, *, vocab_size: int, rollout=None, max_length: int | None = None,
@@ -266,6 +273,7 @@ class Engine:
                 raise ValueError("record_layers: rounding records are taken under a rollout plan; pass rollout=")
             self.recorded = select_recorded_linears(model, rollout.plan, record_layers)
         self.record_codes = record_codes
+        self.moe = bool(moe_routers(model))  # MoE policy: Generation.routes records each position's experts
 
     # ---------------------------------------------------------------- context
     @contextlib.contextmanager
@@ -358,20 +366,26 @@ class Engine:
         n = len(prompts)
         out = Generation(prompts, [[] for _ in prompts], [[] for _ in prompts], ["length"] * n, [None] * n)
         recorder = RoundingRecorder(self.model, self.recorded, n, self.record_codes) if self.recorded else None
+        router = RoutingRecorder(self.model, n) if self.moe else None
+        recorders = [r for r in (recorder, router) if r is not None]
         if params.max_new_tokens and prompts:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-            with self._running(), recorder.attached() if recorder is not None else contextlib.nullcontext():
-                self._loop(prompts, params, stop_criteria, generator, out, recorder)
+            with self._running(), contextlib.ExitStack() as stack:
+                for r in recorders:
+                    stack.enter_context(r.attached())
+                self._loop(prompts, params, stop_criteria, generator, out, recorders)
         if recorder is not None:
             out.records, out.record_codes = recorder.records(), recorder.codes()
+        if router is not None and params.max_new_tokens and prompts:
+            out.routes = router.records()
         return out
 
-    def _loop(self, prompts, params, stop_criteria, generator, out: Generation, recorder=None) -> None:
+    def _loop(self, prompts, params, stop_criteria, generator, out: Generation, recorders=()) -> None:
         tokens, valid, last = self._layout(prompts)
         rows = list(range(len(prompts)))  # batch row -> prompt index
         cache = self._new_cache() if self.use_cache else None
         positions = self._positions(valid)
-        if recorder is not None:  # the prefill runs every prompt token
+        for recorder in recorders:  # the prefill runs every prompt token
             recorder.expect(rows, valid)
         logits = forward_logits(self.model, tokens, positions, attention_mask(valid, tokens.shape[1]), last)
         if cache is not None:
@@ -403,10 +417,11 @@ class Engine:
                     cache.keep_rows(keep)
             tokens = torch.cat([tokens, new[:, None]], 1)
             valid = torch.cat([valid, torch.ones_like(valid[:, :1])], 1)
-            if recorder is not None:  # each row's newest slot is new (cached decode runs only it)
+            if recorders:  # each row's newest slot is new (cached decode runs only it)
                 fresh = torch.zeros_like(valid[:, -1:] if cache is not None else valid)
                 fresh[:, -1] = True
-                recorder.expect(rows, fresh)
+                for recorder in recorders:
+                    recorder.expect(rows, fresh)
             if cache is not None:  # decode: one slot, the cache holds the rest
                 mask = attention_mask(valid, 1)
                 logits = forward_logits(self.model, new[:, None], next_pos[:, None], mask,

@@ -14,7 +14,14 @@ rotation along the in-features -- and the model one KV-cache format (``model.kv_
 ``PRESET+had16`` / ``PRESET+had32`` adds a deterministic Hadamard on the activations along the
 in-features -- and on the weights, so that the exact product is unchanged (``H·Hᵀ = I``), exactly
 as a training Fprop recipe with that rotation does. Like every training preset, a rollout preset
-keeps the output layer in BF16 (rule ``kind:output=bf16``; a user rule comes first and wins).
+keeps the output layer in BF16 (rule ``kind:output=bf16``) and a mixture-of-experts router's GEMM in
+FP32 (``kind:router=fp32``, the trainer's router); a user rule comes first and wins
+(``--rollout-precision-rule kind:router=nvfp4`` quantizes the router too).
+
+Mixture-of-experts policies: every routed expert's ``linear_fc1`` / ``linear_fc2`` and the shared
+experts' are linears like any other, selected by ``kind:expert``, ``kind:expert_fc1``,
+``kind:expert_fc2``, ``kind:shared_expert``, ``experts:A-B`` (global expert numbers), ``kind:router``,
+combined with ``layers:A-B``: ``--rollout-precision-rule 'kind:shared_expert=bf16'``.
 
 Compact spec (``--rollout-precision``)::
 
@@ -279,7 +286,8 @@ def resolve_rollout_plan(value: str, rules: Iterable[str], names: Iterable[str],
             checked.append((text, rule))
         if kv is not None:
             kv_rules.append((text, Rule(selector, LinearPrecision(), f"--rollout-precision-rule {text}"), kv))
-    builtin = [Rule("kind:output", LinearPrecision(fprop=parse_gemm("bf16", Gemm.FPROP)), "rollout preset: kind:output=bf16")]
+    builtin = [Rule("kind:output", LinearPrecision(fprop=parse_gemm("bf16", Gemm.FPROP)), "rollout preset: kind:output=bf16"),
+               Rule("kind:router", LinearPrecision(fprop=parse_gemm("fp32", Gemm.FPROP)), "rollout preset: kind:router=fp32")]
     policy = PrecisionPolicy(LinearPrecision(fprop=base.linear), user + builtin,
                              default_label=f"--rollout-precision {value}")
     policy.checked = checked
