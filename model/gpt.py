@@ -101,6 +101,7 @@ class ModelConfig:
     attention_dropout: float = 0.0
     make_vocab_size_divisible_by: int = 128
     kv_quant: str | None = None  # --kv-quant: K and V fake-quantized as the rollout's KV-cache stores them
+    qk_layernorm: bool = False  # --qk-layernorm: a norm on each head's query and key before RoPE (Qwen3)
     # Mixture of experts (model.moe; Megatron-LM's flags). None experts: a dense model.
     num_experts: int | None = None  # --num-experts
     moe_router_topk: int = 2  # --moe-router-topk
@@ -111,6 +112,7 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 0.0  # --moe-aux-loss-coeff
     moe_z_loss_coeff: float | None = None  # --moe-z-loss-coeff
     moe_router_score_function: str = "softmax"  # --moe-router-score-function
+    moe_router_pre_softmax: bool = False  # --moe-router-pre-softmax: softmax over all experts, then top-k (unnormalized)
     moe_expert_capacity_factor: float | None = None  # --moe-expert-capacity-factor (None: no dropping)
     moe_token_dispatcher_type: str = "allgather"  # --moe-token-dispatcher-type
     moe_grouped_gemm: bool = False  # --moe-grouped-gemm (refused: experts are policy linears)
@@ -133,6 +135,7 @@ class ModelConfig:
 MOE_CONFIG_FIELDS = (
     "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
     "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_score_function",
+    "moe_router_pre_softmax",
     "moe_expert_capacity_factor", "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_router_dtype",
 )  # fmt: skip
 
@@ -141,6 +144,7 @@ MOE_CONFIG_FIELDS = (
 TRANSFORMER_CONFIG_FIELDS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "normalization",
     "layernorm_epsilon", "add_bias_linear", "add_qkv_bias", "hidden_dropout", "attention_dropout", "init_method_std",
+    "qk_layernorm",
 )  # fmt: skip
 
 
@@ -418,7 +422,7 @@ def build_gpt(
                                 recompute=recompute)
     model = PolicyGPTModel(
         config,
-        gpt_block_spec(config),
+        gpt_block_spec(config, qk_layernorm=cfg.qk_layernorm),
         vocab_size=padded_vocab_size(cfg, tp_size),
         max_sequence_length=cfg.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(),

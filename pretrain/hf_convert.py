@@ -1,4 +1,4 @@
-"""Hugging Face Llama / Qwen2 checkpoints -> our megatron-core GPT (``model.gpt``).
+"""Hugging Face Llama / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE checkpoints -> our megatron-core GPT (``model.gpt``).
 
     payload = convert_hf_checkpoint("Llama-3.2-1B/")        # config.json + *.safetensors
     path = save_converted(payload, "out/")                  # out/hf_converted.pt
@@ -16,17 +16,39 @@ Converted file format (``OUT/hf_converted.pt``, a plain ``torch.save`` of a dict
     source          {"hf_dir", "architecture", "model_type", "transformers_version", "dtype",
                      "files": [safetensors names], "tokenizer_dir": OUT/hf_tokenizer or None}
 
-Name mapping (TP=1; ``i`` = layer):
+Name mapping (TP=1; ``i`` = layer, ``e`` = expert):
 
     model.embed_tokens.weight                       embedding.word_embeddings.weight
     model.layers.i.input_layernorm.weight           decoder.layers.i.input_layernorm.weight
     model.layers.i.self_attn.{q,k,v}_proj.{w,b}     decoder.layers.i.self_attention.linear_qkv.{w,b}
+    model.layers.i.self_attn.{q,k}_norm.weight      decoder.layers.i.self_attention.{q,k}_layernorm.weight (Qwen3)
     model.layers.i.self_attn.o_proj.weight          decoder.layers.i.self_attention.linear_proj.weight
     model.layers.i.post_attention_layernorm.weight  decoder.layers.i.pre_mlp_layernorm.weight
     model.layers.i.mlp.{gate,up}_proj.weight        decoder.layers.i.mlp.linear_fc1.weight = [gate; up]
     model.layers.i.mlp.down_proj.weight             decoder.layers.i.mlp.linear_fc2.weight
     model.norm.weight                               decoder.final_layernorm.weight
     lm_head.weight (absent when tied)               output_layer.weight (absent when tied)
+
+  Mixture-of-experts layers (Qwen3-MoE ``mlp.``; Mixtral ``block_sparse_moe.`` with w1 = gate,
+  w3 = up, w2 = down):
+
+    model.layers.i.mlp.gate.weight                  decoder.layers.i.mlp.router.weight
+    model.layers.i.mlp.experts.e.{gate,up}_proj     decoder.layers.i.mlp.experts.local_experts.e.linear_fc1 = [gate; up]
+    model.layers.i.mlp.experts.e.down_proj          decoder.layers.i.mlp.experts.local_experts.e.linear_fc2
+
+Routing (megatron-core 0.16's ``TopKRouter``, softmax scores, ``topk_routing_with_score_function``):
+  - Mixtral and Qwen3-MoE with ``norm_topk_prob: true`` take the softmax over all experts, keep the
+    top k and renormalize them to sum to one: that is ``softmax(top-k logits)``, megatron's default
+    (``moe_router_pre_softmax`` false). Qwen3-MoE with ``norm_topk_prob: false`` keeps the top-k
+    softmax probabilities as they are: ``--moe-router-pre-softmax``. Same experts either way (softmax
+    is monotonic); the weights agree to rounding.
+  - Which layers are sparse: Qwen3-MoE's ``decoder_sparse_step`` / ``mlp_only_layers`` become the
+    per-layer ``--moe-layer-freq`` list (every layer for Mixtral); dense layers keep
+    ``intermediate_size``, experts ``moe_intermediate_size``.
+  - Training-only settings: ``router_aux_loss_coef`` -> ``--moe-aux-loss-coeff`` (the switch
+    load-balancing loss in both; transformers adds it only with ``output_router_logits``); Mixtral's
+    ``router_jitter_noise`` other than 0 is refused. Shared experts with a sigmoid gate (Qwen2-MoE)
+    are refused: our MoE layer's shared expert has no gate.
 
 Layout facts (megatron-core 0.16.1), each checked against transformers by the tests:
   - ``linear_qkv`` rows are grouped per query group g: [q heads of g; k_g; v_g]
@@ -39,6 +61,8 @@ Layout facts (megatron-core 0.16.1), each checked against transformers by the te
     maps to megatron's ``rope_scaling`` (factor only: megatron fixes the low/high frequency factors
     at 1 and 4 and the original context at 8192, so other values are refused).
   - RMSNorm: both compute ``w * x / sqrt(mean(x^2) + eps)``; ``rms_norm_eps`` -> ``layernorm_epsilon``.
+    Qwen3's per-head ``q_norm`` / ``k_norm`` (before RoPE) are megatron's ``q_layernorm`` /
+    ``k_layernorm`` (``--qk-layernorm``), the same RMSNorm over each head's channels.
 """
 
 from __future__ import annotations
@@ -53,12 +77,18 @@ import torch
 from megatron.core import parallel_state
 
 from model.gpt import ModelConfig
+from model.moe import moe_layer_pattern
 from pretrain.reshard import ReshardError, model_layout, shard_tensor
 
 FORMAT = "hf_converted"
 FORMAT_VERSION = 1
 FILE_NAME = "hf_converted.pt"
-SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+             "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
+MOE_ARCHS = ("mixtral", "qwen3_moe")
+# architectures we name a reason for refusing
+_REFUSED = {"Qwen2MoeForCausalLM": "its shared expert has a sigmoid gate our MoE layer does not have",
+            "DeepseekV3ForCausalLM": "multi-latent attention is not supported"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt")
 _TOKENIZER_MODELS = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of them makes a tokenizer
@@ -134,9 +164,13 @@ def model_config_from_hf(hf_config: dict, *, seq_length: int | None = None) -> M
     models have no position table); training sets its own ``--seq-length``.
     """
     arch = (hf_config.get("architectures") or [None])[0]
+    if arch in _REFUSED:
+        raise HFConvertError(f"config.json: architectures [{arch!r}] is not supported: {_REFUSED[arch]} "
+                             f"(supported: {', '.join(SUPPORTED)})")
     if arch not in SUPPORTED:
         raise HFConvertError(f"config.json: architectures {hf_config.get('architectures')} is not supported "
                              f"(supported: {', '.join(SUPPORTED)})")
+    kind = SUPPORTED[arch]
     hidden, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
     head_dim = hf_config.get("head_dim") or hidden // heads
     if head_dim * heads != hidden:
@@ -148,6 +182,9 @@ def model_config_from_hf(hf_config: dict, *, seq_length: int | None = None) -> M
         raise HFConvertError("config.json: attention_bias / mlp_bias are not supported")
     if hf_config.get("use_sliding_window"):
         raise HFConvertError("config.json: use_sliding_window is not supported")
+    if kind == "mixtral" and hf_config.get("sliding_window") is not None:
+        raise HFConvertError(f"config.json: sliding_window {hf_config['sliding_window']} is not supported "
+                             "(full causal attention only: null)")
     theta, scaling = _rope(hf_config)
     return ModelConfig(
         num_layers=hf_config["num_hidden_layers"],
@@ -162,12 +199,44 @@ def model_config_from_hf(hf_config: dict, *, seq_length: int | None = None) -> M
         position_embedding="rope",
         untie_embeddings=not hf_config.get("tie_word_embeddings", False),
         add_bias_linear=False,
-        add_qkv_bias=SUPPORTED[arch] == "qwen2",
+        add_qkv_bias=kind == "qwen2",
+        qk_layernorm=kind in ("qwen3", "qwen3_moe"),
         init_method_std=hf_config.get("initializer_range", 0.02),
         rotary_base=int(theta) if float(theta).is_integer() else float(theta),
         rope_scaling_factor=scaling,
         layernorm_epsilon=hf_config.get("rms_norm_eps", 1e-6),
+        **(_moe_fields(hf_config, kind) if kind in MOE_ARCHS else {}),
     )
+
+
+def hf_moe_layers(hf_config: dict) -> list[int]:
+    """One 0/1 per layer: which layers of a Qwen3-MoE config are sparse (transformers' rule: layer
+    ``i`` unless ``i in mlp_only_layers``, and only if ``(i + 1) % decoder_sparse_step == 0``)."""
+    step = hf_config.get("decoder_sparse_step", 1) or 1
+    only_mlp = set(hf_config.get("mlp_only_layers") or [])
+    return [int(i not in only_mlp and (i + 1) % step == 0) for i in range(hf_config["num_hidden_layers"])]
+
+
+def _moe_fields(hf: dict, kind: str) -> dict:
+    """Our MoE ModelConfig fields for a Mixtral / Qwen3-MoE config (module docstring: Routing)."""
+    experts = hf.get("num_local_experts") or hf.get("num_experts")
+    if not experts:
+        raise HFConvertError(f"config.json: {kind} config without num_local_experts / num_experts")
+    fields = {"num_experts": experts, "moe_router_topk": hf["num_experts_per_tok"],
+              "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef") or 0.0),
+              "moe_router_score_function": "softmax", "moe_shared_expert_intermediate_size": None}
+    if kind == "mixtral":
+        if hf.get("router_jitter_noise"):
+            raise HFConvertError(f"config.json: router_jitter_noise {hf['router_jitter_noise']} is not supported "
+                                 "(megatron-core's router has no multiplicative jitter; 0 is)")
+        return {**fields, "moe_ffn_hidden_size": hf["intermediate_size"], "moe_router_pre_softmax": False}
+    pattern = hf_moe_layers(hf)
+    if not any(pattern):
+        raise HFConvertError("config.json: decoder_sparse_step / mlp_only_layers leave no sparse layer "
+                             "(a dense model: convert it as Qwen3ForCausalLM)")
+    return {**fields, "moe_ffn_hidden_size": hf["moe_intermediate_size"],
+            "moe_router_pre_softmax": not hf.get("norm_topk_prob", False),
+            "moe_layer_freq": 1 if all(pattern) else tuple(pattern)}
 
 
 # ================================================================================================
@@ -186,8 +255,10 @@ def _grouped_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelCo
     return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
 
 
-def convert_state_dict(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """HF tensor names -> our TP=1 names (see the module docstring). Every HF tensor must be used."""
+def convert_state_dict(hf_state: dict[str, torch.Tensor], cfg: ModelConfig,
+                       architecture: str | None = None) -> dict[str, torch.Tensor]:
+    """HF tensor names -> our TP=1 names (see the module docstring). Every HF tensor must be used.
+    ``architecture``: the config's (``MixtralForCausalLM`` names its experts w1/w2/w3)."""
     hf = dict(hf_state)
     for name in [n for n in hf if n.endswith("rotary_emb.inv_freq")]:  # old checkpoints: a buffer
         del hf[name]
@@ -198,6 +269,8 @@ def convert_state_dict(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> d
         except KeyError:
             raise HFConvertError(f"HF checkpoint has no tensor {name!r}") from None
 
+    moe = moe_layer_pattern(cfg.num_layers, cfg.moe_layer_freq) if cfg.num_experts else [0] * cfg.num_layers
+    mixtral = architecture == "MixtralForCausalLM"
     out = {"embedding.word_embeddings.weight": take("model.embed_tokens.weight")}
     for i in range(cfg.num_layers):
         src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
@@ -208,7 +281,20 @@ def convert_state_dict(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> d
         if cfg.add_qkv_bias:
             out[dst + "self_attention.linear_qkv.bias"] = _grouped_qkv(*(take(f"{attn}{p}_proj.bias") for p in "qkv"), cfg)
         out[dst + "self_attention.linear_proj.weight"] = take(attn + "o_proj.weight")
+        if cfg.qk_layernorm:
+            for p in "qk":
+                out[f"{dst}self_attention.{p}_layernorm.weight"] = take(f"{attn}{p}_norm.weight")
         out[dst + "pre_mlp_layernorm.weight"] = take(src + "post_attention_layernorm.weight")
+        if moe[i]:
+            block = src + ("block_sparse_moe." if mixtral else "mlp.")
+            out[dst + "mlp.router.weight"] = take(block + "gate.weight")
+            for e in range(cfg.num_experts):
+                ex, ours = f"{block}experts.{e}.", f"{dst}mlp.experts.local_experts.{e}."
+                names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+                gate, up, down = (take(f"{ex}{n}.weight") for n in names)
+                out[ours + "linear_fc1.weight"] = torch.cat([gate, up], dim=0)
+                out[ours + "linear_fc2.weight"] = down
+            continue
         gate, up = take(src + "mlp.gate_proj.weight"), take(src + "mlp.up_proj.weight")
         out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
         out[dst + "mlp.linear_fc2.weight"] = take(src + "mlp.down_proj.weight")
@@ -280,7 +366,7 @@ def convert_hf_checkpoint(hf_dir: str, *, seq_length: int | None = None) -> dict
     cfg = model_config_from_hf(hf_config, seq_length=seq_length)
     files = safetensors_files(hf_dir)
     hf_state = read_hf_state_dict(hf_dir)
-    state = convert_state_dict(hf_state, cfg)
+    state = convert_state_dict(hf_state, cfg, hf_config["architectures"][0])
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in state.values()})
     return {
         "format": FORMAT,

@@ -96,6 +96,9 @@ class ModelArgs:
     """Dropout of the attention probabilities."""
     make_vocab_size_divisible_by: int = arg("--make-vocab-size-divisible-by", type=int, default=128)
     """The embedding table is padded to a multiple of this (times the TP size; megatron's rule)."""
+    qk_layernorm: bool = arg("--qk-layernorm", action="store_true",
+                             help="a norm (--normalization) on each head's query and key before RoPE (Qwen3)")
+    """Per-head query and key norms (megatron's ``q_layernorm`` / ``k_layernorm``)."""
     # ---- mixture of experts (model.moe; Megatron-LM's flags) ----
     num_experts: int | None = arg("--num-experts", type=int,
                                   help="routed experts per MoE layer (default: none, a dense model)")
@@ -124,6 +127,9 @@ class ModelArgs:
     moe_router_score_function: str = arg("--moe-router-score-function", default="softmax",
                                          choices=["softmax", "sigmoid"])
     """softmax or sigmoid scores over the experts."""
+    moe_router_pre_softmax: bool = arg("--moe-router-pre-softmax", action="store_true",
+                                       help="softmax over all experts before top-k (weights not renormalized)")
+    """Softmax over all experts, then top-k (Qwen3-MoE without norm_topk_prob); default: top-k, then softmax."""
     moe_expert_capacity_factor: float | None = arg(
         "--moe-expert-capacity-factor", type=float,
         help="tokens an expert takes, as a multiple of its even share; the rest are dropped (default: no dropping)")
@@ -152,7 +158,7 @@ class ModelArgs:
 SHAPE_FLAGS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "swiglu",
     "normalization", "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear",
-    "add_qkv_bias", "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_layer_freq",
+    "add_qkv_bias", "qk_layernorm", "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_layer_freq",
 )  # fmt: skip
 
 
@@ -194,6 +200,7 @@ MODEL_FLAGS: dict[str, _Maps] = {
     "hidden_dropout": _Maps("hidden_dropout", read_back=False),
     "attention_dropout": _Maps("attention_dropout", read_back=False),
     "make_vocab_size_divisible_by": _Maps("make_vocab_size_divisible_by"),
+    "qk_layernorm": _Maps("qk_layernorm"),
     "num_experts": _Maps("num_experts"),
     "moe_router_topk": _Maps("moe_router_topk"),
     "moe_ffn_hidden_size": _Maps("moe_ffn_hidden_size"),
@@ -204,6 +211,7 @@ MODEL_FLAGS: dict[str, _Maps] = {
     "moe_aux_loss_coeff": _Maps("moe_aux_loss_coeff"),
     "moe_z_loss_coeff": _Maps("moe_z_loss_coeff"),
     "moe_router_score_function": _Maps("moe_router_score_function"),
+    "moe_router_pre_softmax": _Maps("moe_router_pre_softmax"),
     "moe_expert_capacity_factor": _Maps("moe_expert_capacity_factor"),
     "moe_token_dispatcher_type": _Maps("moe_token_dispatcher_type", read_back=False),
     "moe_grouped_gemm": _Maps("moe_grouped_gemm", read_back=False),

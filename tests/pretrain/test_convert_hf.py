@@ -154,7 +154,8 @@ def test_cli_errors_are_one_line(hf, tmp_path, capsys):
     (mistral / "config.json").write_text(json.dumps({**cfg, "architectures": ["MistralForCausalLM"]}))
     cases = [(tmp_path / "missing", "no such directory"), (tmp_path, "no config.json"),
              (no_weights, "no *.safetensors"),
-             (mistral, "['MistralForCausalLM'] is not supported (supported: LlamaForCausalLM, Qwen2ForCausalLM)")]
+             (mistral, "['MistralForCausalLM'] is not supported (supported: LlamaForCausalLM, Qwen2ForCausalLM, "
+                      "Qwen3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM)")]
     for hf_dir, needle in cases:
         assert main(["--hf-dir", str(hf_dir), "--save", str(tmp_path / "out")]) == 2
         err = capsys.readouterr().err
