@@ -1,0 +1,257 @@
+"""A precision's cost as a trend over model sizes: slopes against log size with intervals over paired
+seeds, predictions beyond the sizes run, and the per-block mechanism table of each size.
+
+The sweep (``configs/sweeps/wgrad_scale_cpu.yaml``) ranges ``model-size`` over a family of shapes
+and runs every treatment at every size with the same seeds: a seed fixes the initialization and the
+data order, so at one size the treatments of one seed are paired. Each run's extra tokens against
+the sweep's baseline (``results.csv``'s ``extra_tokens_pct``) are compared on ``log(1 + x/100)``
+(``pretrain.evaluation.extra_tokens``: the scale on which a ratio and its inverse are symmetric):
+
+* ``paired_effects(records, a, b)``: per size and seed, ``log(1 + x_a) - log(1 + x_b)`` -- the log
+  token ratio of ``a`` against ``b`` (both measured against the same baseline run of that seed);
+* ``slope_over_sizes(effects, sizes)``: the least-squares slope of the per-size mean effect against
+  ``log10`` of the size (non-embedding parameters), with two 95 % intervals: a **seed bootstrap**
+  (seeds drawn with replacement, the same draw at every size, so what a seed shares across sizes --
+  its data order -- stays paired) and the **regression** t-interval from the scatter of the size
+  means about the line (``n_sizes - 2`` degrees of freedom; what seeds alone cannot show: a curve, or
+  sizes that disagree). The verdict reads their union: ``grows with size`` / ``shrinks with size``
+  where both exclude 0, else ``no trend shown`` (not "no trend"). A seed whose value is not finite
+  (diverged, or no crossing) makes the slope not estimable: it is reported, never dropped;
+* ``SlopeResult.predict(n_params)``: the fitted effect at another size as a % of extra tokens, with
+  the union of the bootstrap's and the regression's prediction intervals -- an extrapolation, valid
+  only as far as the assumptions the write-up lists;
+* ``predictor_fit(bias, effect)``: how well a first-order predictor (the gradient-error bias
+  ``<G, E[e]> / |G|^2`` of ``launch/gradient_error.py`` at each size) tracks the measured effect:
+  least-squares slope and Pearson r over sizes;
+* ``telemetry_table(tb_dir)``: the ``numerics/<layer>/<gemm>/<operand>/<metric>`` scalars of a run
+  (``--numerics-interval``) as rows per step, GEMM, operand and blocking axis (tokens for Wgrad,
+  features for Fprop and Dgrad), each metric's mean and max over the layers.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pretrain.evaluation.extra_tokens import log_ratio
+from pretrain.evaluation.stats import t_quantile
+
+__all__ = ["AXIS", "Record", "SlopeResult", "non_embedding_params", "paired_effects", "predictor_fit",
+           "records_from_sweep", "slope_over_sizes", "telemetry_table"]
+
+# the axis each GEMM's operands are blocked along (its contraction axis)
+AXIS = {"fprop": "features (in)", "dgrad": "features (out)", "wgrad": "tokens"}
+
+
+@dataclass(frozen=True)
+class Record:
+    """One run of the sweep: its size (model-size name), treatment label, seed and extra tokens (%)."""
+
+    size: str
+    treatment: str
+    seed: int
+    extra_pct: float
+
+
+def non_embedding_params(model: dict) -> int:
+    """Parameters of the linear layers of a GPT model-size mapping (``num_layers``, ``hidden_size``,
+    ``ffn_hidden_size``, ``num_attention_heads``, ``num_query_groups``; SwiGLU unless ``swiglu`` is
+    false): attention QKV and projection plus the MLP, no embeddings, output layer or norms."""
+    d, L, f = model["hidden_size"], model["num_layers"], model["ffn_hidden_size"]
+    heads = model["num_attention_heads"]
+    groups = model.get("num_query_groups") or heads
+    head_dim = model.get("kv_channels") or d // heads
+    attn = d * (heads + 2 * groups) * head_dim + heads * head_dim * d
+    mlp = d * f * (2 if model.get("swiglu", True) else 1) + f * d
+    return L * (attn + mlp)
+
+
+def paired_effects(records: list[Record], a: str, b: str) -> dict[str, dict[int, float]]:
+    """Per size, per seed present for both: ``log(1 + x_a/100) - log(1 + x_b/100)`` (NaN where a
+    value is not finite)."""
+    by = {(r.size, r.treatment, r.seed): r.extra_pct for r in records}
+    out: dict[str, dict[int, float]] = {}
+    for (size, t, seed), xa in by.items():
+        if t != a or (size, b, seed) not in by:
+            continue
+        xb = by[(size, b, seed)]
+        ok = math.isfinite(xa) and math.isfinite(xb)
+        out.setdefault(size, {})[seed] = log_ratio(xa) - log_ratio(xb) if ok else float("nan")
+    return out
+
+
+def _ols(x: list[float], y: list[float]) -> tuple[float, float]:
+    n = len(x)
+    mx, my = sum(x) / n, sum(y) / n
+    sxx = sum((v - mx) ** 2 for v in x)
+    slope = sum((u - mx) * (v - my) for u, v in zip(x, y)) / sxx
+    return slope, my - slope * mx
+
+
+@dataclass(frozen=True)
+class SlopeResult:
+    """The slope of an effect (log token ratio) per decade of non-embedding parameters."""
+
+    sizes: tuple[str, ...]
+    log10_params: tuple[float, ...]
+    means: tuple[float, ...]  # per-size mean effect (log ratio)
+    seeds: int
+    slope: float
+    intercept: float
+    boot: tuple[float, float]  # seed bootstrap interval of the slope
+    regression: tuple[float, float]  # t-interval from the size means' scatter about the line
+    verdict: str
+    not_finite: int = 0
+    _draws: tuple[tuple[float, float], ...] = field(default=(), repr=False)  # bootstrap (slope, intercept)
+    _resid_var: float = float("nan")
+
+    @property
+    def interval(self) -> tuple[float, float]:
+        """The union of the two intervals (what the verdict reads)."""
+        return min(self.boot[0], self.regression[0]), max(self.boot[1], self.regression[1])
+
+    def predict(self, n_params: float, confidence: float = 0.95) -> tuple[float, float, float]:
+        """The fitted effect at ``n_params`` as % extra tokens, and its interval (the union of the
+        bootstrap's percentile interval and the regression's prediction interval for a size mean)."""
+        if not math.isfinite(self.slope):
+            return float("nan"), float("-inf"), float("inf")
+        x = math.log10(n_params)
+        y = self.intercept + self.slope * x
+        ys = sorted(b + s * x for s, b in self._draws)
+        lo_b, hi_b = _percentiles(ys, confidence) if ys else (y, y)
+        n = len(self.log10_params)
+        lo_r = hi_r = y
+        if n > 2 and math.isfinite(self._resid_var):
+            mx = sum(self.log10_params) / n
+            sxx = sum((v - mx) ** 2 for v in self.log10_params)
+            se = math.sqrt(self._resid_var * (1 + 1 / n + (x - mx) ** 2 / sxx))
+            q = t_quantile(confidence, n - 2)
+            lo_r, hi_r = y - q * se, y + q * se
+        pct = lambda v: 100.0 * math.expm1(v)  # noqa: E731
+        return pct(y), pct(min(lo_b, lo_r)), pct(max(hi_b, hi_r))
+
+
+def _percentiles(sorted_values: list[float], confidence: float) -> tuple[float, float]:
+    n = len(sorted_values)
+    lo = sorted_values[max(0, int(math.floor((1 - confidence) / 2 * n)))]
+    hi = sorted_values[min(n - 1, int(math.ceil((1 + confidence) / 2 * n)) - 1)]
+    return lo, hi
+
+
+def slope_over_sizes(effects: dict[str, dict[int, float]], params: dict[str, float], *, boot: int = 2000,
+                     confidence: float = 0.95, rng_seed: int = 0) -> SlopeResult:
+    """The slope of the per-size mean of ``effects`` (size -> seed -> value) against
+    ``log10(params[size])``, with its seed-bootstrap and regression intervals (module docstring).
+    Needs at least 3 sizes and the same seeds at every size."""
+    sizes = sorted(effects, key=lambda s: params[s])
+    if len(sizes) < 3:
+        raise ValueError(f"a slope over sizes needs at least 3 sizes with paired seeds, got {len(sizes)}: {sizes}")
+    seeds = sorted(set.intersection(*(set(effects[s]) for s in sizes)))
+    if len(seeds) < 2:
+        raise ValueError(f"a slope over sizes needs at least 2 seeds present at every size, got {seeds}")
+    x = [math.log10(params[s]) for s in sizes]
+    table = [[effects[s][k] for k in seeds] for s in sizes]
+    bad = sum(1 for row in table for v in row if not math.isfinite(v))
+    means = [sum(row) / len(row) for row in table]
+    if bad:
+        nan = float("nan")
+        return SlopeResult(tuple(sizes), tuple(x), tuple(means), len(seeds), nan, nan, (-math.inf, math.inf),
+                           (-math.inf, math.inf), f"not estimable: {bad} seed value(s) not finite", bad)
+    slope, intercept = _ols(x, means)
+    rng = random.Random(rng_seed)
+    draws = []
+    for _ in range(boot):
+        pick = [rng.randrange(len(seeds)) for _ in seeds]
+        m = [sum(row[i] for i in pick) / len(pick) for row in table]
+        draws.append(_ols(x, m))
+    lo_b, hi_b = _percentiles(sorted(s for s, _ in draws), confidence)
+    n = len(sizes)
+    resid = [m - (intercept + slope * v) for v, m in zip(x, means)]
+    mx = sum(x) / n
+    sxx = sum((v - mx) ** 2 for v in x)
+    resid_var = sum(r * r for r in resid) / (n - 2) if n > 2 else float("nan")
+    q = t_quantile(confidence, n - 2) if n > 2 else float("inf")
+    half = q * math.sqrt(resid_var / sxx) if n > 2 else float("inf")
+    reg = (slope - half, slope + half)
+    lo, hi = min(lo_b, reg[0]), max(hi_b, reg[1])
+    verdict = "grows with size" if lo > 0 else "shrinks with size" if hi < 0 else "no trend shown"
+    return SlopeResult(tuple(sizes), tuple(x), tuple(means), len(seeds), slope, intercept, (lo_b, hi_b), reg,
+                       verdict, 0, tuple(draws), resid_var)
+
+
+def predictor_fit(predictor: dict[str, float], effect: dict[str, float]) -> tuple[float, float, int]:
+    """Least-squares slope of ``effect`` on ``predictor`` over the sizes both have, Pearson r and the
+    number of sizes (NaN slope and r with fewer than 3)."""
+    keys = [k for k in predictor if k in effect and math.isfinite(predictor[k]) and math.isfinite(effect[k])]
+    if len(keys) < 3:
+        return float("nan"), float("nan"), len(keys)
+    x, y = [predictor[k] for k in keys], [effect[k] for k in keys]
+    slope, _ = _ols(x, y)
+    mx, my = sum(x) / len(x), sum(y) / len(y)
+    sxy = sum((u - mx) * (v - my) for u, v in zip(x, y))
+    sxx, syy = sum((u - mx) ** 2 for u in x), sum((v - my) ** 2 for v in y)
+    r = sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else float("nan")
+    return slope, r, len(keys)
+
+
+def records_from_sweep(sweep_file: str, out: str | Path) -> tuple[list[Record], dict[str, float]]:
+    """The runs of ``out/results.csv`` (written by ``launch/sweep.py``, ``--collect`` included) as
+    ``Record``s, sized by the grid's ``model-size``, and each size's non-embedding parameters.
+    A run not yet in ``results.csv`` is simply absent."""
+    import yaml
+
+    from pretrain.config.model import MODEL_SIZES_DIR
+    from pretrain.sweep.spec import SweepError, expand_runs, load_sweep
+
+    sweep = load_sweep(sweep_file)
+    runs = {r.name: r for r in expand_runs(sweep, sweep_file)}
+    path = Path(out) / "results.csv"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no results yet; run launch/sweep.py {sweep_file} --out {out} --collect")
+    records, params = [], {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            run = runs.get(row["run"])
+            if run is None:
+                continue
+            size = run.point.get("model-size", sweep.get("base", {}).get("model-size"))
+            if size is None:
+                raise SweepError(f"sweep file {sweep_file}: no model-size in its grid or base")
+            if size not in params:
+                p = Path(size) if str(size).endswith(".yaml") else Path(MODEL_SIZES_DIR) / f"{size}.yaml"
+                params[size] = non_embedding_params(yaml.safe_load(p.read_text()))
+            records.append(Record(size, run.label, int(row["seed"]), float(row["extra_tokens_pct"] or "nan")))
+    return records, params
+
+
+def telemetry_table(tb_dir: str | Path) -> list[dict]:
+    """Rows ``{step, gemm, operand, axis, metric, mean, max, layers}`` of a run's ``numerics/``
+    scalars: per step, GEMM, operand and metric, the mean and max over the layers that logged it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    files = sorted(Path(tb_dir).rglob("events.out.tfevents.*"))
+    if not files:
+        raise FileNotFoundError(f"{tb_dir}: no TensorBoard event files (a run's --tensorboard-dir)")
+    values: dict[tuple[int, str, str, str], list[float]] = {}
+    for f in files:
+        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            parts = tag.split("/")
+            if parts[0] != "numerics" or len(parts) < 5 or parts[-3] not in AXIS:
+                continue
+            gemm, operand, metric = parts[-3], parts[-2], parts[-1]
+            for e in acc.Scalars(tag):
+                values.setdefault((e.step, gemm, operand, metric), []).append(e.value)
+    if not values:
+        raise ValueError(f"{tb_dir}: no numerics/* scalars; run pretrain with --numerics-interval N")
+    rows = []
+    for (step, gemm, operand, metric), v in sorted(values.items()):
+        finite = [u for u in v if math.isfinite(u)]
+        rows.append({"step": step, "gemm": gemm, "operand": operand, "axis": AXIS[gemm], "metric": metric,
+                     "mean": sum(finite) / len(finite) if finite else float("nan"),
+                     "max": max(finite) if finite else float("nan"), "layers": len(v)})
+    return rows
