@@ -173,6 +173,11 @@ class RLConfig:
     rollout_qat_kv: bool = arg("--rollout-qat-kv", action=argparse.BooleanOptionalAction, default=True,
                                help="--rollout-qat also fake-quantizes K/V as the rollout's KV-cache")
     """--rollout-qat also fake-quantizes K/V as the rollout's KV-cache."""
+    routing_replay: bool = arg(
+        "--routing-replay", action=argparse.BooleanOptionalAction, default=False,
+        help="mixture-of-experts policies: the trainer's recompute and update reuse the experts the rollout chose "
+        "for each token (routing replay); default: the trainer routes afresh")
+    """MoE: the trainer scores and updates with the rollout's expert choices (``pretrain.rl.routing``)."""
     rollout_fallback: str | None = arg(
         "--rollout-fallback", default=None, metavar="METRIC=THRESHOLD[,to=bf16|fp8][,layers=K]",
         help="move the layers with the largest attributed mismatch back to BF16/FP8 rollouts when METRIC "
@@ -331,6 +336,9 @@ def rl_config(args: argparse.Namespace, run: RunConfig, dp_size: int) -> RLConfi
     if c.rollout_qat_layers and c.rollout_qat != "replay":
         raise ConfigError("--rollout-qat-layers selects the layers --rollout-qat replay replays; add --rollout-qat "
                           "replay or drop it")
+    if c.routing_replay and run.model.num_experts is None:
+        raise ConfigError("--routing-replay replays a mixture-of-experts policy's expert choices; the model has no "
+                          "experts (add --num-experts, or drop the flag)")
     seq_length = run.model.seq_length
     if c.max_new_tokens >= seq_length:
         raise ConfigError(f"--max-new-tokens {c.max_new_tokens} leaves no room for a prompt in --seq-length "

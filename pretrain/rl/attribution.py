@@ -45,6 +45,7 @@ distribution at ``temperature`` (no top-k / top-p).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -58,16 +59,18 @@ from model.attention import core_attentions
 from model.generate import RolloutBatch, attention_mask, forward_logits
 from model.gpt import policy_linear_names
 from model.kv_cache import KVFormat
+from model.moe_replay import RoutingTap, moe_routers
 from model.rollout import RolloutModel
 from model.rollout_plan import RolloutPlan, resolve_rollout_plan
 from precision.policy import PrecisionPlan
 from precision.recipe import OperandFormat
 from pretrain.rl.mismatch import mismatch_metrics
 
-__all__ = ["COMPONENTS", "Attribution", "attribute_mismatch", "layer_groups", "score_logprobs", "sequences",
+__all__ = ["COMPONENTS", "MOE_COMPONENTS", "Attribution", "attribute_mismatch", "layer_groups", "score_logprobs", "sequences",
            "shapley"]
 
 COMPONENTS = ("weights", "activations", "kv_cache")
+MOE_COMPONENTS = (*COMPONENTS, "router")  # a mixture-of-experts policy: the routing decisions too
 METRICS = ("k3_kl", "logprob_gap")
 _BF16 = OperandFormat("bf16")
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
@@ -95,10 +98,13 @@ def sequences(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 @torch.no_grad()
 def score_logprobs(model, batch: RolloutBatch, *, vocab_size: int, rollout: RolloutModel | None = None,
-                   kv_overrides: dict[int, KVFormat] | None = None, temperature: float = 1.0) -> torch.Tensor:
+                   kv_overrides: dict[int, KVFormat] | None = None, temperature: float = 1.0,
+                   routing: RoutingTap | None = None, replay=None) -> torch.Tensor:
     """Log-probs ``[b, R]`` (0 off the response mask) of the batch's response tokens, teacher-forced
     in one forward: under ``rollout`` (its packed weights and KV format; ``kv_overrides``: layer ->
-    another KV format) or, with None, the model's own precision plan -- the trainer's recompute."""
+    another KV format) or, with None, the model's own precision plan -- the trainer's recompute.
+    ``routing`` (a MoE policy's ``model.moe_replay.RoutingTap``): records the routing into ``routing.last``
+    and, with ``replay`` (per MoE layer ``(experts, mask)``), replays it."""
     tokens, valid, slot = sequences(batch)
     device = next(model.parameters()).device
     tokens, valid = tokens.to(device), valid.to(device)
@@ -110,7 +116,11 @@ def score_logprobs(model, batch: RolloutBatch, *, vocab_size: int, rollout: Roll
     def forward():
         return forward_logits(model, tokens, positions, mask)
 
+    stack = contextlib.ExitStack()
+
     try:
+        if routing is not None:
+            stack.enter_context(routing.attached(replay=replay))
         if rollout is None:
             logits = forward()
         else:
@@ -121,6 +131,7 @@ def score_logprobs(model, batch: RolloutBatch, *, vocab_size: int, rollout: Roll
                     core_attentions(model)[layer].kv_format = fmt
                 logits = forward()
     finally:
+        stack.close()
         model.train(was_training)
     logp = torch.log_softmax(logits[..., :vocab_size] / temperature, dim=-1).cpu()
     pred = (slot - 1).clamp(min=0)  # the slot whose logits predict response token j
@@ -161,9 +172,9 @@ def _variant(plan: RolloutPlan, back: Sequence[str], layers: set[int] | None) ->
         lp = plan.linears[name]
         if layers is None or _layer_of(name) in layers:
             f = lp.fprop
-            if "weights" in back:
+            if "weights" in back and f.b.fmt != "fp32":  # an FP32 operand (the router's) stays the reference
                 f = dataclasses.replace(f, b=_BF16)
-            if "activations" in back:
+            if "activations" in back and f.a.fmt != "fp32":
                 f = dataclasses.replace(f, a=_BF16)
             lp = dataclasses.replace(lp, fprop=f)
         entries[name] = (lp, plan.linears.rule_for(name))
@@ -206,6 +217,7 @@ class Attribution:
     overall: dict[str, dict[str, float]]  # component -> metric -> D_c
     groups: dict[str, dict[str, dict[str, float]]]  # group -> component -> metric -> D_{g,c}
     tokens: int
+    components: tuple[str, ...] = COMPONENTS  # MOE_COMPONENTS for a mixture-of-experts policy
 
     def interaction(self, metric: str) -> float:
         return self.total[metric] - sum(d[metric] for d in self.overall.values())
@@ -226,7 +238,7 @@ class Attribution:
                  "effects."), "",
                  "| component | k3_kl share | log-prob gap share | k3_kl effect | log-prob gap effect |",
                  "|---|---|---|---|---|"]
-        for c in COMPONENTS:
+        for c in self.components:
             sh, d = self.shapley[c], self.overall[c]
             lines.append(f"| {c} | {self.share(sh[k3], k3):.1%} | {self.share(sh[gap], gap):.1%} | {d[k3]:.4g} "
                          f"| {d[gap]:.4g} |")
@@ -237,7 +249,7 @@ class Attribution:
                       "| group | component | k3_kl effect | k3_kl share of total | log-prob gap effect |",
                       "|---|---|---|---|---|"]
             for g, comps in self.groups.items():
-                for c in COMPONENTS:
+                for c in self.components:
                     d = comps[c]
                     lines.append(f"| {g} | {c} | {d[k3]:.4g} | {self.share(d[k3], k3):.1%} | {d[gap]:.4g} |")
             lines.append(f"| interaction | | {self.group_interaction(k3):.4g} | "
@@ -253,11 +265,12 @@ class Attribution:
 
         fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
         for ax, metric in zip(axes, METRICS):
-            ax.bar(COMPONENTS, [self.share(self.shapley[c][metric], metric) for c in COMPONENTS],
-                   color=["C0", "C1", "C2"], label="share (Shapley)")
+            comps_ = list(self.components)
+            ax.bar(comps_, [self.share(self.shapley[c][metric], metric) for c in comps_],
+                   color=[f"C{i}" for i in range(len(comps_))], label="share (Shapley)")
             for g_i, (g, comps) in enumerate(self.groups.items()):
-                ax.scatter(COMPONENTS, [self.share(comps[c][metric], metric) for c in COMPONENTS],
-                           marker="x", color=f"C{3 + g_i}", label=f"{g} effect", zorder=3)
+                ax.scatter(comps_, [self.share(comps[c][metric], metric) for c in comps_],
+                           marker="x", color=f"C{len(comps_) + g_i}", label=f"{g} effect", zorder=3)
             ax.axhline(0, color="k", lw=0.5)
             ax.set_title(f"{metric} (total {self.total[metric]:.3g})")
             ax.legend(fontsize=7)
@@ -282,30 +295,52 @@ def attribute_mismatch(model, batch: RolloutBatch, *, vocab_size: int, rollout: 
     """Re-score ``batch`` under the rollout plan ``rollout`` (``--rollout-precision`` syntax, with
     ``rollout_rules``) with every subset of the components back in BF16, and per layer group
     (``groups``: name -> layer indices; default :func:`layer_groups`; ``{}``: none) with each
-    component back in BF16 there. ``8 + 3 * len(groups)`` forwards. Returns the attribution."""
+    component back in BF16 there. ``8 + 3 * len(groups)`` forwards (a MoE policy: ``2 + 16 + 4 *
+    len(groups)``, the router a fourth component, :func:`_routing_game`). Returns the attribution."""
     plan = _plan(model, rollout, rollout_rules)
     groups = groups if groups is not None else layer_groups(len(core_attentions(model)))
     mask = batch.response_mask
+    tap = RoutingTap(model) if moe_routers(model) else None
+    comps = MOE_COMPONENTS if tap is not None else COMPONENTS
+    routings = _routing_game(model, batch, plan, tap, vocab_size, temperature) if tap is not None else None
 
     def score(back: Sequence[str], layers: set[int] | None = None) -> torch.Tensor:
-        p, kv = _variant(plan, back, layers)
+        p, kv = _variant(plan, [c for c in back if c != "router"], layers)
+        replay = None
+        if routings is not None:  # the router "quantized": the rollout's routing, else the reference's
+            q, ref = routings
+            back_in = [_layer_of(n) in layers if layers is not None else True for n, _ in tap.routers]
+            replay = [(ref[i] if ("router" in back and b) else q[i], None) for i, b in enumerate(back_in)]
         return score_logprobs(model, batch, vocab_size=vocab_size, rollout=RolloutModel(model, p),
-                              kv_overrides=kv, temperature=temperature)
+                              kv_overrides=kv, temperature=temperature, routing=tap, replay=replay)
 
-    lp_ref = score(COMPONENTS)  # everything back in BF16 (a rollout rotation, if any, kept)
+    lp_ref = score(comps)  # everything back in BF16 (a rollout rotation, if any, kept)
     values = {}  # quantized subset -> metric -> value
-    for k in range(len(COMPONENTS) + 1):
-        for kept in itertools.combinations(COMPONENTS, k):
-            lp = lp_ref if not kept else score([c for c in COMPONENTS if c not in kept])
+    for k in range(len(comps) + 1):
+        for kept in itertools.combinations(comps, k):
+            lp = lp_ref if not kept else score([c for c in comps if c not in kept])
             values[frozenset(kept)] = _metric(lp, lp_ref, mask)
-    total = values[frozenset(COMPONENTS)]
-    shap = {m: shapley({s: v[m] for s, v in values.items()}, COMPONENTS) for m in METRICS}
-    overall = {c: {m: total[m] - values[frozenset(COMPONENTS) - {c}][m] for m in METRICS} for c in COMPONENTS}
+    total = values[frozenset(comps)]
+    shap = {m: shapley({s: v[m] for s, v in values.items()}, comps) for m in METRICS}
+    overall = {c: {m: total[m] - values[frozenset(comps) - {c}][m] for m in METRICS} for c in comps}
 
     def effect(component: str, layers: set[int]) -> dict[str, float]:
         v = _metric(score([component], layers), lp_ref, mask)
         return {m: total[m] - v[m] for m in METRICS}
 
-    by_group = {g: {c: effect(c, set(layers)) for c in COMPONENTS} for g, layers in groups.items()}
-    return Attribution(str(rollout), total, {c: {m: shap[m][c] for m in METRICS} for c in COMPONENTS},
-                       overall, by_group, int(mask.sum()))
+    by_group = {g: {c: effect(c, set(layers)) for c in comps} for g, layers in groups.items()}
+    return Attribution(str(rollout), total, {c: {m: shap[m][c] for m in METRICS} for c in comps},
+                       overall, by_group, int(mask.sum()), comps)
+
+
+def _routing_game(model, batch, plan, tap, vocab_size, temperature):
+    """The two routings the router component switches between (docs/rl.md): per MoE layer the experts the
+    full rollout plan's recompute of ``batch`` chooses (the rollout's routing) and those the reference (every
+    component in BF16) chooses, for every position of the right-padded batch."""
+    out = []
+    for back in ((), COMPONENTS):
+        p, kv = _variant(plan, back, None)
+        score_logprobs(model, batch, vocab_size=vocab_size, rollout=RolloutModel(model, p), kv_overrides=kv,
+                       temperature=temperature, routing=tap)
+        out.append([e for e, _ in tap.last])
+    return out[0], out[1]

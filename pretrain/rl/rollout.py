@@ -22,6 +22,7 @@ from megatron.core import parallel_state
 
 from model.generate import Engine, SamplingParams
 from model.gpt import policy_linear_names
+from model.moe_replay import RoutingTap, moe_routers
 from model.rollout import RolloutModel
 from model.rollout_plan import resolve_rollout_plan
 from pretrain.arguments import ConfigError
@@ -62,6 +63,14 @@ def build_rollout(t) -> None:
     else:
         t.qat.update_plan(plan)
     t.rollout_plan, t.rollout = plan, rollout
+    if t.routing is None and moe_routers(t.model):
+        try:
+            t.routing = RoutingTap(t.model)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if t.cfg.routing_replay and t.routing is None:
+        raise ConfigError("--routing-replay replays a mixture-of-experts policy's expert choices; the model has no "
+                          "MoE layer (drop the flag)")
     t.engine = Engine(t.model, vocab_size=t.vocab_size, rollout=rollout, record_layers=t.qat.record_layers or ())
 
 

@@ -49,6 +49,7 @@ from model.generate import attention_mask
 from pretrain.rl.attribution import sequences
 from pretrain.rl.mismatch import mismatch_metrics
 from pretrain.rl.objective import Correction, group_advantages, overlong_reward, rollout_correction
+from pretrain.rl.routing import replaying, routing_counts, routing_scalars
 from pretrain.rl.task import reward
 
 __all__ = ["Scored", "policy_logprobs", "score", "support_mask", "truncated_entropy"]
@@ -195,6 +196,31 @@ def rewards_of(t, problems, gen) -> tuple[torch.Tensor, torch.Tensor]:
     return rewards, truncated
 
 
+def _routing_scalars(t, routes, trainer_routing, width, own_lp, other_lp, rollout_lp, in_own, replay) -> dict:
+    """``routing/*`` (``pretrain.rl.routing``) over the global batch: top-k set and probability mismatch of the
+    trainer routing afresh, and the log-prob mismatch of its own numerics with and without replay."""
+    counts = routing_counts(routes, trainer_routing, width)
+    with_lp, without_lp = (own_lp, other_lp) if replay else (other_lp, own_lp)
+    m = in_own
+    diffs = [(lp.masked_fill(~m, 0.0) - rollout_lp.masked_fill(~m, 0.0)) for lp in (with_lp, without_lp)]
+    local = torch.cat([counts.flatten(), torch.tensor([float(d.abs().sum()) for d in diffs] + [float(m.sum())],
+                                                      dtype=torch.float64)])
+    parts = _gather({"local": local, "with": with_lp.detach().cpu(), "without": without_lp.detach().cpu(),
+                     "rollout": rollout_lp.detach().cpu(), "mask": m.cpu()})
+    total = sum(p["local"] for p in parts)
+    n_layers = counts.shape[0]
+    out = routing_scalars(total[: 4 * n_layers].view(n_layers, 4), [n for n, _ in t.routing.routers])
+    g = {k: _pad_cat([p[k] for p in parts]) for k in ("with", "without", "rollout", "mask")}
+    gm = g["mask"].bool()
+    for key, lp in (("replay", g["with"]), ("no_replay", g["without"])):
+        out[f"routing/k3_kl_{key}"] = mismatch_metrics(lp.masked_fill(~gm, 0.0), g["rollout"].masked_fill(~gm, 0.0),
+                                                       gm)["rollout_corr/k3_kl"]
+    n = float(total[-1])
+    out["routing/logprob_gap_replay"] = float(total[-3]) / max(n, 1.0)
+    out["routing/logprob_gap_no_replay"] = float(total[-2]) / max(n, 1.0)
+    return out
+
+
 def score(t, problems, gen) -> Scored:
     """Rewards, advantages, the recompute (and the reference's, and the own-numerics one under QAT),
     mismatch metrics over the global batch and the rollout correction."""
@@ -209,15 +235,29 @@ def score(t, problems, gen) -> Scored:
     kw = {"vocab_size": t.vocab_size, "temperature": c.temperature, "top_k": c.top_k, "top_p": c.top_p}
 
     t.model.train()
+    routes = batch.routes if t.routing is not None else None
+    width, replay = tokens.shape[1], c.routing_replay
+
+    def routed(on: bool):  # MoE: record the routing; replay the rollout's with on (pretrain.rl.routing)
+        return replaying(t.routing, routes, width, dev, on)
+
     with torch.no_grad():
-        with t.qat_forward(batch.records):
+        with t.qat_forward(batch.records), routed(replay):
             old_lp, entropy, keep = policy_logprobs(t.model, tokens, valid, slot, response_ids, entropy=True, **kw)
         own_lp, own_keep = old_lp, keep
         if c.rollout_qat != "none":  # the trainer's own numerics: what the mismatch metrics measure
-            own_lp, _, own_keep = policy_logprobs(t.model, tokens, valid, slot, response_ids, **kw)
+            with routed(replay):
+                own_lp, _, own_keep = policy_logprobs(t.model, tokens, valid, slot, response_ids, **kw)
+        trainer_routing = list(t.routing.last) if routes is not None else None
+        other_lp = None
+        if routes is not None:  # own numerics with the routing the run does not use: with / without replay
+            with routed(not replay):
+                other_lp, _, _ = policy_logprobs(t.model, tokens, valid, slot, response_ids, keep=own_keep, **kw)
+            if replay:  # the trainer's routing afresh is this forward's
+                trainer_routing = list(t.routing.last)
         ref_lp = None
         if c.kl_coef > 0:
-            with t.reference_weights():
+            with t.reference_weights(), routed(replay):
                 ref_lp, _, _ = policy_logprobs(t.model, tokens, valid, slot, response_ids, keep=keep, **kw)
     in_old, in_own = mask & _in_support(keep, response_ids), mask & _in_support(own_keep, response_ids)
     old_lp, own_lp = old_lp.masked_fill(~in_old, 0.0), own_lp.masked_fill(~in_own, 0.0)
@@ -254,5 +294,7 @@ def score(t, problems, gen) -> Scored:
     if c.rollout_qat != "none":
         qat = mismatch_metrics(g["old"], g_roll, g_old_m)
         scalars["qat/k3_kl"] = qat["rollout_corr/k3_kl"]
+    if routes is not None:
+        scalars.update(_routing_scalars(t, routes, trainer_routing, width, own_lp, other_lp, rollout_lp, in_own, replay))
     return Scored(batch, tokens, valid, slot, response_ids, loss_mask, old_lp, ref_lp, keep, advantages,
                   corr.weights, scalars, metrics)

@@ -77,6 +77,7 @@ from model.rollout import RolloutModel
 from model.rollout_plan import RolloutPlan
 from precision import PrecisionPlan
 from pretrain import runtime
+from model.moe_replay import RoutingTap
 from pretrain.arguments import ConfigError
 from pretrain.config import RunConfig
 from pretrain.data import load_tokenizer
@@ -130,6 +131,7 @@ class RLTrainer:
     engine: Engine | None = None  # the generation engine under the rollout plan
     qat: RolloutQAT | None = None  # --rollout-qat
     reward_fn: Callable | None = None  # (problem, response text, spec) -> float; None: pretrain.rl.task.reward
+    routing: RoutingTap | None = None  # MoE policies: the routers' record / replay hooks (pretrain.rl.routing)
 
     # ---------------------------------------------------------------- the pieces the sides use
     def build_rollout(self) -> None:
@@ -357,7 +359,8 @@ def setup(run: RunConfig, cfg: RLConfig) -> RLTrainer:
 def train(trainer: RLTrainer, sigterm) -> int:
     """The loop; returns the exit status (0)."""
     c, save = trainer.cfg, trainer.run.checkpoint.save
-    stopper = Stopper(sigterm, trainer.run.training.exit_interval, c.rl_iters)  # pretraining's
+    stopper = Stopper(sigterm, trainer.run.training.exit_interval, c.rl_iters,  # pretraining's
+                      trainer.run.training.exit_duration_in_mins)
     if trainer.iteration == 0:
         trainer.evaluate()
         _, acc, acc_rollout = trainer.evals[-1]

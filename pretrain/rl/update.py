@@ -21,6 +21,7 @@ import torch
 
 from pretrain.engine import dp_rank_size, dp_sum
 from pretrain.rl.objective import agg_loss, kl_penalty, policy_loss
+from pretrain.rl.routing import replaying
 from pretrain.rl.score import policy_logprobs
 
 __all__ = ["RLDiverged", "optimizer_step", "update"]
@@ -61,7 +62,9 @@ def update(t, s) -> dict[str, float]:
             norm_kw = {"global_tokens": counts[0].item(), "global_seqs": counts[1].item(),
                        "norm_length": c.max_new_tokens}
             t.train_engine.begin_step()  # zero the gradients; note what a skipped step restores
-            with t.qat_forward(s.batch.records, rows):
+            routes = None if t.routing is None or s.batch.routes is None else [s.batch.routes[r] for r in rows]
+            with t.qat_forward(s.batch.records, rows), replaying(t.routing, routes, s.tokens.shape[1], dev,
+                                                                 c.routing_replay):
                 lp, ent, _ = policy_logprobs(t.model, s.tokens[idx], s.valid[idx], s.slot[idx], s.response_ids[idx],
                                              keep=None if s.keep is None else s.keep[idx],
                                              entropy=c.entropy_coeff != 0, entropy_grad=c.entropy_coeff != 0, **kw)

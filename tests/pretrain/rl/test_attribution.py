@@ -89,3 +89,40 @@ def test_shapley_and_groups_by_hand():
     assert layer_groups(2) == {"layer 0": [0], "layer 1": [1]}
     assert layer_groups(10, 4) == {"layers 0-1": [0, 1], "layers 2-4": [2, 3, 4], "layers 5-7": [5, 6, 7],
                                    "layers 8-9": [8, 9]}
+
+
+# ================================================================================================
+# A mixture-of-experts policy: the router as a fourth component
+# ================================================================================================
+
+MOE_CFG = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=2, num_query_groups=1,
+                      seq_length=32, vocab_size=64, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64,
+                      moe_shared_expert_intermediate_size=64)
+
+
+def test_moe_router_component(world_of_one, tmp_path):
+    """A weights-only rollout (MXFP4 W4A16) of a MoE policy: activations and KV take exactly 0; weights and
+    router share the total (100 % within 1e-9); the router's effect is the total minus the metric of the
+    rollout's arithmetic with the reference's routing replayed -- computed here from two re-scores."""
+    from model.moe_replay import RoutingTap
+    from pretrain.rl.attribution import MOE_COMPONENTS, _metric
+
+    model = sharp_gpt(MOE_CFG)
+    batch = _batch(model, "mxfp4_w4a16")
+    a = attribute_mismatch(model, batch, vocab_size=V, rollout="mxfp4_w4a16", groups={})
+    assert a.components == MOE_COMPONENTS
+    tap = RoutingTap(model)
+    lp_ref = score_logprobs(model, batch, vocab_size=V, rollout=RolloutModel(model, _plan(model, "bf16", ())),
+                            routing=tap)
+    ref_routing = [(e, None) for e, _ in tap.last]
+    lp_w = score_logprobs(model, batch, vocab_size=V, rollout=RolloutModel(model, _plan(model, "mxfp4_w4a16", ())),
+                          routing=tap, replay=ref_routing)
+    without_router = _metric(lp_w, lp_ref, batch.response_mask)
+    for metric in ("k3_kl", "logprob_gap"):
+        assert a.total[metric] > 0
+        for c in ("activations", "kv_cache"):
+            assert a.overall[c][metric] == 0.0 and a.shapley[c][metric] == pytest.approx(0.0, abs=1e-12)
+        assert a.overall["router"][metric] == pytest.approx(a.total[metric] - without_router[metric], rel=1e-9)
+        assert a.overall["router"][metric] != 0.0  # FP4 weights move some tokens' expert choices on this batch
+        assert abs(sum(a.share(a.shapley[c][metric], metric) for c in MOE_COMPONENTS) - 1.0) < 1e-9
+    assert "| router |" in a.table() and a.plot(str(tmp_path / "moe.png"))
