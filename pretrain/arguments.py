@@ -28,6 +28,7 @@ megatron-core) only for its last check, the model shape.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -48,7 +49,12 @@ from pretrain.config import (  # noqa: F401 - re-exported: launchers, RL and the
     model_config,
     model_sizes,
 )
+from pretrain.config.config_file import ConfigFileArgs, ConfigFileError, config_argv
+from pretrain.config.megatron_flags import MegatronFlags, given_megatron_flags, train_iters_from_samples, translate
 from pretrain.config.precision import RunPrecision, phase_precisions, precision_schedule  # noqa: F401 - re-exported
+
+PARSE_TIME = tuple(f.name for cls in (ConfigFileArgs, MegatronFlags) for f in dataclasses.fields(cls))
+"""Flags read while parsing (``--config``, Megatron-LM's spellings), then removed from the Namespace."""
 
 PROG = "pretrain.py"
 
@@ -77,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for title, classes in GROUPS:
         add_group(p, title, *classes)
+    add_group(p, "run configuration file", ConfigFileArgs)
+    add_group(p, "Megatron-LM spellings (rewritten into the flags above; printed at start-up, never saved)",
+              MegatronFlags)
     return p
 
 
@@ -172,15 +181,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def parse_args_or_raise(argv: list[str] | None = None) -> argparse.Namespace:
     """:func:`parse_args`, raising :class:`ConfigError` (one line) on bad input (``--help`` exits 0)."""
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    from_config: set[str] = set()
+    if args.config:  # the file's flags before the command line's; a flag given on the command line wins
+        try:
+            tokens, from_config = config_argv(parser, args.config, skip=given_flags(argv))
+            parser.parse_args(tokens)  # the file's values alone: errors name the file
+        except (ConfigFileError, ConfigError) as e:
+            msg = str(e)
+            raise ConfigError(msg if msg.startswith("--config") else f"--config {args.config}: {msg}") from None
+        argv = tokens + argv
+        args = parser.parse_args(argv)
     from_file = {}
     if args.model_size:
         from_file = load_model_size(parser, args.model_size)
         parser.set_defaults(**from_file)
         args = parser.parse_args(argv)
     args.pretrained_vocab_size = None  # set from --pretrained-checkpoint's model config
-    given = given_flags(argv)
+    given = given_flags(argv)  # with the --config file's flags
     origins = {k: f"from --model-size {args.model_size}" for k in from_file if k not in given}
+    origins.update({k: f"from --config {args.config}" for k in from_config})
+    try:  # Megatron-LM's spellings, rewritten into this project's flags (pretrain.config.megatron_flags)
+        if (note := train_iters_from_samples(args, given)) is not None:
+            origins["train_iters"] = note
+        args.megatron_flags = translate(args, given)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for name in PARSE_TIME:  # read: the Namespace holds the run's flags only
+        delattr(args, name)
     if args.pretrained_checkpoint:
         _apply_pretrained(args, given_flags(argv) | set(from_file))
     required = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters")
@@ -522,8 +551,21 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argp
     return _validate(args, world_size, cuda)[0]
 
 
+def _check_spellings(args: argparse.Namespace) -> None:
+    """``--config`` and Megatron's spellings are read by :func:`parse_args_or_raise`; a parser of another
+    program (RL) that skipped it (they are still on its Namespace) refuses them in one line rather than
+    ignoring them."""
+    if getattr(args, "config", None):
+        raise ConfigError(f"--config {args.config}: this program takes its flags on the command line "
+                          "(--config is pretrain.py's)")
+    if given := given_megatron_flags(args):
+        raise ConfigError(f"{given[0]}: this program takes this project's spelling (--precision, --precision-rule, "
+                          "--train-iters); Megatron-LM's flags are pretrain.py's")
+
+
 def _validate(args: argparse.Namespace, world_size: int, cuda: bool) -> tuple[argparse.Namespace, RunPrecision]:
     """:func:`validate_args`, and the precision flags parsed on the way (once)."""
+    _check_spellings(args)
     _positive(
         args,
         "num_layers",
@@ -558,6 +600,8 @@ def _validate(args: argparse.Namespace, world_size: int, cuda: bool) -> tuple[ar
         "ckpt_step",
         allow_zero=True,
     )
+    if getattr(args, "exit_duration_in_mins", None) is not None and not args.exit_duration_in_mins > 0:
+        raise ConfigError(f"--exit-duration-in-mins {args.exit_duration_in_mins}: must be > 0 (minutes)")
     if args.min_lr > args.lr:
         raise ConfigError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
     _check_lr_schedule(args)

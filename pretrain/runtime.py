@@ -194,6 +194,18 @@ class Signals:
         return bool(flag.item())
 
 
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank: a host-memory all-reduce (MAX) on the gloo group of
+    :func:`init_process_group`, every rank calling it; no collective in a world of one."""
+    import torch
+
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return bool(flag)
+    t = torch.tensor([int(bool(flag))])
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=_groups.get("host"))
+    return bool(t.item())
+
+
 def agree_on_input(problem: str | None) -> str | None:
     """Under torchrun: every rank's validation result, gathered once (the process group is started
     for it), so that all ranks learn of a problem found by any and none exits before rank 0 prints."""

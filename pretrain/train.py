@@ -330,6 +330,8 @@ def setup(run: RunConfig) -> Trainer:
              else f"--precision {p.precision}" + (f" --qat-warmup-iters {p.qat_warmup_iters}"
                                                   if p.qat_warmup_iters else ""))
     given += "".join(f" --precision-rule {r}" for r in p.precision_rule)
+    if p.megatron_flags:  # which plan Megatron-LM's flags became (pretrain.config.megatron_flags)
+        rank0_print(p.megatron_flags)
     schedule = plans.schedule
     if len(schedule) == 1:
         rank0_print(f"precision plan ({given}), by rule (per layer: TensorBoard text precision_plan, "
@@ -344,12 +346,13 @@ def setup(run: RunConfig) -> Trainer:
     return trainer
 
 
-def train(trainer: Trainer, signals: runtime.Signals) -> int:
-    """The loop (step 4-5 of the module docstring); returns the exit status."""
+def train(trainer: Trainer, signals: runtime.Signals, started: float | None = None) -> int:
+    """The loop (step 4-5 of the module docstring); returns the exit status. ``started``: the
+    ``time.monotonic()`` of the process's start (``--exit-duration-in-mins`` counts from it; default now)."""
     t, run = trainer, trainer.run
     n, gbs, save = run.training.train_iters, run.training.global_batch_size, run.checkpoint.save
     phases, metrics, validator, checkpointer = t.phases, t.metrics, t.validator, t.checkpointer
-    stopper = Stopper(signals, run.training.exit_interval, n)
+    stopper = Stopper(signals, run.training.exit_interval, n, run.training.exit_duration_in_mins, started)
     metrics.settle_before(stopper.exits_at)
     if t.iteration >= n:
         rank0_print(f"nothing to do: already at iteration {t.iteration} of --train-iters {n}")
@@ -411,11 +414,11 @@ def _record(trainer: Trainer, state: str, exit_status: int, **fields) -> None:
                       last_good_checkpoint=trainer.last_checkpoint, **fields)
 
 
-def _pretrain(run: RunConfig, signals: runtime.Signals) -> int:
+def _pretrain(run: RunConfig, signals: runtime.Signals, started: float | None = None) -> int:
     trainer = None
     try:
         trainer = setup(run)
-        return train(trainer, signals)
+        return train(trainer, signals, started)
     except (ConfigError, CheckpointError) as e:  # refused after setup began (runtime.run prints it)
         if is_rank0():
             fields = {"iteration": trainer.iteration, "last_good_checkpoint": trainer.last_checkpoint} if trainer else {}
@@ -445,4 +448,6 @@ def _parse(argv: list[str] | None, world: int, cuda: bool) -> RunConfig:
 def main(argv: list[str] | None = None) -> int:
     """``launch/pretrain.py``: parse, validate, set up, train; returns the exit status
     (``pretrain.status``: 0 done, 2 bad input, 3 diverged, 4 a checkpoint could not be written)."""
-    return runtime.run(_pretrain, prog=PROG, parse=lambda world, cuda: _parse(argv, world, cuda))
+    started = time.monotonic()  # --exit-duration-in-mins counts from here, as Megatron-LM's from pretrain()
+    return runtime.run(lambda run, signals: _pretrain(run, signals, started), prog=PROG,
+                       parse=lambda world, cuda: _parse(argv, world, cuda))

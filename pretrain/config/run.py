@@ -108,6 +108,10 @@ class PrecisionRunConfig:
                                                       metadata={"flags": (), "saved": False})
     """The flags above parsed once (``pretrain.config.precision.RunPrecision``): validation hands it in;
     a config built otherwise parses its flags here, on construction. Not saved (the flags are)."""
+    megatron_flags: str | None = dataclasses.field(default=None, compare=False, repr=False,
+                                                   metadata={"flags": (), "saved": False})
+    """The start-up line saying which Megatron-LM flags spelled this plan and the ``--precision`` they
+    became (``pretrain.config.megatron_flags``); ``None`` without them. Not saved (``precision`` is)."""
 
     def __post_init__(self):
         if self.resolved is None:
@@ -250,6 +254,11 @@ class TrainingConfig:
     exit_interval: int | None = arg("--exit-interval", type=int,
                                     help="save (with --save) and exit after an iteration divisible by this")
     """Save and exit 0 after an iteration divisible by this."""
+    exit_duration_in_mins: float | None = arg(
+        "--exit-duration-in-mins", type=float, metavar="MIN",
+        help="save (with --save) and exit after the first iteration that ends more than MIN minutes after "
+        "the process started (Megatron-LM's flag; run_status.json state stopped)")
+    """Save and exit 0 after the first iteration ending past this many minutes of the process's life."""
     check_for_nan_in_loss_and_grad: bool = arg(
         "--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
         help="a non-finite loss or gradient norm ends the run as diverged: exit status 3, "
@@ -299,8 +308,9 @@ class DataConfig:
         help="data-loader worker processes per rank (torch DataLoader; 0: load in the training process; "
         "default: 2 with CUDA, 0 on CPU); batches go to pinned memory on CUDA")
     """Data-loader workers per rank; validation fills ``None`` (2 with CUDA, 0 on CPU)."""
-    data_cache_dir: str = arg("--data-cache-dir", default=DEFAULT_DATA_CACHE_DIR,
-                              help="built-in corpus and dataset index cache (default ~/.cache/lowprec-pretrain)")
+    data_cache_dir: str = arg("--data-cache-dir", "--data-cache-path", default=DEFAULT_DATA_CACHE_DIR,
+                              help="built-in corpus and dataset index cache (default ~/.cache/lowprec-pretrain; "
+                              "--data-cache-path is Megatron-LM's name)")
     """Where the built-in corpus and the dataset indices are cached."""
 
 

@@ -14,6 +14,8 @@ import torch
 
 from pretrain.arguments import build_parser, parse_args_or_raise, parse_run_config, validate_args
 from pretrain.config import GROUPS, ModelArgs, RunConfig, flag_name, model_config, shape_of
+from pretrain.config.config_file import ConfigFileArgs
+from pretrain.config.megatron_flags import MegatronFlags
 from pretrain.engine import NonFinitePolicy
 
 from ._launch import TINY
@@ -22,13 +24,18 @@ CLASSES = [cls for _, classes in GROUPS for cls in classes]
 
 
 def test_every_flag_is_a_config_field_and_every_field_a_flag():
+    # besides the run's fields: the parse-time flags (--config, Megatron-LM's spellings), never saved
+    parse_time = {f.name for cls in (ConfigFileArgs, MegatronFlags) for f in dataclasses.fields(cls)}
     dests = {a.dest for a in build_parser()._actions} - {"help"}
     fields = {f.name for cls in CLASSES for f in dataclasses.fields(cls) if f.metadata.get("saved", True)}
-    assert dests == fields
+    assert dests == fields | parse_time and not fields & parse_time
     derived = [f for cls in CLASSES for f in dataclasses.fields(cls) if not f.metadata.get("saved", True)]
-    assert [f.name for f in derived] == ["resolved"] and not derived[0].metadata["flags"]
+    assert [f.name for f in derived] == ["resolved", "megatron_flags"]
+    assert not any(f.metadata["flags"] for f in derived)
     titles = [g.title for g in build_parser()._action_groups][2:]  # after argparse's own two
-    assert titles == [t for t, _ in GROUPS]
+    assert titles[:len(GROUPS)] == [t for t, _ in GROUPS]
+    assert titles[len(GROUPS):] == ["run configuration file", "Megatron-LM spellings (rewritten into the flags "
+                                    "above; printed at start-up, never saved)"]
 
 
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
@@ -48,8 +55,9 @@ def test_a_validated_run_freezes_into_one_config_that_saves_as_the_namespace_did
     args = validate_args(args, world_size=1, cuda=False)
     run = RunConfig.from_namespace(args)
     # what checkpoints save as "args", unchanged; value_origins (where a derived value came from, for
-    # validation's error messages) stays with the Namespace and is not part of the run's config
-    assert run.to_dict() == {k: v for k, v in vars(args).items() if k != "value_origins"}
+    # validation's error messages) and megatron_flags (the start-up line of Megatron-LM's spellings)
+    # stay with the Namespace and are not saved
+    assert run.to_dict() == {k: v for k, v in vars(args).items() if k not in ("value_origins", "megatron_flags")}
     assert run.training.lr == 3e-3 and run.training.global_batch_size == 4 and run.memory.bf16 is False
     assert run.precision.precision_rule == ("first:1=bf16",) and NonFinitePolicy.of(run.training).max_skips == 2
     with pytest.raises(dataclasses.FrozenInstanceError):
