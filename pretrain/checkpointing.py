@@ -95,6 +95,7 @@ from pretrain.checkpoint_files import (  # noqa: F401 - the layout's names, re-e
     read_tracker,
     saved_iterations,
 )
+from pretrain.dist_checkpoint import is_dist_checkpoint
 from pretrain.reshard import reshard
 
 # ================================================================================================
@@ -222,26 +223,7 @@ def save_checkpoint(save_dir: str, iteration: int, state: dict, write_beside=Non
     directory is removed; the previous checkpoint and tracker are untouched).
     """
     rank = torch.distributed.get_rank()
-    final = os.path.join(save_dir, iter_dir_name(iteration))
-    tmp = os.path.join(save_dir, f".tmp_{iter_dir_name(iteration)}")
-
-    def give_up(problem: str):
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # best effort: the next save removes leftovers too
-        raise CheckpointSaveError(problem)
-
-    problem = None
-    if rank == 0:
-        try:
-            os.makedirs(save_dir, exist_ok=True)
-            for name in os.listdir(save_dir):  # stale partial saves of crashed runs
-                if name.startswith((".tmp_iter_", ".old_iter_")):
-                    shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
-            os.makedirs(tmp)
-        except OSError as e:
-            problem = _save_problem(save_dir, iteration, e)
-    if problem := _agree(problem):
-        give_up(problem)
+    tmp = begin_save(save_dir, iteration)
     rng_states = gather_rng_states()
 
     path = this_rank_file(tmp)
@@ -272,15 +254,53 @@ def save_checkpoint(save_dir: str, iteration: int, state: dict, write_beside=Non
             files.update(_write_run_config(tmp, iteration, state))
         except OSError as e:
             problem = _save_problem(save_dir, iteration, e)
+    return publish_save(save_dir, iteration, tmp, problem, files, retain)
+
+
+def _give_up(save_dir: str, iteration: int, problem: str):
+    """Every rank: remove the partial directory (global rank 0) and raise the same one line."""
+    if torch.distributed.get_rank() == 0:  # best effort: the next save removes leftovers too
+        shutil.rmtree(os.path.join(save_dir, f".tmp_{iter_dir_name(iteration)}"), ignore_errors=True)
+    raise CheckpointSaveError(problem)
+
+
+def begin_save(save_dir: str, iteration: int) -> str:
+    """Collective start of a save: global rank 0 removes stale partial saves of crashed runs and
+    creates the (empty) temporary directory ``DIR/.tmp_iter_N`` that every rank writes into;
+    returns it. Raises :class:`CheckpointSaveError` on every rank if it cannot be created."""
+    tmp = os.path.join(save_dir, f".tmp_{iter_dir_name(iteration)}")
+    problem = None
+    if torch.distributed.get_rank() == 0:
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            for name in os.listdir(save_dir):  # stale partial saves of crashed runs
+                if name.startswith((".tmp_iter_", ".old_iter_")):
+                    shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as e:
+            problem = _save_problem(save_dir, iteration, e)
+    if problem := _agree(problem):
+        _give_up(save_dir, iteration, problem)
+    return tmp
+
+
+def publish_save(save_dir: str, iteration: int, tmp: str, problem: str | None, files: dict,
+                 retain: int | None = None, extra: dict | None = None) -> str:
+    """Collective end of a save: if no rank has a ``problem``, global rank 0 writes
+    ``checksums.json`` (every rank's ``files`` entries, plus ``extra`` keys) into ``tmp``, renames it
+    to ``DIR/iter_N``, replaces the tracker and applies ``retain``; returns the directory. Any
+    problem: the partial directory is removed and every rank raises :class:`CheckpointSaveError`."""
+    rank = torch.distributed.get_rank()
+    final = os.path.join(save_dir, iter_dir_name(iteration))
     gathered = _gather((problem, files))
     if problem := next((p for p, _ in gathered if p), None):
-        give_up(problem)
+        _give_up(save_dir, iteration, problem)
 
     if rank == 0:
         try:
             every = {rel.replace(os.sep, "/"): e for _, f in gathered for rel, e in f.items()}
-            _write_atomic_text(os.path.join(tmp, CHECKSUMS),
-                               json.dumps({"iteration": iteration, "files": every}, indent=1, sort_keys=True))
+            _write_atomic_text(os.path.join(tmp, CHECKSUMS), json.dumps(
+                {"iteration": iteration, "files": every, **(extra or {})}, indent=1, sort_keys=True))
             old = os.path.join(save_dir, f".old_{iter_dir_name(iteration)}")
             if os.path.exists(final):  # re-saving an iteration (e.g. --finetune into the same --save)
                 os.rename(final, old)
@@ -295,7 +315,7 @@ def save_checkpoint(save_dir: str, iteration: int, state: dict, write_beside=Non
                 if os.path.isdir(old):
                     os.rename(old, final)
     if problem := _agree(problem):
-        give_up(problem)
+        _give_up(save_dir, iteration, problem)
     if rank == 0 and retain:
         _retain(save_dir, iteration, retain)
     torch.distributed.barrier()
@@ -362,7 +382,8 @@ def _load_resharded(load_dir: str, ckpt_dir: str, saved_tp: int, tp_size: int) -
 
 
 def load_checkpoint(
-    load_dir: str, tp_size: int, *, reshard_model: bool = False, iteration: int | None = None
+    load_dir: str, tp_size: int, *, reshard_model: bool = False, iteration: int | None = None,
+    model_entry: bool = True,
 ) -> dict | None:
     """This rank's checkpoint dict from ``load_dir``'s latest iteration (``iteration``, if given:
     ``--ckpt-step``), or None if there is none yet; collective (ranks agree on any refusal).
@@ -391,6 +412,31 @@ def load_checkpoint(
         problem = str(e)
     if problem := _agree(problem):
         raise CheckpointError(problem)
+    if ckpt is not None and ckpt.get("checkpoint_format") == "torch_dist":
+        ckpt = _load_dist(load_dir, ckpt["path"], tp_size, model_entry)
+    return ckpt
+
+
+def _load_dist(load_dir: str, ckpt_dir: str, tp_size: int, model_entry: bool) -> dict:
+    """A ``torch_dist`` checkpoint (``pretrain.dist_checkpoint``): its common state, checked; with
+    ``model_entry`` also ``model``, this rank's state dict at ``tp_size`` (megatron-core's load into
+    a model built from the checkpoint's ``model_config``: it reshards any TP size); collective."""
+    from pretrain.dist_checkpoint import load_common, load_dist_state
+
+    ckpt = {**load_common(ckpt_dir, load_dir), "path": ckpt_dir}
+    saved_tp = (ckpt.get("args") or {}).get("tensor_model_parallel_size", tp_size)
+    ckpt["resharded"] = saved_tp != tp_size
+    if not model_entry:
+        return ckpt
+    if not ckpt.get("model_config"):
+        raise CheckpointError(f"--load: {ckpt_dir} has no model_config, so its model cannot be built to load it")
+    from model.gpt import build_gpt
+
+    model = build_gpt(ModelConfig(**ckpt["model_config"]))
+    load_dist_state(ckpt, model, optimizer=False, rng=False)
+    ckpt["model"] = model.state_dict()
+    for key in NOT_RESHARDED if ckpt["resharded"] else ():
+        ckpt.pop(key, None)
     return ckpt
 
 
@@ -405,6 +451,8 @@ def _load(load_dir: str, tp_size: int, reshard_model: bool, iteration: int | Non
         raise CheckpointError(f"--load: missing {ckpt_dir} (" + (
             f"the tracker {os.path.join(load_dir, TRACKER)} names iteration {iteration})"
             if iteration == read_tracker(load_dir) else f"--ckpt-step {iteration})"))
+    if is_dist_checkpoint(ckpt_dir):  # read collectively by load_checkpoint
+        return {"path": ckpt_dir, "checkpoint_format": "torch_dist"}
     saved_tp, saved_pp = saved_parallel_sizes(ckpt_dir)
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     path = this_rank_file(ckpt_dir)

@@ -319,8 +319,13 @@ class CheckpointConfig:
     """Saving, resuming and initial weights (group "checkpoints, evaluation, logging", first part)."""
 
     save: str | None = arg("--save", metavar="DIR",
-                           help="checkpoint directory (Megatron layout: DIR/iter_0000010/mp_rank_00/...)")
+                           help="checkpoint directory (DIR/iter_0000010/..., in the --ckpt-format layout)")
     """Checkpoint directory (``None``: nothing saved)."""
+    ckpt_format: str = arg(
+        "--ckpt-format", default="legacy", choices=("legacy", "torch_dist"),
+        help="how --save writes: legacy (Megatron-LM's 'torch' layout, mp_rank_XX/model_optim_rng.pt per TP rank) "
+        "or torch_dist (megatron-core dist_checkpointing: sharded, loads at any TP size); --load reads either")
+    """Checkpoint layout written by ``--save`` (``pretrain.dist_checkpoint`` for ``torch_dist``)."""
     save_interval: int | None = arg("--save-interval", type=int,
                                     help="save every N iterations (and always at the end and on SIGTERM)")
     """Save every N iterations (and at the end and on SIGTERM)."""
@@ -339,6 +344,13 @@ class CheckpointConfig:
     finetune: bool = arg("--finetune", action="store_true",
                          help="with --load: load model weights only, restart at iteration 0")
     """Load model weights only and restart at iteration 0."""
+    no_load_optim: bool = arg("--no-load-optim", action="store_true",
+                              help="with --load: do not load the optimizer state (fresh Adam moments; the "
+                              "iteration, lr schedule and data position are resumed)")
+    """Resume without the optimizer state (Megatron-LM's ``--no-load-optim``)."""
+    no_load_rng: bool = arg("--no-load-rng", action="store_true",
+                            help="with --load: do not restore the RNG states (python, numpy, torch, CUDA)")
+    """Resume without the RNG states (Megatron-LM's ``--no-load-rng``)."""
     pretrained_checkpoint: str | None = arg(
         "--pretrained-checkpoint", metavar="PATH",
         help="initial model weights, used while --load holds no checkpoint yet: a launch/convert_hf.py "

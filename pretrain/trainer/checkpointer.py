@@ -40,6 +40,7 @@ from pretrain.checkpointing import (
     this_rank_file,
 )
 from pretrain.config import SHAPE_FLAGS, RunConfig, flag_name
+from pretrain.dist_checkpoint import load_dist_state, save_dist_checkpoint
 from pretrain.pretrained import PretrainedError, load_pretrained_weights, read_pretrained
 from pretrain.runtime import rank0_print
 
@@ -78,9 +79,10 @@ class Checkpointer:
     def _write(self) -> str:
         t0 = time.perf_counter()
         iteration = self.progress.iteration
+        legacy = self.cfg.ckpt_format != "torch_dist"
         state = {
-            "model": self.engine.model_state_dict(),  # FP32 main weights with --bf16 (torch engine)
-            "optimizer": self.engine.optimizer_state_dict(),
+            "model": self.engine.model_state_dict() if legacy else None,  # FP32 mains with --bf16 (torch engine)
+            "optimizer": self.engine.optimizer_state_dict() if legacy else None,
             "opt_param_scheduler": self.lr_schedule.state_dict(),
             "consumed_train_samples": self.progress.consumed_samples,
             "precision_plan": self.phases.plan.to_dict(),  # the plan in force (its phase's)
@@ -92,8 +94,13 @@ class Checkpointer:
             "nonfinite_steps": self.engine.nonfinite.count,
             "gemm_paths": last_paths(),  # which path each format's GEMMs took here, probe refusals included
         }
-        path = save_checkpoint(self.cfg.save, iteration, state, write_beside=self.engine.save_extra,
-                               retain=self.cfg.save_retain)
+        if self.cfg.ckpt_format == "torch_dist":  # model and optimizer as megatron's sharded state dicts
+            del state["model"], state["optimizer"]
+            path = save_dist_checkpoint(self.cfg.save, iteration, state, self.model, self.engine,
+                                        retain=self.cfg.save_retain)
+        else:
+            path = save_checkpoint(self.cfg.save, iteration, state, write_beside=self.engine.save_extra,
+                                   retain=self.cfg.save_retain)
         rank0_print(f"saved checkpoint {path} ({time.perf_counter() - t0:.1f}s)")
         self.last_saved, self.last_checkpoint = iteration, path
         return path
@@ -147,8 +154,9 @@ class Checkpointer:
         noted (this run's schedule is followed from the saved iteration on)."""
         c, run, engine, pos = self.cfg, self.run, self.engine, self.progress
         # --finetune takes model weights only, so a checkpoint of another TP size is resharded
+        # (a torch_dist checkpoint loads at any TP size, training state included)
         ckpt = load_checkpoint(c.load, run.parallel.tensor_model_parallel_size, reshard_model=c.finetune,
-                               iteration=c.ckpt_step)
+                               iteration=c.ckpt_step, model_entry=False)
         if ckpt is None:
             rank0_print(
                 f"--load {c.load}: no checkpoint yet ({os.path.basename(c.load)}/latest_checkpointed_"
@@ -161,13 +169,24 @@ class Checkpointer:
             ours = getattr(run.model, key)
             if key in saved and saved[key] != ours:
                 raise CheckpointError(f"--load: {ckpt['path']} has {flag_name(key)} {saved[key]}, this run {ours}")
-        try:
-            self.model.load_state_dict(ckpt["model"], strict=True)
-        except RuntimeError as e:
-            raise CheckpointError(
-                f"--load: {ckpt['path']} does not fit this model: {' '.join(str(e).split())[:300]}"
-            ) from None
-        engine.weights_loaded(ckpt["model"])
+        load_optim = not (c.finetune or c.no_load_optim)
+        if load_optim and engine.name == "megatron" and bool(saved.get("bf16", False)) != bool(run.memory.bf16):
+            raise CheckpointError(  # megatron's FP32 and mixed-precision optimizers hold different states
+                f"--load: {ckpt['path']} was saved with{'' if saved.get('bf16') else 'out'} --bf16 on the megatron "
+                f"engine; resume with the same setting (or load its weights with --finetune or --no-load-optim)"
+            )
+        dist = ckpt.get("checkpoint_format") == "torch_dist"
+        if dist:  # model (and optimizer, RNG) through megatron-core's dist_checkpointing.load
+            ckpt["rng_state"] = load_dist_state(ckpt, self.model, engine, optimizer=load_optim,
+                                                rng=not (c.finetune or c.no_load_rng))["rng_state"]
+        else:
+            try:
+                self.model.load_state_dict(ckpt["model"], strict=True)
+            except RuntimeError as e:
+                raise CheckpointError(
+                    f"--load: {ckpt['path']} does not fit this model: {' '.join(str(e).split())[:300]}"
+                ) from None
+            engine.weights_loaded(ckpt["model"])
         saved_iter = int(ckpt["iteration"]) if ckpt["iteration"] != "release" else 0
         same_schedule = c.finetune or self._check_saved_schedule(ckpt, saved, saved_iter)
         # the plan that trained the checkpoint's last iteration, in this run's schedule
@@ -186,12 +205,10 @@ class Checkpointer:
         if c.finetune:
             rank0_print(f"--finetune: loaded model weights of {ckpt['path']}; starting at iteration 0")
             return True
-        if engine.name == "megatron" and bool(saved.get("bf16", False)) != bool(run.memory.bf16):
-            raise CheckpointError(  # megatron's FP32 and mixed-precision optimizers hold different states
-                f"--load: {ckpt['path']} was saved with{'' if saved.get('bf16') else 'out'} --bf16 on the megatron "
-                f"engine; resume with the same setting (or load its weights with --finetune)"
-            )
-        engine.load_optimizer(ckpt["optimizer"], os.path.dirname(this_rank_file(ckpt["path"])))
+        if load_optim and not dist:
+            engine.load_optimizer(ckpt["optimizer"], os.path.dirname(this_rank_file(ckpt["path"])))
+        elif not load_optim:
+            rank0_print(f"--no-load-optim: the optimizer state of {ckpt['path']} was not loaded (fresh Adam moments)")
         self.lr_schedule.load_state_dict(ckpt["opt_param_scheduler"])
         for note in self.lr_schedule.load_notes:  # a schedule value the flags changed (or kept from --load)
             rank0_print(f"note: --load {ckpt['path']}: {note}")
@@ -199,8 +216,11 @@ class Checkpointer:
         pos.consumed_samples = int(
             ckpt.get("consumed_train_samples", pos.iteration * run.training.global_batch_size)
         )
-        if not restore_rng_state(ckpt):
-            rank0_print("note: data-parallel size differs from the checkpoint's: RNG states not restored")
+        if c.no_load_rng:
+            rank0_print("--no-load-rng: RNG states not restored")
+        elif not restore_rng_state(ckpt):
+            rank0_print("note: the parallel layout differs from the checkpoint's (data-parallel size, or tensor/"
+                        "pipeline size of a torch_dist checkpoint): RNG states not restored")
         self.last_saved, self.last_checkpoint = pos.iteration, ckpt["path"]
         engine.nonfinite.count = int(ckpt.get("nonfinite_steps", 0))
         rank0_print(
