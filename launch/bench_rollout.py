@@ -3,6 +3,8 @@
     python launch/bench_rollout.py --out bench/rollout                      # a random tiny model
     python launch/bench_rollout.py --load ckpt/run --batch-size 8 --prompt-length 128 \\
         --max-new-tokens 128 --memory-budget-gib 80 --out bench/rollout
+    python launch/bench_rollout.py --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 128 \\
+        --moe-shared-expert-intermediate-size 128 --presets nvfp4,mxfp4 --out bench/rollout_moe   # a MoE policy
 
 For every preset (default ``bf16,fp8,mxfp4,nvfp4,mxfp4_w4a16``) it generates the same batch of
 random prompts (greedy, no stop token: every row runs ``--max-new-tokens`` steps) on
@@ -12,6 +14,11 @@ random prompts (greedy, no stop token: every row runs ``--max-new-tokens`` steps
   - weight bytes: the packed linear weights (``model.rollout.PackedWeight``: codes + scales) and
     every other parameter (embeddings, norms, biases) at its own dtype;
   - KV bytes per token: every layer's keys and values in the plan's KV format, block scales included;
+  - a mixture-of-experts policy (``--num-experts``, or a MoE checkpoint): the packed bytes of its routed
+    and shared experts' linears and of its routers (FP32 unless a rule says otherwise), and the share
+    of the generated tokens' expert choices (per MoE layer) that differ from BF16's at the same
+    position (greedy: rows diverge after the first differing token, so only positions before a row's
+    first differing token are compared);
   - the largest batch at the memory budget: ``floor((budget - weight bytes) / ((prompt length +
     max new tokens) x KV bytes per token))``, activations not counted;
 
@@ -53,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--num-attention-heads", type=int, default=4)
     add("--num-query-groups", type=int, default=2)
     add("--vocab-size", type=int, default=256)
+    add("--num-experts", type=int, default=None, help="a mixture-of-experts policy with this many routed experts")
+    add("--moe-router-topk", type=int, default=2)
+    add("--moe-ffn-hidden-size", type=int, default=None, help="each expert's width (default --ffn-hidden-size)")
+    add("--moe-shared-expert-intermediate-size", type=int, default=None, help="shared experts' width (default none)")
     add("--batch-size", type=int, default=4)
     add("--prompt-length", type=int, default=16)
     add("--max-new-tokens", type=int, default=16)
@@ -83,7 +94,9 @@ def _model(args, device: str):
     seq = args.prompt_length + args.max_new_tokens
     cfg = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
                       num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-                      seq_length=seq + 1, vocab_size=args.vocab_size)
+                      seq_length=seq + 1, vocab_size=args.vocab_size, num_experts=args.num_experts,
+                      moe_router_topk=args.moe_router_topk, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+                      moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size)
     torch.manual_seed(args.seed)
     model = build_gpt(cfg, seed=args.seed).to(device).eval()
     apply_precision_plan(model, PrecisionPolicy.from_args("bf16").resolve(policy_linear_names(model), cfg.num_layers))
@@ -110,7 +123,7 @@ def bench(args) -> list[dict]:
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     budget = args.memory_budget_gib * 2**30
     seq = args.prompt_length + args.max_new_tokens
-    rows = []
+    rows, ref_routes = [], None
     for preset, plan in plans.items():
         rollout = RolloutModel(model, plan)
         rollout.update()
@@ -135,6 +148,10 @@ def bench(args) -> list[dict]:
                      "kv_bytes_per_token": kv,
                      "max_batch_at_budget": max(0, int((budget - weights) // (seq * kv))),
                      "device": device, "gemms": "emulated"})
+        if out.routes is not None:
+            rows[-1].update(_moe_columns(rollout, out, ref_routes, ref_tokens if ref_routes else None))
+            if ref_routes is None:
+                ref_routes, ref_tokens = out.routes, out.tokens
     ref = rows[0]
     for r in rows:
         r["speedup_vs_bf16"] = r["tokens_per_s"] / ref["tokens_per_s"]
@@ -143,6 +160,20 @@ def bench(args) -> list[dict]:
         r["max_batch_vs_bf16"] = (r["max_batch_at_budget"] / ref["max_batch_at_budget"]
                                   if ref["max_batch_at_budget"] else None)
     return rows
+
+
+def _moe_columns(rollout, out, ref_routes, ref_tokens) -> dict:
+    """Expert / router packed bytes and the expert-choice difference from BF16 (module docstring)."""
+    expert = sum(p.nbytes for n, p in rollout.packed.items() if ".mlp.experts." in n or ".mlp.shared_experts." in n)
+    router = sum(p.nbytes for n, p in rollout.packed.items() if n.endswith(".mlp.router"))
+    differ = total = 0
+    for i, r in enumerate(out.routes if ref_routes is not None else ()):
+        same = next((j for j, (a, b) in enumerate(zip(out.tokens[i], ref_tokens[i])) if a != b), len(out.tokens[i]))
+        n = min(r.tokens, r.tokens - len(out.tokens[i]) + 1 + same)  # the prompt + generated tokens before it
+        a, b = r.experts[:, :n].long().sort(-1).values, ref_routes[i].experts[:, :n].long().sort(-1).values
+        differ, total = differ + int((a != b).any(-1).sum()), total + a.shape[0] * n
+    return {"expert_linear_bytes": expert, "router_bytes": router,
+            "expert_choice_differs_from_bf16": differ / total if total else 0.0}
 
 
 def table(rows: list[dict], args) -> str:
@@ -159,6 +190,15 @@ def table(rows: list[dict], args) -> str:
         lines.append(f"| {r['preset']} | {r['kv_cache']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_bf16']:.2f} "
                      f"| {r['weight_bytes']} | {r['weight_bytes_vs_bf16']:.3f} | {r['kv_bytes_per_token']:g} "
                      f"| {r['kv_bytes_vs_bf16']:.3f} | {r['max_batch_at_budget']} | {mb} |")
+    if "expert_linear_bytes" in rows[0]:
+        lines += ["", "Mixture of experts: packed expert linears (routed + shared), routers, and the expert choices "
+                  "(positions x MoE layers) that differ from BF16's before a row's first differing token:", "",
+                  "| preset | expert linear bytes | x BF16 | router bytes | expert choices differing from BF16 |",
+                  "|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['preset']} | {r['expert_linear_bytes']} | "
+                         f"{r['expert_linear_bytes'] / rows[0]['expert_linear_bytes']:.3f} | {r['router_bytes']} | "
+                         f"{r['expert_choice_differs_from_bf16']:.1%} |")
     return "\n".join(lines) + "\n"
 
 
