@@ -22,7 +22,7 @@ CUDA, FP32 on CPU). From each run's TensorBoard scalars:
                 GPUs: H100/H200 989, B200 2250), and over the BF16 GEMM ceiling measured in the same
                 run (``bf16_gemm_ceiling``: the best of a few large cuBLAS BF16 GEMMs; ~790 on an
                 H200) -- the fraction of what this device's GEMMs actually reach; on CPU: not reported
-  loss@N        ``train/loss`` at the last iteration (same batches for every recipe)
+  loss@N        ``lm loss`` at the last iteration (same batches for every recipe)
 
 and the ratio of tokens/s (and of step time) to the baseline recipe -- the first of ``--precisions``
 -- in the same mode, measured here. Each run also reports, from inside the process (rank 0):
@@ -58,6 +58,8 @@ from pathlib import Path
 
 if not __package__:  # run as a script: the repository root first on sys.path (launch/_paths.py)
     import _paths  # noqa: F401
+
+from pretrain.trainer.tags import LOSS, THROUGHPUT, TOKENS_PER_SEC, series
 
 REPO = Path(__file__).resolve().parents[1]
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "GB200": 2500.0}
@@ -120,7 +122,7 @@ def command(precision: str, mode: str, args, extra: list[str], stats: Path) -> l
         str(Path(__file__).resolve()), CHILD_FLAG, str(stats),
         "--model-size", args.model_size, "--precision", precision, *MODES[mode],
         "--train-iters", str(args.train_iters), "--eval-iters", "0", "--log-interval", "1",
-        "--tensorboard-dir", str(stats.parent / "tb"), *extra,
+        "--tensorboard-dir", str(stats.parent / "tb"), "--log-throughput", *extra,
     ]  # fmt: skip
 
 
@@ -192,10 +194,10 @@ def run_one(precision: str, mode: str, args, extra: list[str]) -> dict:
         return {**row, "error": said or f"exit {proc.returncode} (see {out / 'log'})", "log_tail": text[-2000:],
                 "wall_s": wall}
     sc = scalars(out / "tb")
-    steps = sc.get("train/tokens_per_sec", [])
+    steps = series(sc, TOKENS_PER_SEC)
     steady = [v for s, v in steps if s > args.skip]
-    tflops = [v for s, v in sc.get("train/tflops_per_device", []) if s > args.skip]
-    loss = sc.get("train/loss", [])
+    tflops = [v for s, v in series(sc, THROUGHPUT) if s > args.skip]
+    loss = series(sc, LOSS)
     fields = _log_fields(text)
     stats = json.loads(stats_file.read_text()) if stats_file.exists() else {}
     return {

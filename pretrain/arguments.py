@@ -52,6 +52,7 @@ from pretrain.config import (  # noqa: F401 - re-exported: launchers, RL and the
 from pretrain.config.config_file import ConfigFileArgs, ConfigFileError, config_argv
 from pretrain.config.megatron_flags import MegatronFlags, given_megatron_flags, train_iters_from_samples, translate
 from pretrain.config.precision import RunPrecision, phase_precisions, precision_schedule  # noqa: F401 - re-exported
+from pretrain.config.run import LoggingConfig
 
 PARSE_TIME = tuple(f.name for cls in (ConfigFileArgs, MegatronFlags) for f in dataclasses.fields(cls))
 """Flags read while parsing (``--config``, Megatron-LM's spellings), then removed from the Namespace."""
@@ -385,6 +386,8 @@ def _check_checkpoints(args) -> None:
             raise ConfigError(f"--finetune: no checkpoint in --load {args.load} ({TRACKER} missing)")
     for flag, path in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir)):
         if path is not None:
+    if msg := LoggingConfig.wandb_problem(args):
+        raise ConfigError(msg)
             _check_writable_dir(flag, path)
     if args.skip_nonfinite_steps and not args.check_for_nan_in_loss_and_grad:
         raise ConfigError("--skip-nonfinite-steps needs --check-for-nan-in-loss-and-grad (the check that finds "

@@ -33,6 +33,7 @@ from pretrain.plan_search import (
 from pretrain.sweep.results import read_scalars, read_val_batches
 from pretrain.sweep.runner import read_status, run_dir, run_local
 from pretrain.sweep.spec import Run
+from pretrain.trainer.tags import VAL_LOSS, series
 
 RESERVED = ("--precision", "--precision-rule", "--seed", "--save", "--load", "--tensorboard-dir",
             "--numerics-interval", "--eval-interval", "--precision-schedule")
@@ -195,7 +196,7 @@ class Context:
         if read_status(self.out, run) != "done":
             return math.nan, None
         tb = run_dir(self.out, run) / "tensorboard"
-        val = dict(read_scalars(tb).get("val/loss", []))
+        val = dict(series(read_scalars(tb), VAL_LOSS))
         return val.get(iters, math.nan), read_val_batches(tb).get(iters)
 
     def sample(self, runs: list[Run], base_runs: list[Run], iters: int) -> tuple[Sample, list[dict]]:

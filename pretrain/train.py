@@ -38,7 +38,7 @@ Order of events (every rank):
    with ``--skip-nonfinite-steps`` or without the check every step is read at once instead) and
    skipped -- no parameter, optimizer or schedule update, the layers' quantization state restored --
    up to ``--skip-nonfinite-steps`` times; the next one is divergence: logged (TensorBoard
-   ``train/loss`` NaN, ``train/nonfinite_steps``, the progress line), ``--save/run_status.json``
+   ``lm loss`` NaN, ``nonfinite-steps``, the progress line), ``--save/run_status.json``
    written, one line naming the iteration and the last good checkpoint, exit status 3 on every rank
    (``pretrain.status``: the contract with ``launch/sweep.py``). The diverged state is never saved.
    A checkpoint that cannot be written (a full disk) is one line and exit status 4.

@@ -376,6 +376,43 @@ class LoggingConfig:
                             help="print the model's module tree (each linear with its per-GEMM precision) at "
                             "start-up; the plan is printed either way, grouped by rule")
     """Print ``print(model)`` at start-up (off: the start-up output stays one screen)."""
+    log_throughput: bool = arg("--log-throughput", action="store_true",
+                               help="model TFLOP/s per device and MFU (known GPUs) in the progress line, and the "
+                               "TensorBoard scalars throughput and mfu (Megatron-LM's flag)")
+    """Model TFLOP/s per device (Megatron's "throughput per GPU") and MFU, printed and logged."""
+    log_memory_to_tensorboard: bool = arg("--log-memory-to-tensorboard", action="store_true",
+                                          help="memory scalars every iteration: CUDA's mem-reserved-bytes, "
+                                          "mem-allocated-bytes, mem-max-allocated-bytes, mem-allocated-count; "
+                                          "on a CPU mem-max-rss-bytes (host peak RSS)")
+    """Megatron-LM's memory scalars (``pretrain.trainer.metrics.memory_scalars``)."""
+    wandb_project: str | None = arg("--wandb-project", metavar="NAME",
+                                    help="also log every scalar to Weights & Biases, this project (rank 0; offline "
+                                    "unless WANDB_MODE is set; needs the wandb extra: pip install "
+                                    "'lowprec-pretrain[wandb]')")
+    """W&B project (``None``: no W&B)."""
+    wandb_exp_name: str | None = arg("--wandb-exp-name", metavar="NAME", help="the W&B run's name (with --wandb-project)")
+    """W&B run name."""
+    wandb_save_dir: str | None = arg("--wandb-save-dir", metavar="DIR",
+                                     help="W&B's local files (default: <--save>/wandb, else <--tensorboard-dir>/wandb)")
+    """W&B's directory (``None``: ``--save``'s, else ``--tensorboard-dir``'s ``wandb/``)."""
+
+    @staticmethod
+    def wandb_problem(args: argparse.Namespace) -> str | None:
+        """One line saying what is wrong with the W&B flags of ``args``, or ``None`` (validation)."""
+        project, name, directory = args.wandb_project, args.wandb_exp_name, args.wandb_save_dir
+        if not project:
+            return None if not (name or directory) else (
+                "--wandb-exp-name/--wandb-save-dir need --wandb-project (W&B logging is off without it)")
+        if not name:
+            return "--wandb-project needs --wandb-exp-name (the run's name in the project), as in Megatron-LM"
+        if not (directory or args.save or args.tensorboard_dir):
+            return "--wandb-project needs --wandb-save-dir (or --save, whose wandb/ subdirectory is the default)"
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            return ("--wandb-project: the wandb package is not installed; install the extra: "
+                    "pip install 'lowprec-pretrain[wandb]' (or pip install wandb)")
+        return None
 
 
 # (argparse group title, the classes whose fields it holds), in --help order

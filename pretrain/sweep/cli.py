@@ -24,6 +24,7 @@ from pretrain.sweep.runner import (
     validate_runs,
 )
 from pretrain.sweep.spec import SMOOTH_DEFAULT, Run, SweepError, expand_runs, load_sweep
+from pretrain.trainer.tags import LOSS, series
 
 __all__ = ["Progress", "run_sweep"]
 
@@ -38,7 +39,7 @@ class Progress:
     def __call__(self, run: Run, state: str, seconds: float) -> str:
         self.took.append(seconds)
         self.left -= 1
-        loss = read_scalars(run_dir(self.out, run) / "tensorboard").get("train/loss", [])
+        loss = series(read_scalars(run_dir(self.out, run) / "tensorboard"), LOSS)
         text = f", last loss {loss[-1][1]:.4f} at iteration {loss[-1][0]}" if loss else ""
         if self.left > 0:
             eta = sum(self.took) / len(self.took) * math.ceil(self.left / self.parallel)

@@ -35,6 +35,7 @@ from pretrain.evaluation.stats import (
     spread,
     table_verdicts,
 )
+from pretrain.trainer.tags import GRAD_NORM, LOSS, NONFINITE, TOKENS_PER_SEC, VAL_LOSS, VAL_LOSS_SEM, series
 
 __all__ = ["analyse", "best_points", "descent_numbers", "extra_tokens_pct", "fitted_extra_tokens_pct", "pair_numbers", "paired_base",
            "read_scalars", "read_val_batches", "smooth", "summarize", "summarize_descent", "verdict"]
@@ -77,24 +78,24 @@ def smooth(values: list[float], window: int) -> list[float]:
 
 
 def analyse(name: str, scalars: dict, window: int) -> dict:
-    loss = scalars.get("train/loss", [])
+    loss = series(scalars, LOSS)
     steps = [s for s, _ in loss]
     vals = [v for _, v in loss]
     finite = [v for v in vals if math.isfinite(v)]
     sm = smooth(finite, window) if finite else []
-    # pretrain.py logs train/nonfinite_steps (a running count) every iteration; a diverging step's
+    # pretrain.py logs nonfinite-steps (a running count) every iteration; a diverging step's
     # loss may be finite while its gradient norm is not
-    nonfinite = [v for _, v in scalars.get("train/nonfinite_steps", [])]
-    norms = [v for _, v in scalars.get("train/grad_norm", [])]
+    nonfinite = [v for _, v in series(scalars, NONFINITE)]
+    norms = [v for _, v in series(scalars, GRAD_NORM)]
     diverged = (len(finite) < len(vals) or (max(nonfinite) > 0 if nonfinite else False)
                 or not all(math.isfinite(v) for v in norms))
     spike = False
     if len(sm) > 2 * window:
         best = min(sm[: len(sm) // 2])
         spike = any(v > 1.5 * best for v in sm[len(sm) // 2:])
-    val = scalars.get("val/loss", [])
-    sem = dict(scalars.get("val/loss_sem", []))
-    tps = [v for _, v in scalars.get("train/tokens_per_sec", [])]
+    val = series(scalars, VAL_LOSS)
+    sem = dict(series(scalars, VAL_LOSS_SEM))
+    tps = [v for _, v in series(scalars, TOKENS_PER_SEC)]
     return {
         "run": name,
         "iterations": steps[-1] if steps else 0,

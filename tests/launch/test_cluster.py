@@ -42,7 +42,7 @@ def test_tiny_sweep_end_to_end_and_resume(tmp_path, data_cache):
     assert len(rows) == 4 and rows[0].startswith("run,status,precision,seed,iterations")
     for name in ("bf16", "mxfp4", "wgrad_hadamard"):
         assert json.loads((out / "runs" / name / "status.json").read_text())["state"] == "done"
-        assert len(tb_scalars(out / "runs" / name / "tensorboard")["train/loss"]) == 4
+        assert len(tb_scalars(out / "runs" / name / "tensorboard")["lm loss"]) == 4
     assert (out / "loss_curves.png").stat().st_size > 5000 and (out / "gap.png").stat().st_size > 5000
     assert "| wgrad_hadamard | done | wgrad_hadamard |  | 4 |" in (out / "results.md").read_text()  # no seed
 
@@ -73,7 +73,7 @@ def test_two_torchrun_nodes_on_loopback(tmp_path, data_cache):
                                       text=True))
     outs = [p.communicate(timeout=400)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
-    assert len(tb_scalars(tb)["train/loss"]) == 3
+    assert len(tb_scalars(tb)["lm loss"]) == 3
 
 
 def slurm_env(**extra) -> dict:
@@ -107,7 +107,7 @@ def test_sbatch_pretrain_on_a_local_cluster(tmp_path, data_cache, slurm_cluster)
     assert state == ("COMPLETED", "0:0"), f"{state}\n{text[-4000:]}"
     assert "1 node(s) x 2 process(es)" in text
     assert "iteration" in text and "loss" in text
-    assert len(tb_scalars(tb)["train/loss"]) == 3
+    assert len(tb_scalars(tb)["lm loss"]) == 3
 
 
 def test_sbatch_on_two_nodes_trains_resumes_exactly_and_a_lost_node_ends_the_job(tmp_path, data_cache,
@@ -159,8 +159,8 @@ def test_sbatch_on_two_nodes_trains_resumes_exactly_and_a_lost_node_ends_the_job
     state, text = c.wait(job), log.read_text()
     assert state == ("COMPLETED", "0:0"), f"{state}\n{text[-4000:]}"
     assert f"resumed from {killed / f'iter_{saved:07d}'}: iteration {saved}" in text
-    loss_straight = {s: v for s, v in tb_scalars(tmp_path / "tb0")["train/loss"]}
-    loss_resumed = {s: v for s, v in tb_scalars(tmp_path / "tb2")["train/loss"]}
+    loss_straight = {s: v for s, v in tb_scalars(tmp_path / "tb0")["lm loss"]}
+    loss_resumed = {s: v for s, v in tb_scalars(tmp_path / "tb2")["lm loss"]}
     assert sorted(loss_resumed) == list(range(saved + 1, iters + 1))
     assert loss_resumed == {s: loss_straight[s] for s in loss_resumed}  # bit-identical (float32 events)
     for rank in (0, 1):

@@ -39,8 +39,8 @@ def _write(out: Path, run, val: float):
     w = SummaryWriter(str(d / "tensorboard"))
     rng = random.Random(run.seed)
     for s in range(1, 41):
-        w.add_scalar("train/loss", 4.0 + 3.0 * math.exp(-s / 10) + rng.gauss(0, 0.01), s)
-    w.add_scalar("val/loss", val, 40)
+        w.add_scalar("lm loss", 4.0 + 3.0 * math.exp(-s / 10) + rng.gauss(0, 0.01), s)
+    w.add_scalar("lm loss validation", val, 40)
     w.close()
     sweep.write_status(d, state="done")
 

@@ -58,8 +58,8 @@ def write_run(out: Path, run, losses):
     d = out / "runs" / run.name
     w = SummaryWriter(str(d / "tensorboard"))
     for i, v in enumerate(losses, 1):
-        w.add_scalar("train/loss", v, i)
-    w.add_scalar("val/loss", losses[-1], len(losses))
+        w.add_scalar("lm loss", v, i)
+    w.add_scalar("lm loss validation", losses[-1], len(losses))
     w.close()
     sweep.write_status(d, state="done")
 

@@ -71,7 +71,7 @@ def test_progress_gives_the_last_loss_and_the_eta(tmp_path):
     run = sweep.Run("fp8", "fp8")
     with SummaryWriter(str(sweep.run_dir(tmp_path, run) / "tensorboard")) as w:
         for it, loss in ((1, 9.0), (2, 4.0), (3, 2.5)):
-            w.add_scalar("train/loss", loss, it)
+            w.add_scalar("lm loss", loss, it)
     progress = Progress(tmp_path, todo=5, parallel=2)
     assert progress(run, "done", 30.0) == ", last loss 2.5000 at iteration 3; 4 run(s) left, ETA 1m00s"
     # mean of 30 s and 90 s = 60 s per run, 3 left at 2 a time = 2 rounds

@@ -18,10 +18,10 @@ import sweep
 def write_curve(tb: Path, losses, tps=1000.0, val=None):
     w = SummaryWriter(str(tb))
     for i, v in enumerate(losses, 1):
-        w.add_scalar("train/loss", v, i)
-        w.add_scalar("train/tokens_per_sec", tps, i)
+        w.add_scalar("lm loss", v, i)
+        w.add_scalar("tokens-per-sec", tps, i)
     if val is not None:
-        w.add_scalar("val/loss", val, len(losses))
+        w.add_scalar("lm loss validation", val, len(losses))
     w.close()
 
 

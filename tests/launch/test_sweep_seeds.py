@@ -58,9 +58,9 @@ def _write_run(out: Path, run: sweep.Run, final: float, n: int = 40, val_batches
     tb = d / "tensorboard"
     w = SummaryWriter(str(tb))
     for i in range(1, n + 1):  # a curve falling to `final` at step n
-        w.add_scalar("train/loss", final + 0.02 * (n - i), i)
-    w.add_scalar("val/loss", final, n)
-    w.add_scalar("val/loss_sem", 0.01, n)
+        w.add_scalar("lm loss", final + 0.02 * (n - i), i)
+    w.add_scalar("lm loss validation", final, n)
+    w.add_scalar("lm loss validation sem", 0.01, n)
     w.close()
     if val_batches is not None:
         (tb / "val_batches.jsonl").write_text(json.dumps({"iteration": n, "batch_losses": val_batches}) + "\n")
@@ -167,7 +167,7 @@ def test_two_seed_smoke_sweep(tmp_path):
     first = {}
     for name in ("bf16__seed-0", "bf16__seed-1", "fp8__seed-0", "fp8__seed-1"):
         scalars = sweep.read_scalars(out / "runs" / name / "tensorboard")
-        first[name] = scalars["train/loss"][0][1]
+        first[name] = scalars["lm loss"][0][1]
         assert len(sweep.read_val_batches(out / "runs" / name / "tensorboard")[3]) == 2
         assert rows[name][1] == "done"
     assert first["bf16__seed-0"] != first["bf16__seed-1"]  # a seed changes initialization and data

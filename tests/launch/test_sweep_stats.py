@@ -170,8 +170,8 @@ def _write(out: Path, run: sweep.Run, steps, losses, val: float):
     d = out / "runs" / run.name
     w = SummaryWriter(str(d / "tensorboard"))
     for s, v in zip(steps, losses):
-        w.add_scalar("train/loss", v, s)
-    w.add_scalar("val/loss", val, steps[-1])
+        w.add_scalar("lm loss", v, s)
+    w.add_scalar("lm loss validation", val, steps[-1])
     w.close()
     sweep.write_status(d, state="done")
 

@@ -51,7 +51,7 @@ def test_bf16_resume_is_bit_identical(bf16_runs):
     root, whole, resumed = bf16_runs
     assert "--bf16: BF16 parameters and activations, FP32 main parameters and gradients" in whole.stdout
     assert "resumed from" in resumed.stdout
-    loss_whole, loss_resumed = scalars(root / "tb_whole", "train/loss"), scalars(root / "tb_resumed", "train/loss")
+    loss_whole, loss_resumed = scalars(root / "tb_whole", "lm loss"), scalars(root / "tb_resumed", "lm loss")
     assert sorted(loss_resumed) == [3, 4]
     assert all(loss_whole[i] == loss_resumed[i] for i in (3, 4)), (loss_whole, loss_resumed)
     a = load_rank_checkpoint(root / "whole" / "iter_0000004", 0)
@@ -82,7 +82,7 @@ def test_megatron_engine_bf16_resume_is_bit_identical(tmp_path, data_cache):
     run_pretrain([*common, "--save", str(tmp_path / "a"), "--tensorboard-dir", str(tmp_path / "tb_a")], nproc=1)
     run_pretrain([*common, "--load", str(tmp_path / "a"), "--ckpt-step", "2", "--save", str(tmp_path / "b"),
                   "--tensorboard-dir", str(tmp_path / "tb_b")], nproc=1)
-    a, b = scalars(tmp_path / "tb_a", "train/loss"), scalars(tmp_path / "tb_b", "train/loss")
+    a, b = scalars(tmp_path / "tb_a", "lm loss"), scalars(tmp_path / "tb_b", "lm loss")
     assert a[3] == b[3] and a[4] == b[4]
 
 
@@ -94,7 +94,7 @@ def test_bf16_data_parallel_sums_the_fp32_gradients(bf16_runs, tmp_path, data_ca
     run_pretrain([*TINY, "--bf16", "--precision", "bf16", "--train-iters", "4", "--exit-interval", "1",
                   "--eval-iters", "0", "--data-cache-dir", str(data_cache), "--tensorboard-dir", str(tmp_path / "tb")],
                  nproc=2)
-    for tag, rel in (("train/loss", 1e-6), ("train/grad_norm", 1e-5)):
+    for tag, rel in (("lm loss", 1e-6), ("grad-norm", 1e-5)):
         dp2, dp1 = scalars(tmp_path / "tb", tag)[1], scalars(root / "tb_whole", tag)[1]
         assert abs(dp2 - dp1) <= rel * abs(dp1), (tag, dp2, dp1)
 

@@ -105,13 +105,13 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, data_cache, layout):
     )
     assert f"resumed from {split / 'iter_0000005'}: iteration 5, 20 samples consumed" in second.stdout
 
-    loss = scalars(straight / "tb", "train/loss")
-    resumed = {**scalars(split / "tb1", "train/loss"), **scalars(split / "tb2", "train/loss")}
-    assert sorted(scalars(split / "tb2", "train/loss")) == [6, 7, 8, 9, 10]
+    loss = scalars(straight / "tb", "lm loss")
+    resumed = {**scalars(split / "tb1", "lm loss"), **scalars(split / "tb2", "lm loss")}
+    assert sorted(scalars(split / "tb2", "lm loss")) == [6, 7, 8, 9, 10]
     assert resumed == loss  # float equality, every iteration
-    assert scalars(split / "tb2", "val/loss") == {10: scalars(straight / "tb", "val/loss")[10]}
-    assert scalars(split / "tb2", "train/grad_norm") == {
-        k: v for k, v in scalars(straight / "tb", "train/grad_norm").items() if k > 5
+    assert scalars(split / "tb2", "lm loss validation") == {10: scalars(straight / "tb", "lm loss validation")[10]}
+    assert scalars(split / "tb2", "grad-norm") == {
+        k: v for k, v in scalars(straight / "tb", "grad-norm").items() if k > 5
     }
 
     tp = int(layout[1])

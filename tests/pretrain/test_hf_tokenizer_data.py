@@ -311,7 +311,7 @@ def test_pretrain_trains_on_hf_tokenized_data(hf_dir, hf_tok, tmp_path, world_of
         nproc=0,
     )  # fmt: skip
     assert f"tokenizer {hf_tok.path} (vocab {hf_tok.vocab_size}," in proc.stdout
-    losses = [float(m) for m in re.findall(r"^iteration +\d+/3 \| loss (\S+) ", proc.stdout, re.MULTILINE)]
+    losses = [float(m) for m in re.findall(r"^\[[^]]+\] iteration +\d+/3 \| loss (\S+) ", proc.stdout, re.MULTILINE)]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses), proc.stdout
 
     # Evaluation finds the HF tokenizer the checkpoint was trained with (the copy the checkpoint

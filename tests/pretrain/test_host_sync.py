@@ -129,5 +129,5 @@ def test_training_steps_read_nothing_to_the_host_between_log_intervals(trainer, 
     # the steps were all logged although read only twice (iterations 3 and 6)
     from tests.pretrain._launch import scalars
 
-    assert sorted(scalars(trainer.run.logging.tensorboard_dir, "train/loss")) == [1, 2, 3, 4, 5, 6]
-    assert sorted(scalars(trainer.run.logging.tensorboard_dir, "train/grad_norm")) == [1, 2, 3, 4, 5, 6]
+    assert sorted(scalars(trainer.run.logging.tensorboard_dir, "lm loss")) == [1, 2, 3, 4, 5, 6]
+    assert sorted(scalars(trainer.run.logging.tensorboard_dir, "grad-norm")) == [1, 2, 3, 4, 5, 6]

@@ -35,7 +35,7 @@ def _needs_gpus(n: int) -> None:
 
 
 def _losses(tb) -> list[float]:
-    return [v for _, v in sorted(read_scalar(tb, "train/loss").items())]
+    return [v for _, v in sorted(read_scalar(tb, "lm loss").items())]
 
 
 def _run(tmp_path, name: str, extra: list[str], nproc: int, data_cache) -> list[float]:

@@ -52,12 +52,12 @@ def test_qat_from_converted_hf_checkpoint_tp2_and_resume(converted, data_cache, 
         logits = hf_model(tokens).logits.float()
     per_token = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), reduction="none")
     hf_loss = float((per_token * mask.reshape(-1)).sum() / mask.sum())
-    ours = read_scalar(tb, "train/loss")[1]
+    ours = read_scalar(tb, "lm loss")[1]
     assert ours == pytest.approx(hf_loss, abs=5e-3), (ours, hf_loss)
 
     again = run_pretrain(argv, nproc=2).stdout  # the same command line: resumes, does not reload
     assert "resumed from" in again and "initial weights from" not in again
-    assert sorted(read_scalar(tb, "train/loss")) == [1, 2, 3]
+    assert sorted(read_scalar(tb, "lm loss")) == [1, 2, 3]
 
 
 def test_shape_flags_must_agree_with_the_checkpoint(converted, tmp_path):
@@ -90,6 +90,6 @@ def test_pretrained_training_checkpoint_of_another_tp_size(data_cache, tmp_path)
                         "--data-cache-dir", str(data_cache), "--tensorboard-dir", str(tb2)], nproc=0).stdout
     assert f"initial weights from {base} (checkpoint, iteration 3)" in out
     assert "world size 1 = TP 1 x PP 1 x DP 1" in out
-    first = read_scalar(tb2, "train/loss")[1]
-    untrained = read_scalar(tb, "train/loss")[1]
+    first = read_scalar(tb2, "lm loss")[1]
+    untrained = read_scalar(tb, "lm loss")[1]
     assert first < untrained - 0.5  # the trained weights, not a fresh initialization

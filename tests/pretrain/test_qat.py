@@ -98,4 +98,4 @@ def test_qat_from_checkpoint_warmup_switch_and_resume(tmp_path, data_cache):
     out = run_pretrain([*common, *QAT, "--load", str(half), "--train-iters", "4", "--save", str(half),
                         "--tensorboard-dir", str(tb2)], nproc=1).stdout
     assert "resumed from" in out
-    assert read_scalar(tb2, "train/loss") == read_scalar(tb1, "train/loss")
+    assert read_scalar(tb2, "lm loss") == read_scalar(tb1, "lm loss")

@@ -309,9 +309,9 @@ def test_divergence_is_an_outcome_exit_3_status_file_and_the_last_good_checkpoin
     assert status["last_good_checkpoint"] == str(save / "iter_0000001") and "grad norm nan" in status["reason"]
     assert read_tracker(str(save)) == 1 and not (save / "iter_0000002").exists()  # never saved
     assert load_checkpoint_file_ok(save / "iter_0000001")
-    loss, norm = scalars(tmp_path / "tb", "train/loss"), scalars(tmp_path / "tb", "train/grad_norm")
+    loss, norm = scalars(tmp_path / "tb", "lm loss"), scalars(tmp_path / "tb", "grad-norm")
     assert sorted(loss) == sorted(norm) == [1, 2] and norm[2] != norm[2]  # the NaN reaches TensorBoard
-    assert scalars(tmp_path / "tb", "train/nonfinite_steps") == {1: 0.0, 2: 1.0}
+    assert scalars(tmp_path / "tb", "nonfinite-steps") == {1: 0.0, 2: 1.0}
     assert re.search(r"iteration 2/6 \| loss \S+ .*\| grad norm nan \| non-finite: diverged", proc.stdout)
 
 
@@ -342,7 +342,7 @@ def test_skip_nonfinite_steps_leaves_the_state_unchanged_and_the_next_one_diverg
     assert after["opt_param_scheduler"]["num_steps"] == 3
     assert not torch.equal(after["model"]["embedding.word_embeddings.weight"],
                            before["model"]["embedding.word_embeddings.weight"])
-    assert scalars(tmp_path / "tb", "train/nonfinite_steps") == {1: 0, 2: 0, 3: 1, 4: 1, 5: 2}
+    assert scalars(tmp_path / "tb", "nonfinite-steps") == {1: 0, 2: 0, 3: 1, 4: 1, 5: 2}
     assert json.loads((save / RUN_STATUS).read_text())["last_good_checkpoint"] == str(save / "iter_0000004")
 
 

@@ -177,7 +177,7 @@ def test_resume_across_switches_equals_the_straight_run(tmp_path, data_cache, ca
     assert torch.equal(history(4)["fprop/x"]["history"], history(2)["fprop/x"]["history"])  # MXFP4: not recorded
     # phase 2 starts after the MXFP4 gap: the stale history was dropped at the switch, iteration 5 recorded
     assert len(history(5)["fprop/x"]["history"]) == 1
-    want, want_lines = scalars(tb, "train/loss"), out
+    want, want_lines = scalars(tb, "lm loss"), out
     lines = {2: "iteration 3: precision phase 1 -> mxfp4_sr (iterations 3..4)\n",
              3: "iteration 4: precision phase 1 -> mxfp4_sr (iterations 3..4; resumed within the phase)\n",
              4: f"iteration 5: precision phase 2 -> {FP8_DELAYED} (iterations 5..5)\n"}
@@ -188,7 +188,7 @@ def test_resume_across_switches_equals_the_straight_run(tmp_path, data_cache, ca
         assert status == 0, out
         assert line in out and (line in want_lines or at == 3), at
         assert "was saved under precision schedule" not in out  # the same schedule: no note
-        got = scalars(tb_r, "train/loss")
+        got = scalars(tb_r, "lm loss")
         assert got == {i: v for i, v in want.items() if i > at}, at
         assert_same_state(ckpt(resumed, 5), ckpt(straight, 5))
         assert ckpt(resumed, 5)["precision_plan"] == ckpt(straight, 5)["precision_plan"]
@@ -226,7 +226,7 @@ def test_qat_warmup_iters_equals_its_schedule(tmp_path, data_cache, capsys):
                 "hif8_w8a8) (iterations 1..2)") in out
         assert ("iteration 3: QAT warm-up done (2 BF16 iterations filled the amax histories): precision phase 1 -> "
                 "hif8_w8a8 (iterations 3..3)") in out
-        runs[name] = (ckpt(save, 3), scalars(tb, "train/loss"), scalars(tb, "val/loss"))
+        runs[name] = (ckpt(save, 3), scalars(tb, "lm loss"), scalars(tb, "lm loss validation"))
     (a, loss_a, val_a), (b, loss_b, val_b) = runs["qat"], runs["schedule"]
     assert loss_a == loss_b and val_a == val_b and sorted(val_a) == [1, 2, 3]
     assert_same_state(a, b)
@@ -248,7 +248,7 @@ def test_tp2_resume_across_a_switch(tmp_path, data_cache):
     resumed, tb_r = tmp_path / "resumed", tmp_path / "tb_r"
     run_pretrain([*common, "--load", str(straight), "--ckpt-step", "2", "--save", str(resumed),
                   "--tensorboard-dir", str(tb_r)])
-    assert scalars(tb_r, "train/loss") == {i: v for i, v in scalars(tb, "train/loss").items() if i > 2}
+    assert scalars(tb_r, "lm loss") == {i: v for i, v in scalars(tb, "lm loss").items() if i > 2}
     for rank in (0, 1):
         a, b = load_rank_checkpoint(straight / "iter_0000004", rank), load_rank_checkpoint(resumed / "iter_0000004", rank)
         assert_same_state(a, b)
@@ -270,7 +270,7 @@ def test_pp2_stage_plans_and_resume_across_a_switch(tmp_path, data_cache):
     resumed, tb_r = tmp_path / "resumed", tmp_path / "tb_r"
     run_pretrain([*common, "--load", str(straight), "--ckpt-step", "2", "--save", str(resumed),
                   "--tensorboard-dir", str(tb_r)], script=harness)
-    assert scalars(tb_r, "train/loss") == {i: v for i, v in scalars(tb, "train/loss").items() if i > 2}
+    assert scalars(tb_r, "lm loss") == {i: v for i, v in scalars(tb, "lm loss").items() if i > 2}
     stage0, stage1 = (ckpt(straight, 4, f"mp_rank_00_00{s}") for s in (0, 1))
     assert set(stage0["precision_plan"]) == {f"decoder.layers.0.{n}" for n in (
         "self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")}

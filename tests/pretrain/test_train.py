@@ -87,7 +87,8 @@ def test_plan_on_the_built_model(world_of_one):
 # === a TP=2 run end to end (default, compiled backend) ===
 
 PROGRESS = re.compile(
-    r"^iteration +(\d+)/6 \| loss (\d+\.\d{4}) \| lr (\S+) \| grad norm (\S+) \| ([\d,]+) tokens/s \| \S+ TFLOP/s/device \| "
+    r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(\d+)/6 \| loss (\d+\.\d{4}) \| lr (\S+) \| grad norm (\S+) \| "
+    r"([\d,]+) tokens/s \| \S+ TFLOP/s/device \| [\d.]+ ms/iteration \| peak mem [\d.]+ GiB \(host RSS\) \| "
     r"elapsed \d+:\d\d:\d\d \| ETA \d+:\d\d:\d\d$"
 )
 
@@ -112,6 +113,7 @@ def test_tp2_run_logs_tensorboard_and_checkpoints(tmp_path, data_cache):
             "3",
             "--tensorboard-dir",
             str(tb),
+            "--log-throughput",
             "--data-cache-dir",
             str(data_cache),
         ]
@@ -127,20 +129,20 @@ def test_tp2_run_logs_tensorboard_and_checkpoints(tmp_path, data_cache):
     # the start-up report says which GEMM of which layer runs on what (no hardware GEMMs on a CPU)
     assert "GEMM backends on cpu (hardware GEMMs here: none; requested: auto)" in proc.stdout
     assert "mxfp4+had16 -> emulated" in proc.stdout
-    assert [line.split(" | ")[0] for line in out if line.startswith("validation")] == [
+    assert [line.split(" | ")[0].split("] ")[1] for line in out if " validation at " in line] == [
         "validation at iteration 3",
         "validation at iteration 6",
     ]
     assert f"tensorboard --logdir {tb}" in proc.stdout
 
-    loss = scalars(tb, "train/loss")
+    loss = scalars(tb, "lm loss")
     assert sorted(loss) == [1, 2, 3, 4, 5, 6] and loss[6] < loss[1] - 0.3
-    assert scalars(tb, "train/lr")[1] == pytest.approx(1.5e-3) and scalars(tb, "train/lr")[
+    assert scalars(tb, "learning-rate")[1] == pytest.approx(1.5e-3) and scalars(tb, "learning-rate")[
         2
     ] == pytest.approx(3e-3)
-    assert all(v > 0 and math.isfinite(v) for v in scalars(tb, "train/grad_norm").values())
-    assert all(v > 0 for v in scalars(tb, "train/tokens_per_sec").values())
-    assert sorted(scalars(tb, "val/loss")) == [3, 6]
+    assert all(v > 0 and math.isfinite(v) for v in scalars(tb, "grad-norm").values())
+    assert all(v > 0 for v in scalars(tb, "tokens-per-sec").values())
+    assert sorted(scalars(tb, "lm loss validation")) == [3, 6]
     for m in progress:  # the progress line shows what TensorBoard got
         assert float(m.group(2)) == pytest.approx(loss[int(m.group(1))], abs=6e-5)
 
@@ -240,7 +242,7 @@ def tp_runs(request, tmp_path_factory, data_cache):
             ],
             nproc=tp,
         )
-        runs[tp] = {tag: scalars(tb, tag) for tag in ("train/loss", "train/grad_norm", "val/loss")}
+        runs[tp] = {tag: scalars(tb, tag) for tag in ("lm loss", "grad-norm", "lm loss validation")}
     return request.param, runs
 
 
@@ -254,14 +256,14 @@ def test_tp2_matches_tp1(tp_runs):
     tp1, tp2 = runs[1], runs[2]
     for tag in tp1:
         assert tp1[tag].keys() == tp2[tag].keys()
-    assert sorted(tp1["train/loss"]) == [1, 2, 3, 4, 5, 6] and sorted(tp1["val/loss"]) == [3, 6]
-    for tag in ("train/loss", "train/grad_norm"):
+    assert sorted(tp1["lm loss"]) == [1, 2, 3, 4, 5, 6] and sorted(tp1["lm loss validation"]) == [3, 6]
+    for tag in ("lm loss", "grad-norm"):
         assert _rel(tp2[tag][1], tp1[tag][1]) <= FIRST_ITERATION_RTOL[preset], (tag, tp1[tag][1], tp2[tag][1])
     for tag, rtol in (
-        ("train/loss", LOSS_RTOL),
-        ("val/loss", LOSS_RTOL),
-        ("train/grad_norm", GRAD_NORM_RTOL),
+        ("lm loss", LOSS_RTOL),
+        ("lm loss validation", LOSS_RTOL),
+        ("grad-norm", GRAD_NORM_RTOL),
     ):
         worst = {k: _rel(tp2[tag][k], tp1[tag][k]) for k in tp1[tag]}
         assert max(worst.values()) <= rtol, (tag, worst)
-    assert tp1["train/loss"][6] < tp1["train/loss"][1]
+    assert tp1["lm loss"][6] < tp1["lm loss"][1]
