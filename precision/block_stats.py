@@ -10,10 +10,11 @@ block below the format's smallest step. These figures measure exactly that, per 
 =====================  ============================================================================
 ``flushed_nonzero``    fraction of the non-zero elements that quantized to zero
 ``block_max_median``   mean over blocks of max|x| / median|x| (median: mean of the two middle
-                       magnitudes of the block; blocks whose median is 0 are left out)
+                       magnitudes of the block; blocks whose median is 0 are left out; 0 when
+                       no block has a non-zero median -- a real value is never below 1)
 ``block_top_share``    mean over blocks of the share of the block's energy in its largest element,
                        max x² / Σ x² (1/block for a flat block, 1 for a single spike; all-zero
-                       blocks left out)
+                       blocks left out; 0 when every block is zero)
 ``had16_*``            the same three after a 16-point Hadamard along the contraction axis (the
                        rotated tensor quantized again, nearest rounding, its own amax): what the
                        study's deterministic Hadamard would change. Left out where the operand
@@ -56,17 +57,17 @@ def block_figures(hp: torch.Tensor, deq: torch.Tensor, axis: int = -1, block: in
     flushed = float((nonzero & (deq.float() == 0)).sum()) / count if count else 0.0
     mag = _full_blocks(hp.abs(), axis, block)
     if mag.numel() == 0:
-        return {"flushed_nonzero": flushed, "block_max_median": float("nan"), "block_top_share": float("nan")}
+        return {"flushed_nonzero": flushed, "block_max_median": 0.0, "block_top_share": 0.0}
     srt = mag.sort(-1).values
     lo, hi = (block - 1) // 2, block // 2
     median = (srt[:, lo] + srt[:, hi]) / 2
     top = srt[:, -1]
     has_median = median > 0
-    ratio = float((top[has_median] / median[has_median]).mean()) if bool(has_median.any()) else float("nan")
+    ratio = float((top[has_median] / median[has_median]).mean()) if bool(has_median.any()) else 0.0
     sq = mag.double().square()
     energy = sq.sum(-1)
     live = energy > 0
-    share = float((sq.amax(-1)[live] / energy[live]).mean()) if bool(live.any()) else float("nan")
+    share = float((sq.amax(-1)[live] / energy[live]).mean()) if bool(live.any()) else 0.0
     return {"flushed_nonzero": flushed, "block_max_median": ratio, "block_top_share": share}
 
 

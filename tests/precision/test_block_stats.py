@@ -88,3 +88,9 @@ def test_partial_blocks_zeros_and_nonfinite():
     assert math.isclose(f["block_top_share"], 64 / (31 * 4 + 64))
     assert f["flushed_nonzero"] == 0.0
     assert hadamard_figures(x, "mxfp4", axis=1) == {}  # 67 is not a multiple of 16
+
+
+def test_all_zero_tensor_gives_zero_figures_never_nan():
+    z = torch.zeros(4, 64)
+    assert block_figures(z, z, axis=1) == {"flushed_nonzero": 0.0, "block_max_median": 0.0, "block_top_share": 0.0}
+    assert block_figures(torch.ones(2, 8), torch.ones(2, 8), axis=1)["block_max_median"] == 0.0  # no full block

@@ -1,0 +1,144 @@
+"""A precision's cost as a trend with model size: slopes over a size sweep, and the per-block table.
+
+Two reports on a sweep that ranges ``model-size`` over a family of shapes (e.g.
+``configs/sweeps/wgrad_scale_cpu.yaml``; definitions in ``pretrain/scale_study.py``):
+
+``slopes``: for each treatment against the sweep's baseline and each of its ``contrasts: [a, b]``,
+the per-size mean log token ratio (paired by seed), its slope per decade of non-embedding
+parameters with a seed-bootstrap and a regression 95 % interval, the verdict on their union, and
+the fitted effect (% extra tokens) extrapolated to ``--predict-params`` (default the non-embedding
+parameters of Llama-3.1-8B) with its interval -- an extrapolation, marked as such::
+
+    python launch/scale_study.py slopes configs/sweeps/wgrad_scale_cpu.yaml --out runs/wgrad_scale_cpu
+
+``telemetry``: the per-block numerics of runs made with ``--numerics-interval`` (``numerics/...``
+scalars: ``flushed_nonzero``, ``block_max_median``, ``block_top_share`` and their ``had16_`` forms),
+one row per run, step, GEMM, operand, blocking axis (tokens for Wgrad, features for Fprop and
+Dgrad) and metric, the mean and max over the layers, as CSV (``--csv``) and printed::
+
+    python launch/scale_study.py telemetry runs/wgrad_scale_cpu --csv runs/wgrad_scale_cpu/telemetry.csv
+
+A directory is searched for TensorBoard event files run by run (each directory holding a
+``tensorboard/`` folder is one run; ``--metrics`` picks the metrics shown).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+import warnings
+from pathlib import Path
+
+if not __package__:  # run as a script: the repository root first on sys.path (launch/_paths.py)
+    import _paths  # noqa: F401
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+
+# Llama-3.1-8B: 32 layers, hidden 4096, 32 heads / 8 query groups (head dim 128), SwiGLU 14336
+LLAMA_8B = {"num_layers": 32, "hidden_size": 4096, "ffn_hidden_size": 14336, "num_attention_heads": 32,
+            "num_query_groups": 8}
+SHOWN = ("flushed_nonzero", "had16_flushed_nonzero", "block_max_median", "had16_block_max_median",
+         "block_top_share", "had16_block_top_share")
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="scale_study.py", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("slopes", help="slopes of extra tokens against log size, with intervals and a prediction")
+    s.add_argument("sweep", help="the sweep YAML file (its grid ranges model-size)")
+    s.add_argument("--out", required=True, help="the sweep's output directory (holding results.csv)")
+    s.add_argument("--predict-params", type=float, default=None,
+                   help="non-embedding parameters to extrapolate to (default Llama-3.1-8B's)")
+    s.add_argument("--boot", type=int, default=2000, help="seed-bootstrap resamples (default 2000)")
+    t = sub.add_parser("telemetry", help="per-block numerics per GEMM, operand and axis of runs")
+    t.add_argument("runs", nargs="+", help="run directories (or a sweep's output directory)")
+    t.add_argument("--csv", default=None, help="write every row to this CSV file")
+    t.add_argument("--metrics", nargs="+", default=list(SHOWN), help="metrics printed (default the per-block ones)")
+    return p.parse_args(argv)
+
+
+def slopes(args) -> int:
+    from pretrain.scale_study import non_embedding_params, paired_effects, records_from_sweep, slope_over_sizes
+    from pretrain.sweep.spec import load_sweep
+
+    sweep = load_sweep(args.sweep)
+    records, params = records_from_sweep(args.sweep, args.out)
+    baseline = sweep.get("baseline")
+    target = args.predict_params or non_embedding_params(LLAMA_8B)
+    pairs = [(t, baseline) for t in dict.fromkeys(r.treatment for r in records) if t != baseline]
+    pairs += [tuple(c) for c in sweep.get("contrasts") or []]
+    print(f"{len(records)} runs over {len(params)} sizes; effect: log(1 + extra tokens), paired by seed; "
+          f"slope per decade of non-embedding parameters; prediction at {target:.3g} parameters (an extrapolation)")
+    print("\n| a vs b | sizes | seeds | per-size mean % | slope (95% bootstrap; regression) | verdict "
+          "| predicted % at target (95%) |\n|---|---|---|---|---|---|---|")
+    for a, b in pairs:
+        eff = paired_effects(records, a, b)
+        if len(eff) < 3:
+            print(f"| {a} vs {b} | {len(eff)} | - | - | not yet measured (needs 3 sizes) | - | - |")
+            continue
+        try:
+            res = slope_over_sizes(eff, params, boot=args.boot)
+        except ValueError as e:
+            print(f"| {a} vs {b} | {len(eff)} | - | - | {e} | - | - |")
+            continue
+        means = ", ".join(f"{s} {100 * math.expm1(m):+.2f}" for s, m in zip(res.sizes, res.means))
+        pct, lo, hi = res.predict(target)
+        print(f"| {a} vs {b} | {len(res.sizes)} | {res.seeds} | {means} | {res.slope:+.4f} ({res.boot[0]:+.4f}, "
+              f"{res.boot[1]:+.4f}; {res.regression[0]:+.4f}, {res.regression[1]:+.4f}) | {res.verdict} "
+              f"| {pct:+.1f} ({lo:+.1f}, {hi:+.1f}) |")
+    return 0
+
+
+def _run_dirs(paths: list[str]) -> list[Path]:
+    found = []
+    for p in map(Path, paths):
+        if not p.is_dir():
+            raise FileNotFoundError(f"{p}: not a directory (a run directory or a sweep's --out)")
+        runs = sorted({f.parent.parent if f.parent.name == "tensorboard" else f.parent
+                       for f in p.rglob("events.out.tfevents.*")})
+        if not runs:
+            raise FileNotFoundError(f"{p}: no TensorBoard event files below it (runs made with --tensorboard-dir)")
+        found += runs
+    return found
+
+
+def telemetry(args) -> int:
+    from pretrain.scale_study import telemetry_table
+
+    rows = []
+    for run in _run_dirs(args.runs):
+        try:
+            table = telemetry_table(run)
+        except ValueError:  # a run without --numerics-interval
+            continue
+        rows += [{"run": run.name, **r} for r in table]
+    if not rows:
+        print("error: no numerics/* scalars in these runs; train with --numerics-interval N", file=sys.stderr)
+        return 2
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    shown = [r for r in rows if r["metric"] in args.metrics]
+    print("| run | step | GEMM | operand | blocked along | metric | mean over layers | max |\n|---|---|---|---|---|---|---|---|")
+    for r in shown:
+        print(f"| {r['run']} | {r['step']} | {r['gemm']} | {r['operand']} | {r['axis']} | {r['metric']} "
+              f"| {r['mean']:.4g} | {r['max']:.4g} |")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    from pretrain.sweep.spec import SweepError
+
+    try:
+        return slopes(args) if args.command == "slopes" else telemetry(args)
+    except (SweepError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
