@@ -408,9 +408,8 @@ def build_gpt(
     ep_size = parallel_state.get_expert_model_parallel_world_size()
     if ep_size != cfg.expert_model_parallel_size:
         raise ValueError(f"--expert-model-parallel-size {cfg.expert_model_parallel_size}: megatron's parallel state "
-                         f"has expert parallelism {ep_size} (initialize_model_parallel(expert_model_parallel_size=...)); "
-                         "launch/pretrain.py does not run expert parallelism yet (its data-parallel reduction would "
-                         "average different experts): use 1 there")
+                         f"has expert parallelism {ep_size}: initialize_model_parallel(expert_model_parallel_size=...) "
+                         "must match it")
     if recompute is not None:
         recompute.check(cfg.num_layers // parallel_state.get_pipeline_model_parallel_world_size())
     if sequence_parallel and not torch.cuda.is_available():

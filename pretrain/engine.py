@@ -93,6 +93,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from model.gpt import allreduce_tp_partial_grads, policy_linears
 from model.moe import set_aux_loss_scale
+from pretrain import expert_parallel
 from pretrain.checkpointing import CheckpointError
 from pretrain.config import RunConfig
 from pretrain.optim import MainParams, build_optimizer, clip_grad_norm
@@ -247,8 +248,10 @@ class TorchEngine(_StepMixin):
         self.nonfinite = nonfinite or NonFinitePolicy.of(run.training)
 
     def wrap(self) -> None:
-        """torch DDP over the data-parallel group (after a checkpoint is loaded into the model)."""
-        if parallel_state.get_data_parallel_world_size() > 1 and self.main is None:
+        """torch DDP over the data-parallel group (after a checkpoint is loaded into the model); not
+        with expert parallelism (its experts differ between data-parallel ranks: summed over the
+        expert-data-parallel group in ``_reduce_and_step``, ``pretrain.expert_parallel``)."""
+        if parallel_state.get_data_parallel_world_size() > 1 and self.main is None and expert_parallel.ep_size() == 1:
             self.ddp = TorchDDP(
                 self.model,
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
@@ -268,7 +271,10 @@ class TorchEngine(_StepMixin):
         # torch DDP averages over data-parallel ranks: scale by dp so the result is sum / global tokens
         dp_size = parallel_state.get_data_parallel_world_size() if self.ddp is not self.model else 1
         self.begin_step()
-        set_aux_loss_scale(1 / len(micro), self.device)  # MoE aux / z losses: megatron's per-micro-batch weight
+        # MoE aux / z losses: megatron's per-micro-batch weight, averaged over DP ranks -- by DDP, or here
+        # when the gradients are summed (--bf16, expert parallelism)
+        summed = parallel_state.get_data_parallel_world_size() // dp_size
+        set_aux_loss_scale(1 / (len(micro) * summed), self.device)
         loss_sum = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro):
             last = i == len(micro) - 1
@@ -286,12 +292,11 @@ class TorchEngine(_StepMixin):
         """(loss, norm before clipping, lr): gradients summed over DP (unless DDP did) and TP
         partials, clipped; the optimizer steps unless ``check_finite`` finds loss or norm non-finite."""
         params = self.main if self.main is not None else self.model
-        if self.ddp is self.model:  # no torch DDP: sum this rank's gradients over data-parallel ranks
-            for p in params.parameters():
-                if p.grad is not None:
-                    dp_sum(p.grad)
+        if self.ddp is self.model:  # no torch DDP: sum this rank's gradients over (expert-)data-parallel ranks
+            expert_parallel.reduce_grads(params.parameters())
         allreduce_tp_partial_grads(params)
-        norm = clip_grad_norm(params.parameters(), self.run.training.clip_grad, parallel_state.get_tensor_model_parallel_group())
+        norm = clip_grad_norm(params.parameters(), self.run.training.clip_grad,
+                              parallel_state.get_tensor_model_parallel_group(), expert_parallel.expert_norm_group())
         lr = schedule.step()
         self.stepped = not check_finite or bool(torch.isfinite(torch.stack([torch.as_tensor(loss, device=norm.device)
                                                                             .float(), norm])).all())

@@ -59,6 +59,7 @@ class MainParams:
             main = torch.nn.Parameter(p.detach().float().clone())
             copy_tensor_model_parallel_attributes(main, p)
             main.sequence_parallel = getattr(p, "sequence_parallel", False)
+            main.allreduce = getattr(p, "allreduce", True)  # False: an expert-parallel expert's (EP > 1)
             p.register_post_accumulate_grad_hook(self._accumulate_into(main))
             self.model_params.append(p)
             self.named.append((name, main))
@@ -301,28 +302,38 @@ def _quiet(logger: logging.Logger):
         logger.setLevel(level)
 
 
-def grad_norm(parameters, tp_group=None) -> torch.Tensor:
-    """Global L2 norm of the gradients (float32 scalar tensor), TP shards and replicas counted once."""
+def grad_norm(parameters, tp_group=None, expert_group=None) -> torch.Tensor:
+    """Global L2 norm of the gradients (float32 scalar tensor), TP shards and replicas counted once.
+
+    ``expert_group`` (expert parallelism, ``pretrain.expert_parallel.expert_norm_group``): the expert
+    parameters' squares are summed over it (expert TP x EP: every rank holds other experts), the dense
+    ones over ``tp_group``, as megatron's ``clip_grad_norm_fp32`` does."""
     tp_group = tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()
-    grads = [p.grad for p in parameters if p.grad is not None and param_is_not_tensor_parallel_duplicate(p)]
-    device = grads[0].device if grads else torch.device("cpu")
+    params = [p for p in parameters if p.grad is not None and param_is_not_tensor_parallel_duplicate(p)]
+    device = params[0].grad.device if params else torch.device("cpu")
     sq = torch.zeros((), dtype=torch.float32, device=device)
-    for g in grads:
-        sq += g.detach().float().square().sum()
+    expert_sq = torch.zeros((), dtype=torch.float32, device=device)
+    for p in params:
+        target = expert_sq if expert_group is not None and not getattr(p, "allreduce", True) else sq
+        target += p.grad.detach().float().square().sum()
     if tp_group is not None and tp_group.size() > 1:
         torch.distributed.all_reduce(sq, group=tp_group)
+    if expert_group is not None:
+        if expert_group.size() > 1:
+            torch.distributed.all_reduce(expert_sq, group=expert_group)
+        sq += expert_sq
     return sq.sqrt()
 
 
-def clip_grad_norm(parameters, max_norm: float, tp_group=None) -> torch.Tensor:
+def clip_grad_norm(parameters, max_norm: float, tp_group=None, expert_group=None) -> torch.Tensor:
     """Scale all gradients so their global norm is at most ``max_norm`` (0: no clipping); returns the
     norm before clipping, a 0-d float32 tensor on the gradients' device.
 
     Nothing is read to the host: the coefficient ``min(max_norm / (norm + 1e-6), 1)`` is computed
     on the device in float64 from the FP32 norm and rounded to FP32 -- the numbers a Python-float
-    coefficient gives (a factor of exactly 1 leaves a gradient unchanged)."""
+    coefficient gives (a factor of exactly 1 leaves a gradient unchanged). ``expert_group``: :func:`grad_norm`."""
     parameters = [p for p in parameters if p.grad is not None]
-    norm = grad_norm(parameters, tp_group)
+    norm = grad_norm(parameters, tp_group, expert_group)
     if max_norm > 0:
         numerator = torch.full((), max_norm, dtype=torch.float64, device=norm.device)  # a fill, not a copy
         coeff = torch.div(numerator, norm.double() + 1e-6)  # a true division (a / t would be a * (1 / t))

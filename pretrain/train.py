@@ -74,7 +74,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from model.gpt import padded_vocab_size
-from pretrain import runtime
+from pretrain import expert_parallel, runtime
 from pretrain.arguments import PROG, ConfigError, parse_run_config
 from pretrain.checkpointing import CheckpointError, CheckpointSaveError
 from pretrain.config import RunConfig
@@ -125,9 +125,11 @@ def _refuse(message: str, status: int):
 def init_distributed(run: RunConfig) -> torch.device:
     """Process group (``runtime.init_process_group``), parallel state, seeds."""
     init_process_group()
+    expert_parallel.check_layout(run, torch.distributed.get_world_size(), ConfigError)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=run.parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=run.parallel.pipeline_model_parallel_size,
+        expert_model_parallel_size=run.model.expert_model_parallel_size,
     )
     device = seed_everything(run.training.seed)
     if device.type == "cuda":
@@ -270,7 +272,8 @@ def setup(run: RunConfig) -> Trainer:
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     dp = parallel_state.get_data_parallel_world_size()
     rank0_print(
-        f"world size {torch.distributed.get_world_size()} = TP {tp} x PP {pp} x DP {dp} | device {device.type} "
+        f"world size {torch.distributed.get_world_size()} = TP {tp} x PP {pp} x DP {dp}"
+        f"{f' (EP {m.expert_model_parallel_size})' if m.expert_model_parallel_size > 1 else ''} | device {device.type} "
         f"({torch.distributed.get_backend()}) | gemm backend {p.gemm_backend} | seed {t.seed}"
     )
 
