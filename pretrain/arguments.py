@@ -386,9 +386,9 @@ def _check_checkpoints(args) -> None:
             raise ConfigError(f"--finetune: no checkpoint in --load {args.load} ({TRACKER} missing)")
     for flag, path in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir)):
         if path is not None:
+            _check_writable_dir(flag, path)
     if msg := LoggingConfig.wandb_problem(args):
         raise ConfigError(msg)
-            _check_writable_dir(flag, path)
     if args.skip_nonfinite_steps and not args.check_for_nan_in_loss_and_grad:
         raise ConfigError("--skip-nonfinite-steps needs --check-for-nan-in-loss-and-grad (the check that finds "
                           "non-finite steps; drop --no-check-for-nan-in-loss-and-grad)")
