@@ -95,6 +95,7 @@ from pretrain.rl.update import RLDiverged, update
 from pretrain.runtime import is_rank0, rank0_print
 from pretrain.status import EXIT_DIVERGED
 from pretrain.train import build_model, init_distributed, open_tensorboard, seed_everything
+from pretrain.trainer.metrics import ScalarWriter, open_wandb
 from pretrain.trainer.stopper import Stopper
 
 __all__ = ["SUMMARY_FILE", "RLTrainer", "policy_logprobs", "setup", "train"]
@@ -348,8 +349,9 @@ def setup(run: RunConfig, cfg: RLConfig) -> RLTrainer:
     rank0_print(f"task {trainer.spec.name} ({cfg.task}) | {cfg.prompts_per_step} prompts x G {cfg.group_size} per "
                 f"iteration | {cfg.advantage_estimator}, {cfg.loss_agg} | correction {cfg.correction.kind} | "
                 f"QAT {cfg.rollout_qat} | KL {cfg.kl_coef} | lr {t.lr}")
-    if run.logging.tensorboard_dir and is_rank0():
-        trainer.tb = open_tensorboard(run.logging.tensorboard_dir, trainer.iteration)
+    if (run.logging.tensorboard_dir or run.logging.wandb_project) and is_rank0():  # W&B: the same scalars
+        tb = open_tensorboard(run.logging.tensorboard_dir, trainer.iteration) if run.logging.tensorboard_dir else None
+        trainer.tb = ScalarWriter(tb, open_wandb(run.logging, run.checkpoint.save, flags))
         trainer.tb.add_text("rollout_plan", "```\n" + trainer.rollout_plan.table() + "\n```", trainer.iteration)
         trainer.tb.add_text("args", "```\n" + "\n".join(f"{k}: {v}" for k, v in sorted(flags.items())) + "\n```",
                             trainer.iteration)
