@@ -268,7 +268,7 @@ class TrainingConfig:
     skip_nonfinite_steps: int = arg(
         "--skip-nonfinite-steps", type=int, default=0, metavar="N",
         help="skip up to N non-finite steps (no parameter or optimizer update, counted in "
-        "train/nonfinite_steps) before the next one ends the run as diverged")
+        "nonfinite-steps) before the next one ends the run as diverged")
     """Non-finite steps rolled back before the next one is divergence."""
 
 
