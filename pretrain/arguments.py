@@ -54,10 +54,9 @@ from pretrain.config.megatron_flags import MegatronFlags, given_megatron_flags, 
 from pretrain.config.precision import RunPrecision, phase_precisions, precision_schedule  # noqa: F401 - re-exported
 from pretrain.config.run import LoggingConfig
 
+PROG = "pretrain.py"
 PARSE_TIME = tuple(f.name for cls in (ConfigFileArgs, MegatronFlags) for f in dataclasses.fields(cls))
 """Flags read while parsing (``--config``, Megatron-LM's spellings), then removed from the Namespace."""
-
-PROG = "pretrain.py"
 
 
 class ConfigError(ValueError):

@@ -17,9 +17,9 @@ list too). Precedence: defaults < ``--model-size`` file < ``--config`` file < co
 
 A checkpoint's ``iter_*/run_config.json`` (``{"args": ..., "model_config": ..., "tokenizer": ...}``)
 loads the same way: its ``args`` are the run's validated flags, so ``--config
-ckpt/iter_0000100/run_config.json`` reproduces the run from the checkpoint alone. Its
-``--tokenizer-model`` becomes the tokenizer copy inside the checkpoint. Values the run derived are
-given back as explicit flags (``--global-batch-size``, ``--lr-decay-iters``, ``--ffn-hidden-size``,
+ckpt/iter_0000100/run_config.json`` reproduces the run from the checkpoint alone. A
+``--tokenizer-model`` that no longer exists becomes the tokenizer copy inside the checkpoint. Values
+the run derived are given back as explicit flags (``--global-batch-size``, ``--lr-decay-iters``, ``--ffn-hidden-size``,
 and ``--bf16`` / ``--num-workers`` as the device of that run resolved them); the one value that is
 no flag, ``pretrained_vocab_size`` (read again from ``--pretrained-checkpoint``), is skipped. Paths
 (``--save``, ``--load``, ``--tensorboard-dir``, ``--data-path``) come back as saved: give your own
@@ -78,9 +78,10 @@ def read_config_file(path: str) -> tuple[dict, bool]:
         raise ConfigFileError(f"{FLAG}: {path} must be a mapping of flag names to values (e.g. train_iters: 100)")
     if isinstance(data.get("args"), dict) and "model_config" in data:  # a checkpoint's run_config.json
         args = {k: v for k, v in data["args"].items() if k not in SKIPPED_SAVED}
-        tok = data.get("tokenizer")
-        if tok and os.path.exists(copy := os.path.join(os.path.dirname(os.path.abspath(path)), tok["path"])):
-            args["tokenizer_model"] = copy
+        tok, saved = data.get("tokenizer"), args.get("tokenizer_model")
+        copy = tok and os.path.join(os.path.dirname(os.path.abspath(path)), tok["path"])
+        if saved and not os.path.exists(saved) and copy and os.path.exists(copy):
+            args["tokenizer_model"] = copy  # the run's tokenizer file is gone: the checkpoint's copy
         return args, True
     return data, False
 
@@ -118,16 +119,14 @@ def _tokens(key: str, value, actions: list[tuple[argparse.Action, str]], parser,
     if action.nargs == 0:  # store_true / store_false / store_const, possibly several on one dest
         if not isinstance(value, bool):
             raise ConfigFileError(f"{where}: {key}: {value!r}; give true or false (the switch {flag})")
-        for a, f in actions:
-            if a.const == value:
-                return [f]
-        dest_actions = [a for a in parser._actions if a.dest == action.dest and a.nargs == 0]
-        for a in dest_actions:
-            if a.const == value:
+        if key.replace("-", "_") != action.dest:  # a switch by its own name (disable_bias_linear): true gives it
+            return [flag] if value else []
+        for a in parser._actions:  # the dest's value: the switch on that dest that stores it
+            if a.dest == action.dest and a.nargs == 0 and a.const == value:
                 return [next(o for o in a.option_strings if o.startswith("--"))]
         if value == parser.get_default(action.dest):
             return []
-        raise ConfigFileError(f"{where}: {key}: {value!r}: the switch {flag} can only be turned on (true)")
+        raise ConfigFileError(f"{where}: {key}: {value!r}: no switch of {flag} sets it")
     values = list(value) if isinstance(value, (list, tuple)) else [value]
     if isinstance(action, argparse._AppendAction):
         return [t for v in values for t in (flag, _text(v))]
