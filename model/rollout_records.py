@@ -49,6 +49,9 @@ from precision.rounding_record import RoundingRecord, record_rounding, recordabl
 __all__ = ["RoundingRecorder", "select_recorded_linears"]
 
 
+ROUTED = ".mlp.experts."  # a routed expert's linears (model.moe): not recordable per position
+
+
 def select_recorded_linears(model, plan, selectors: Sequence[str], flag: str = "record_layers") -> dict[str, object]:
     """``{name: activation OperandFormat}`` of the linears ``selectors`` choose (anchored, as
     ``--precision-rule``'s); a selector that chooses nothing, or a linear whose rollout activation
@@ -62,6 +65,10 @@ def select_recorded_linears(model, plan, selectors: Sequence[str], flag: str = "
         if not hits:
             raise SpecError(f"{flag} {sel!r}: selects no linear; linears: {', '.join(names)}")
         for n in hits:
+            if ROUTED in n:
+                raise SpecError(f"{flag} {sel!r}: {n} is a routed expert, which runs on the tokens routed to it "
+                                "(permuted, padded), not on every position: its rounding is not recorded; select "
+                                "other linears (e.g. kind:attention, kind:shared_expert)")
             recipe = plan.fprop(n)
             ok = (recipe.a.fmt in recordable_formats() and not get_format(recipe.a.fmt).tensor_scaled
                   and recipe.rotation == "none" and n != "output_layer")

@@ -105,7 +105,7 @@ import torch
 from model.attention import core_attentions
 from model.gpt import policy_linears
 from model.rollout_plan import RolloutPlan
-from model.rollout_records import select_recorded_linears
+from model.rollout_records import ROUTED, select_recorded_linears
 from precision.formats import QuantizedTensor, get_format
 from precision.recipe import OperandFormat
 from precision.rounding_record import DEFAULT_WINDOW, RoundingRecord, recordable_formats, replay_quantize
@@ -217,7 +217,8 @@ class RolloutQAT:
     def _select(self, plan: RolloutPlan) -> list[str]:
         """The linears ``replay_layers`` chooses under the first plan (one-line errors)."""
         if self.replay_layers == ("all",):
-            names = [n for n, _ in self.linears if n in plan.linears and _recordable(plan, n)]
+            # routed experts run on a permuted, padded subset of the tokens: no per-position record (rtn)
+            names = [n for n, _ in self.linears if n in plan.linears and _recordable(plan, n) and ROUTED not in n]
             if not names:
                 raise ValueError(f"--rollout-qat replay: the rollout plan {plan.label} quantizes no linear's "
                                  "activations in a recordable format (mxfp4, mxfp6_*, no rotation); use "

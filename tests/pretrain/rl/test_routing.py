@@ -68,3 +68,17 @@ def test_routing_replay_on_a_dense_model_is_refused(tokenizer):  # noqa: F811
 
     with pytest.raises(ConfigError, match="--routing-replay"):
         parse_rl_args(base(tokenizer, "--routing-replay"), 1, False)
+
+
+def test_moe_rollout_guided_qat(world_of_one, tokenizer):  # noqa: F811
+    """--rollout-qat replay on a MoE policy (MXFP4 rollouts, routing replayed): the routed experts take
+    rtn (no per-position record), every other linear replays; the QAT recompute reproduces the rollout's
+    log-probs to float rounding. Selecting routed experts for replay is refused in one line."""
+    t = _trainer(base(tokenizer, *MOE, "--rollout-precision", "mxfp4", "--routing-replay", "--rollout-qat", "replay"))
+    assert t.qat.record_layers and not any(".mlp.experts." in n for n in t.qat.record_layers)
+    assert any(".mlp.shared_experts." in n for n in t.qat.record_layers)
+    s = t.step()
+    assert s["qat/k3_kl"] < 1e-6 < s["mismatch/k3_kl"]
+    with pytest.raises(ConfigError, match="routed expert"):
+        _trainer(base(tokenizer, *MOE, "--rollout-precision", "mxfp4", "--rollout-qat", "replay",
+                      "--rollout-qat-layers", "kind:expert_fc1"))
