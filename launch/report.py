@@ -44,6 +44,7 @@ from pretrain.evaluation.numerics_report import (  # noqa: F401
     render,
     summary,
 )
+from pretrain.evaluation.moe_report import load_moe, moe_section
 from pretrain.sweep.report import report_sweep
 
 
@@ -106,6 +107,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     pngs = render(table, step, out, run_dir.name, load_unquantized(run_dir, step))
     md = summary(table, step)
+    if moe := moe_section(load_moe(run_dir)):  # a mixture-of-experts run: its routing and experts' SQNR
+        md += "\n\n" + moe
     (out / "numerics.md").write_text(md + "\n")
     print(md)
     print(f"wrote {out / 'numerics.md'} and {len(pngs)} heatmaps: " + ", ".join(p.name for p in pngs))

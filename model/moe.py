@@ -156,6 +156,33 @@ class PolicyRouter(_PolicyLinearMixin, TopKRouter):
         self.layer_name = name
         self.quant_state = LayerQuantState(seed=seed, name=name)  # replicated weight: no TP layout
 
+    stats: dict | None = None
+    """Routing telemetry of the step (``pretrain.trainer.moe_telemetry``): None (off: one check per
+    forward), or a dict the training forwards add to on the device: ``tokens`` (assignments per expert,
+    after capacity dropping), ``dropped`` (top-k assignments dropped), ``entropy`` (sum over tokens of
+    the routing distribution's entropy, nats) and ``count`` (tokens routed)."""
+
+    def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
+        probs, routing_map = super().routing(logits, padding_mask)
+        if self.stats is not None and self.training:
+            self._record(logits.detach(), routing_map)
+        return probs, routing_map
+
+    @torch.no_grad()
+    def _record(self, logits: torch.Tensor, routing_map: torch.Tensor) -> None:
+        logits = logits.reshape(-1, logits.shape[-1]).float()
+        if self.score_function == "sigmoid":  # the normalised scores: a distribution over the experts
+            scores = torch.sigmoid(logits)
+            p = scores / scores.sum(-1, keepdim=True)
+        else:
+            p = torch.softmax(logits, dim=-1)
+        entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)
+        tokens = routing_map.sum(0).float()
+        new = {"tokens": tokens, "dropped": logits.shape[0] * self.topk - tokens.sum(),
+               "entropy": entropy.sum(), "count": torch.tensor(float(logits.shape[0]), device=logits.device)}
+        for key, value in new.items():
+            self.stats[key] = self.stats[key] + value if key in self.stats else value
+
     __repr__ = torch.nn.Module.__repr__
 
 

@@ -92,6 +92,7 @@ from pretrain.status import (
 )
 from pretrain.trainer.checkpointer import Checkpointer, Progress
 from pretrain.trainer.metrics import VAL_BATCHES_FILE, MetricsLogger, hms, open_tensorboard  # noqa: F401 - re-exported
+from pretrain.trainer.moe_telemetry import MoETelemetry
 from pretrain.trainer.phases import PrecisionPhases
 from pretrain.trainer.plans import (  # noqa: F401 - re-exported (RL, tools, tests)
     SchedulePlans,
@@ -170,6 +171,7 @@ class Trainer:
     phases: PrecisionPhases = field(init=False)
     validator: Validator = field(init=False)
     checkpointer: Checkpointer = field(init=False)
+    moe_telemetry: MoETelemetry = field(init=False)
 
     def __post_init__(self):
         r = self.run
@@ -183,6 +185,9 @@ class Trainer:
         self.checkpointer = Checkpointer(r, self.model, self.engine, self.schedule, self.phases, self.progress,
                                          model_config=self.model_config, tokenizer_model=self.tokenizer_model)
         self.metrics.settle_before(self.validator.should_validate, self.checkpointer.should_save)
+        self.moe_telemetry = MoETelemetry(self.model, self.phases.policy_linears(), self.metrics,
+                                          log_interval=r.logging.log_interval, numerics_interval=r.precision.numerics_interval,
+                                          num_micro_batches=self.num_micro_batches)
 
     @property
     def iteration(self) -> int:
@@ -375,12 +380,14 @@ def train(trainer: Trainer, signals: runtime.Signals, started: float | None = No
         step = t.iteration + 1
         phases.maybe_switch_phase(t.iteration)  # a schedule's switch happens here, between steps
         phases.begin_step(step)
+        t.moe_telemetry.begin_step(step)
         try:
             loss, norm, lr, outcome = t.train_step(data)
         except StopIteration:
             raise RuntimeError(f"the training data ran out at iteration {step}") from None
         t.iteration, t.consumed_samples = step, t.consumed_samples + gbs
         phases.end_step(step)
+        t.moe_telemetry.end_step(step)  # MoE models: routing per layer and expert (pretrain.trainer.moe_telemetry)
         metrics.record(step, loss, norm, lr, time.perf_counter() - t0, outcome)
         # the steps are read to the host (and a divergence found) only here: at a log interval, before
         # a component that evaluates, saves or stops acts (metrics.settle_before), and at the end
