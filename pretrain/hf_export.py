@@ -1,4 +1,4 @@
-"""Our megatron-core GPT -> a Hugging Face Llama / Qwen2 checkpoint, BF16 or FP4-packed.
+"""Our megatron-core GPT -> a Hugging Face Llama / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE checkpoint, BF16 or FP4-packed.
 
     state, cfg, tok_dir = load_tp1_weights("ckpt/")           # any TP size; hf_converted.pt; plain file
     files = export_hf(state, cfg, "out/")                      # BF16 safetensors + config.json
@@ -9,9 +9,21 @@
 The reverse of ``pretrain.hf_convert`` (its module docstring has the name mapping and the layout
 facts): ``linear_qkv``'s per-group ``[q heads; k; v]`` rows split into ``q_proj`` / ``k_proj`` /
 ``v_proj``, ``linear_fc1 = [gate; up]`` into ``gate_proj`` / ``up_proj``, the vocabulary cut back
-to the tokenizer's ``vocab_size`` rows (megatron pads it). Qwen2 when the model has ``linear_qkv``
-biases (``--add-qkv-bias``), Llama otherwise; other architectures (LayerNorm, GELU, learned
-positions, biases on every linear) have no HF Llama equivalent and are refused.
+to the tokenizer's ``vocab_size`` rows (megatron pads it). The architecture (:func:`hf_architecture`):
+
+    dense, --add-qkv-bias                      Qwen2ForCausalLM
+    dense, --qk-layernorm                      Qwen3ForCausalLM
+    dense                                      LlamaForCausalLM
+    --num-experts, --qk-layernorm              Qwen3MoeForCausalLM (norm_topk_prob = not --moe-router-pre-softmax;
+                                               dense layers of --moe-layer-freq -> mlp_only_layers)
+    --num-experts                              MixtralForCausalLM (every layer MoE, top-k renormalized)
+
+Each expert's ``linear_fc1 = [gate; up]`` splits into ``gate_proj`` / ``up_proj`` (Mixtral: ``w1`` /
+``w3``), ``linear_fc2`` is ``down_proj`` (``w2``), the router is the MoE block's ``gate``. Refused in
+one line: what those architectures cannot say (LayerNorm, GELU, learned positions, biases on every
+linear, shared experts -- Qwen2-MoE's is gated, ours is not --, sigmoid scores, token dropping by
+capacity factor, pre-softmax routing without q/k norms). Training-only router settings: the aux-loss
+coefficient is written as ``router_aux_loss_coef``; the z-loss has no HF field.
 
 FP4 export: compressed-tensors' ``nvfp4-pack-quantized`` / ``mxfp4-pack-quantized`` formats
 (what vLLM and SGLang load). Every decoder linear's weight is quantized **by our own quantizer**
@@ -45,6 +57,15 @@ Conventions that differ, and how the export maps them (tested against the real p
     fused tensor's rows (blocks run along in-features, inside a row).
   - MXFP4 scale bytes: the E8M0 byte is stored as is; compressed-tensors decodes
     ``2^(byte-127)``, ours too, so MXFP4 weights are bit-identical in any dtype.
+  - Packing is compressed-tensors' own: ``pack_fp4_to_uint8`` packs the E2M1 values our codes decode
+    to (its code table, sign bit and nibble order are ours, so the bytes are ``packed()``'s, tested
+    bit for bit); MXFP4's E8M0 bytes go through its ``compress_mx_scale`` (from ``2^(b-127)``: exact
+    for every finite byte). NVFP4's E4M3 block scales are our bytes viewed as ``float8_e4m3fn``: the
+    library's own step for them (``NVFP4PackedCompressor``) is that dtype cast, which from our FP32
+    decoded scale would round-trip to the same byte -- no packer to call.
+  - Mixture of experts: every expert's fc1 / fc2 is packed like a dense linear (fc1 ``[gate; up]``
+    one tensor, so gate and up share its ``g_enc``, as vLLM's fused MoE ``w13`` wants); the router
+    follows the rollout plan (FP32 by default: BF16 in the file, listed in ``ignore``).
   - Activations: ``mxfp4`` rollouts (dynamic MXFP4 activations, block 32) map to
     compressed-tensors' ``MXFP4`` scheme; an NVFP4 activation's FP32 tensor scale is per call (its
     own amax), which compressed-tensors' ``NVFP4`` scheme cannot say (it wants a calibrated static
@@ -63,7 +84,10 @@ import torch
 from sentencepiece import sentencepiece_model_pb2
 
 from model.gpt import ModelConfig
+from model.moe import moe_layer_pattern
 from model.rollout_plan import resolve_rollout_plan
+from precision.elements import E2M1
+from precision.formats import decode_element
 from precision.quantize import quantize
 from pretrain import hf_convert
 from pretrain.checkpointing import TRACKER, checkpoint_tokenizer, load_checkpoint
@@ -74,6 +98,7 @@ __all__ = [
     "HFExportError",
     "decoder_linear_names",
     "export_hf",
+    "hf_architecture",
     "hf_config",
     "hf_state_dict",
     "load_tp1_weights",
@@ -131,11 +156,65 @@ def _check_exportable(cfg: ModelConfig) -> None:
     problems = [(cfg.normalization != "RMSNorm", f"--normalization {cfg.normalization}"),
                 (cfg.activation != "swiglu", f"--activation {cfg.activation}"),
                 (cfg.position_embedding != "rope", f"--position-embedding-type {cfg.position_embedding}"),
-                (cfg.add_bias_linear, "--add-bias-linear")]
+                (cfg.add_bias_linear, "--add-bias-linear"),
+                (cfg.add_qkv_bias and cfg.qk_layernorm, "--add-qkv-bias with --qk-layernorm")]
     bad = [what for cond, what in problems if cond]
     if bad:
-        raise HFExportError(f"model: {', '.join(bad)} has no Hugging Face Llama/Qwen2 equivalent (needs RMSNorm, "
-                            f"swiglu, rope, no linear biases except --add-qkv-bias)")
+        raise HFExportError(f"model: {', '.join(bad)} has no Hugging Face Llama/Qwen2/Qwen3 equivalent (needs "
+                            f"RMSNorm, swiglu, rope, no linear biases except --add-qkv-bias)")
+    if cfg.num_experts is None:
+        return
+    moe = [(cfg.moe_shared_expert_intermediate_size is not None,
+            f"--moe-shared-expert-intermediate-size {cfg.moe_shared_expert_intermediate_size} (Qwen3-MoE and Mixtral "
+            "have no shared expert; Qwen2-MoE's is gated)"),
+           (cfg.moe_router_score_function != "softmax",
+            f"--moe-router-score-function {cfg.moe_router_score_function} (softmax only)"),
+           (cfg.moe_expert_capacity_factor is not None,
+            f"--moe-expert-capacity-factor {cfg.moe_expert_capacity_factor} (transformers drops no tokens)"),
+           (cfg.add_qkv_bias, "--add-qkv-bias"),
+           (not cfg.qk_layernorm and cfg.moe_router_pre_softmax,
+            "--moe-router-pre-softmax without --qk-layernorm (Mixtral always renormalizes the top-k weights)"),
+           (not cfg.qk_layernorm and not all(moe_layer_pattern(cfg.num_layers, cfg.moe_layer_freq)),
+            f"--moe-layer-freq {cfg.moe_layer_freq} without --qk-layernorm (Mixtral: every layer MoE)")]
+    bad = [what for cond, what in moe if cond]
+    if bad:
+        raise HFExportError(f"mixture-of-experts model: {bad[0]} has no Hugging Face Qwen3-MoE / Mixtral equivalent")
+
+
+def hf_architecture(cfg: ModelConfig) -> str:
+    """The Hugging Face architecture ``cfg`` exports as (module docstring); refuses in one line."""
+    _check_exportable(cfg)
+    if cfg.num_experts is not None:
+        return "Qwen3MoeForCausalLM" if cfg.qk_layernorm else "MixtralForCausalLM"
+    if cfg.qk_layernorm:
+        return "Qwen3ForCausalLM"
+    return "Qwen2ForCausalLM" if cfg.add_qkv_bias else "LlamaForCausalLM"
+
+
+def _moe_layers(cfg: ModelConfig) -> list[int]:
+    return moe_layer_pattern(cfg.num_layers, cfg.moe_layer_freq) if cfg.num_experts else [0] * cfg.num_layers
+
+
+def _hf_linears(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """``{our decoder linear: its HF linears}`` (fused ones -- linear_qkv, linear_fc1 -- have several)."""
+    mixtral = hf_architecture(cfg) == "MixtralForCausalLM"
+    out = {}
+    for i, is_moe in enumerate(_moe_layers(cfg)):
+        ours, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
+        out[ours + "self_attention.linear_qkv"] = tuple(f"{hf}self_attn.{p}_proj" for p in "qkv")
+        out[ours + "self_attention.linear_proj"] = (f"{hf}self_attn.o_proj",)
+        if not is_moe:
+            out[ours + "mlp.linear_fc1"] = (f"{hf}mlp.gate_proj", f"{hf}mlp.up_proj")
+            out[ours + "mlp.linear_fc2"] = (f"{hf}mlp.down_proj",)
+            continue
+        block = hf + ("block_sparse_moe." if mixtral else "mlp.")
+        out[ours + "mlp.router"] = (block + "gate",)
+        gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        for e in range(cfg.num_experts):
+            expert = f"{ours}mlp.experts.local_experts.{e}."
+            out[expert + "linear_fc1"] = (f"{block}experts.{e}.{gate}", f"{block}experts.{e}.{up}")
+            out[expert + "linear_fc2"] = (f"{block}experts.{e}.{down}",)
+    return out
 
 
 def _split_qkv(t: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -161,19 +240,23 @@ def hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
             raise HFExportError(f"checkpoint has no tensor {name!r}") from None
 
     out = {"model.embed_tokens.weight": take("embedding.word_embeddings.weight")[: cfg.vocab_size]}
+    for ours, parts in _hf_linears(cfg).items():
+        w = take(ours + ".weight")
+        if ours.endswith("linear_qkv"):
+            out.update({f"{p}.weight": t for p, t in zip(parts, _split_qkv(w, cfg))})
+            if cfg.add_qkv_bias:
+                out.update({f"{p}.bias": t for p, t in zip(parts, _split_qkv(take(ours + ".bias"), cfg))})
+        elif len(parts) == 2:  # linear_fc1 = [gate; up]
+            out[f"{parts[0]}.weight"], out[f"{parts[1]}.weight"] = w.chunk(2, dim=0)
+        else:
+            out[f"{parts[0]}.weight"] = w
     for i in range(cfg.num_layers):
         src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
         out[dst + "input_layernorm.weight"] = take(src + "input_layernorm.weight")
-        for p, t in zip("qkv", _split_qkv(take(src + "self_attention.linear_qkv.weight"), cfg)):
-            out[f"{dst}self_attn.{p}_proj.weight"] = t
-        if cfg.add_qkv_bias:
-            for p, t in zip("qkv", _split_qkv(take(src + "self_attention.linear_qkv.bias"), cfg)):
-                out[f"{dst}self_attn.{p}_proj.bias"] = t
-        out[dst + "self_attn.o_proj.weight"] = take(src + "self_attention.linear_proj.weight")
         out[dst + "post_attention_layernorm.weight"] = take(src + "pre_mlp_layernorm.weight")
-        gate, up = take(src + "mlp.linear_fc1.weight").chunk(2, dim=0)
-        out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
-        out[dst + "mlp.down_proj.weight"] = take(src + "mlp.linear_fc2.weight")
+        if cfg.qk_layernorm:
+            for p in "qk":
+                out[f"{dst}self_attn.{p}_norm.weight"] = take(f"{src}self_attention.{p}_layernorm.weight")
     out["model.norm.weight"] = take("decoder.final_layernorm.weight")
     if cfg.untie_embeddings:
         out["lm_head.weight"] = take("output_layer.weight")[: cfg.vocab_size]
@@ -186,11 +269,12 @@ def hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
 
 def hf_config(cfg: ModelConfig, dtype: str = "bfloat16") -> dict:
     """``config.json`` for ``cfg`` (the inverse of ``hf_convert.model_config_from_hf``)."""
-    _check_exportable(cfg)
-    qwen = cfg.add_qkv_bias
+    arch = hf_architecture(cfg)
+    model_type = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                  "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}[arch]
     d = {
-        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qwen else "llama",
+        "architectures": [arch],
+        "model_type": model_type,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.ffn_hidden_size,
         "num_hidden_layers": cfg.num_layers,
@@ -207,8 +291,22 @@ def hf_config(cfg: ModelConfig, dtype: str = "bfloat16") -> dict:
         "torch_dtype": dtype,
         "use_cache": True,
     }
-    if not qwen:
-        d.update(attention_bias=False, mlp_bias=False)
+    if model_type in ("llama", "qwen3", "qwen3_moe"):
+        d.update(attention_bias=False)
+    if model_type == "llama":
+        d.update(mlp_bias=False)
+    if model_type in ("qwen3", "qwen3_moe"):
+        d.update(use_sliding_window=False, sliding_window=None)
+    if model_type == "qwen3_moe":
+        d.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.moe_router_topk,
+                 moe_intermediate_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+                 norm_topk_prob=not cfg.moe_router_pre_softmax, decoder_sparse_step=1,
+                 mlp_only_layers=[i for i, m in enumerate(_moe_layers(cfg)) if not m],
+                 router_aux_loss_coef=cfg.moe_aux_loss_coeff, output_router_logits=False)
+    if model_type == "mixtral":
+        d.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.moe_router_topk,
+                 intermediate_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size, sliding_window=None,
+                 router_jitter_noise=0.0, router_aux_loss_coef=cfg.moe_aux_loss_coeff, output_router_logits=False)
     if cfg.rope_scaling_factor is not None:
         d["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
                              **hf_convert._MEGATRON_ROPE_SCALING}
@@ -229,13 +327,19 @@ def quantize_weight(w: torch.Tensor, fmt, amax: torch.Tensor | None = None) -> d
     if name not in EXPORT_FORMATS:
         raise HFExportError(f"--rollout-precision: weight format {name!r} has no compressed-tensors export; "
                             f"valid: {', '.join(EXPORT_FORMATS)}")
+    from compressed_tensors.compressors.mx_utils import compress_mx_scale
+    from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8
+
     q = quantize(w.float(), fmt, axis=1, amax=amax)
-    out = {"weight_packed": q.packed()}
+    # our codes decide the values; the library packs them (its table is ours: module docstring)
+    out = {"weight_packed": pack_fp4_to_uint8(decode_element(q.codes, E2M1))}
     if name == "nvfp4":
         out["weight_scale"] = q.scales.view(torch.float8_e4m3fn)
         out["weight_global_scale"] = q.tensor_scale.reshape(1).float()
     else:
-        out["weight_scale"] = q.scales.clone()
+        if bool((q.scales == 255).any()):  # E8M0 NaN: a non-finite weight
+            raise HFExportError(f"weight {tuple(w.shape)}: a non-finite value gives an E8M0 NaN block scale")
+        out["weight_scale"] = compress_mx_scale(torch.exp2(q.scales.float() - 127), torch.uint8)
     return out
 
 
@@ -257,44 +361,37 @@ def quantization_config(weight_format: str, activations: bool) -> dict:
             "kv_cache_scheme": None}
 
 
-def _fused_amax(hf: dict[str, torch.Tensor], layer_prefix: str, parts: tuple[str, ...]) -> torch.Tensor:
-    return torch.stack([hf[f"{layer_prefix}{p}.weight"].float().abs().amax() for p in parts]).amax()
-
-
-# our linear (suffix after decoder.layers.i.) -> its HF projections; fused ones share one tensor scale
-_OURS_TO_HF = {"self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-               "self_attention.linear_proj": ("self_attn.o_proj",),
-               "mlp.linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
-               "mlp.linear_fc2": ("mlp.down_proj",)}
+def _fused_amax(hf: dict[str, torch.Tensor], parts: tuple[str, ...]) -> torch.Tensor:
+    return torch.stack([hf[f"{p}.weight"].float().abs().amax() for p in parts]).amax()
 
 
 def decoder_linear_names(cfg: ModelConfig) -> list[str]:
     """Our decoder linears' names (``model.gpt.policy_linear_names`` without the output layer)."""
-    return [f"decoder.layers.{i}.{suffix}" for i in range(cfg.num_layers) for suffix in _OURS_TO_HF]
+    return list(_hf_linears(cfg))
 
 
 def _per_linear(weight_format, cfg: ModelConfig) -> dict[str, object]:
-    """``{our decoder linear: weight format or None (BF16)}`` from one format or a mapping."""
+    """``{our decoder linear: weight format or None (BF16)}`` from one format or a mapping. One format
+    leaves the MoE routers dense, as the rollout presets do (``kind:router=fp32``)."""
     if isinstance(weight_format, dict):
         return {n: weight_format.get(n) for n in decoder_linear_names(cfg)}
-    return dict.fromkeys(decoder_linear_names(cfg), weight_format)
+    return {n: None if n.endswith(".mlp.router") else weight_format for n in decoder_linear_names(cfg)}
 
 
 def _quantize_linears(hf: dict[str, torch.Tensor], cfg: ModelConfig, formats: dict) -> tuple[dict, list[str]]:
     """Replace the decoder linears' ``weight`` with their packed form where ``formats`` gives an FP4
     format (biases stay BF16); returns the new state and the HF linears left in BF16."""
-    out, dense = dict(hf), []
+    out, dense, linears = dict(hf), [], _hf_linears(cfg)
     for name, fmt in formats.items():
-        i, suffix = name.split(".", 3)[2], name.split(".", 3)[3]
-        pre, parts = f"model.layers.{i}.", _OURS_TO_HF[suffix]
+        parts = linears[name]
         if fmt is None:
-            dense += [f"{pre}{p}" for p in parts]
+            dense += list(parts)
             continue
         nv = getattr(fmt, "fmt", fmt) == "nvfp4"
-        amax = _fused_amax(hf, pre, parts) if nv else None  # the fused tensor's amax: its g_enc
+        amax = _fused_amax(hf, parts) if nv else None  # the fused tensor's amax: its g_enc
         for lin in parts:
-            for k, v in quantize_weight(out.pop(f"{pre}{lin}.weight"), fmt, amax).items():
-                out[f"{pre}{lin}.{k}"] = v
+            for k, v in quantize_weight(out.pop(f"{lin}.weight"), fmt, amax).items():
+                out[f"{lin}.{k}"] = v
     return out, dense
 
 
@@ -312,7 +409,7 @@ def weight_formats_from_rollout(value: str, rules, cfg: ModelConfig) -> tuple[di
         if recipe.rotation != "none":
             raise HFExportError(f"--rollout-precision {value}: {n} rotates its operands ({recipe.rotation}); "
                                 "the exported weights would be rotated ones, which no HF loader undoes")
-        if w.fmt == "bf16":
+        if w.fmt in ("bf16", "fp32"):  # fp32: the router's built-in rule; stored BF16 like every dense weight
             formats[n] = None
             continue
         if w.fmt not in EXPORT_FORMATS:
