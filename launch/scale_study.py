@@ -51,6 +51,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     s.add_argument("--predict-params", type=float, default=None,
                    help="non-embedding parameters to extrapolate to (default Llama-3.1-8B's)")
     s.add_argument("--boot", type=int, default=2000, help="seed-bootstrap resamples (default 2000)")
+    s.add_argument("--confidence", type=float, default=0.95, help="interval level (default 0.95)")
     t = sub.add_parser("telemetry", help="per-block numerics per GEMM, operand and axis of runs")
     t.add_argument("runs", nargs="+", help="run directories (or a sweep's output directory)")
     t.add_argument("--csv", default=None, help="write every row to this CSV file")
@@ -70,20 +71,20 @@ def slopes(args) -> int:
     pairs += [tuple(c) for c in sweep.get("contrasts") or []]
     print(f"{len(records)} runs over {len(params)} sizes; effect: log(1 + extra tokens), paired by seed; "
           f"slope per decade of non-embedding parameters; prediction at {target:.3g} parameters (an extrapolation)")
-    print("\n| a vs b | sizes | seeds | per-size mean % | slope (95% bootstrap; regression) | verdict "
-          "| predicted % at target (95%) |\n|---|---|---|---|---|---|---|")
+    print(f"\n| a vs b | sizes | seeds | per-size mean % | slope ({100 * args.confidence:g}% bootstrap; regression) | verdict "
+          f"| predicted % at target ({100 * args.confidence:g}%) |\n|---|---|---|---|---|---|---|")
     for a, b in pairs:
         eff = paired_effects(records, a, b)
         if len(eff) < 3:
             print(f"| {a} vs {b} | {len(eff)} | - | - | not yet measured (needs 3 sizes) | - | - |")
             continue
         try:
-            res = slope_over_sizes(eff, params, boot=args.boot)
+            res = slope_over_sizes(eff, params, boot=args.boot, confidence=args.confidence)
         except ValueError as e:
             print(f"| {a} vs {b} | {len(eff)} | - | - | {e} | - | - |")
             continue
         means = ", ".join(f"{s} {100 * math.expm1(m):+.2f}" for s, m in zip(res.sizes, res.means))
-        pct, lo, hi = res.predict(target)
+        pct, lo, hi = res.predict(target, args.confidence)
         print(f"| {a} vs {b} | {len(res.sizes)} | {res.seeds} | {means} | {res.slope:+.4f} ({res.boot[0]:+.4f}, "
               f"{res.boot[1]:+.4f}; {res.regression[0]:+.4f}, {res.regression[1]:+.4f}) | {res.verdict} "
               f"| {pct:+.1f} ({lo:+.1f}, {hi:+.1f}) |")
