@@ -145,7 +145,8 @@ def _examples():
 EXAMPLES = _examples()
 
 
-INPUT_FLAGS = ("--precision", "--load", "--data-path", "--tokenizer-model", "--pretrained-checkpoint", "--finetune")
+INPUT_FLAGS = ("--precision", "--load", "--data-path", "--tokenizer-model", "--pretrained-checkpoint", "--finetune",
+               "--config")
 
 
 def _absent_input(message: str, argv: list[str]) -> bool:
