@@ -1,10 +1,11 @@
-"""Convert a Hugging Face Llama / Qwen2 checkpoint into our model's weights.
+"""Convert a Hugging Face Llama / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE checkpoint into our model's weights.
 
     python launch/convert_hf.py --hf-dir Llama-3.2-1B/ --save ckpt/llama1b
     # -> ckpt/llama1b/hf_converted.pt (+ ckpt/llama1b/hf_tokenizer/ when the HF dir has tokenizer files)
 
 The directory needs ``config.json`` and ``*.safetensors``. The output holds the TP=1 weights under
-our module names plus the ``ModelConfig``; any tensor-parallel size loads it
+our module names plus the ``ModelConfig`` (mixture-of-experts ones with their experts, router and
+routing settings); any tensor-parallel size loads it
 (``pretrain.hf_convert.load_converted_state_dict``). Train from it with
 ``launch/pretrain.py --pretrained-checkpoint ckpt/llama1b``; evaluate with
 ``launch/evaluate.py --load ckpt/llama1b``. File format: ``pretrain/hf_convert.py``.

@@ -1,4 +1,4 @@
-"""Export our model as a Hugging Face Llama / Qwen2 checkpoint: BF16, or FP4-packed for vLLM / SGLang.
+"""Export our model as a Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral checkpoint: BF16, or FP4-packed for vLLM / SGLang.
 
     python launch/export_hf.py --load ckpt/ --out hf_out/                              # BF16
     python launch/export_hf.py --load ckpt/ --out hf_nvfp4/ --rollout-precision nvfp4  # nvfp4-pack-quantized
@@ -6,10 +6,11 @@
 
 ``--load``: a training checkpoint directory saved at any tensor-parallel size (shards are merged),
 a ``launch/convert_hf.py`` output, or a plain ``{"model", "model_config"}`` file. The reverse of
-``launch/convert_hf.py``. With ``--rollout-precision`` (and ``--rollout-precision-rule``, the
+``launch/convert_hf.py``; the architecture follows the model (``pretrain/hf_export.py``: MoE models
+export as Qwen3-MoE with ``--qk-layernorm``, as Mixtral without). With ``--rollout-precision`` (and ``--rollout-precision-rule``, the
 generation engine's syntax: ``model/rollout_plan.py``) the decoder linears' weights are quantized by
 our quantizer exactly as the rollout engine's Fprop weights are (codes and scales bit for bit) and
-stored in compressed-tensors' packed format; linears the plan keeps in BF16 go to the scheme's
+packed by compressed-tensors into its format (every expert's fc1 / fc2 too; routers stay BF16); linears the plan keeps in BF16 go to the scheme's
 ``ignore`` list; ``mxfp4`` also declares dynamic MXFP4 activations, ``mxfp4_w4a16`` and ``nvfp4``
 are weight-only (why: ``pretrain/hf_export.py``). The KV-cache format is not part of the export. Load the output with
 ``transformers`` (+ ``compressed-tensors``) or serve it with vLLM.

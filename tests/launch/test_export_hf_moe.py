@@ -17,9 +17,9 @@ renormalized top-2.
   - MXFP4 through transformers: the expert weights it decompresses are ours exactly, and its logits
     equal ours (same weight-only plan) once the model is in FP32 -- transformers 5.24 leaves the
     decompressed fused experts in BF16 (measured: 0.0074 of max |logit| 3.4 from that alone).
-    NVFP4 experts are not checked through transformers: its fused-experts loading path (5.24) drops
-    ``weight_global_scale`` (measured: expert weights off by the factor g_enc), while the dense
-    linears and compressed-tensors' decompressor apply it.
+    NVFP4 experts are not checked through transformers: its fused-experts loading path (5.24) leaves
+    them off by the factor of their ``weight_global_scale`` (measured: ratio ~7e3 = g_enc), while its
+    dense linears and compressed-tensors' own decompressor apply it.
 """
 
 from __future__ import annotations

@@ -151,3 +151,22 @@ def test_router_normalization_matters(hf, monkeypatch):
     path, tokens, ref = hf["qwen3_moe"]
     model, cfg = ours(hf_convert.convert_hf_checkpoint(path), moe_router_pre_softmax=False)
     assert (logits_of(model, cfg, tokens) - ref).abs().max().item() > 1e-3 * ref.abs().max().item()
+
+
+def test_pretraining_takes_the_moe_shape_from_a_converted_checkpoint(hf, tmp_path):
+    """``launch/pretrain.py --pretrained-checkpoint``: the run's model config is the converted one
+    (router normalization, q/k norms and the sparse-layer pattern included), not the default shape."""
+    import dataclasses
+
+    from pretrain.arguments import parse_args
+    from pretrain.config.model import model_config
+
+    for kind in ("qwen3_moe", "qwen3_moe_norm"):
+        payload = hf_convert.convert_hf_checkpoint(hf[kind][0])
+        hf_convert.save_converted(payload, str(tmp_path / kind))
+        args = parse_args(["--pretrained-checkpoint", str(tmp_path / kind), "--seq-length", "32", "--train-iters", "1"])
+        cfg = model_config(args, args.pretrained_vocab_size)
+        want = ModelConfig(**payload["model_config"])
+        assert cfg == dataclasses.replace(want, seq_length=32, init_method_std=cfg.init_method_std)
+        assert cfg.qk_layernorm and cfg.moe_router_pre_softmax == (kind == "qwen3_moe")
+        assert cfg.moe_layer_freq == (1 if kind == "qwen3_moe" else (1, 0))
