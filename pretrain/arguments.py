@@ -28,7 +28,6 @@ megatron-core) only for its last check, the model shape.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import re
 import sys
@@ -45,18 +44,17 @@ from pretrain.config import (  # noqa: F401 - re-exported: launchers, RL and the
     MODEL_SIZES_DIR,
     WD_INCR_STYLES,
     RunConfig,
+    TrainingConfig,
     add_group,
     model_config,
     model_sizes,
 )
 from pretrain.config.config_file import ConfigFileArgs, ConfigFileError, config_argv
-from pretrain.config.megatron_flags import MegatronFlags, given_megatron_flags, train_iters_from_samples, translate
+from pretrain.config.megatron_flags import PARSE_TIME, MegatronFlags, train_iters_from_samples, translate, unread_problem
 from pretrain.config.precision import RunPrecision, phase_precisions, precision_schedule  # noqa: F401 - re-exported
 from pretrain.config.run import LoggingConfig
 
 PROG = "pretrain.py"
-PARSE_TIME = tuple(f.name for cls in (ConfigFileArgs, MegatronFlags) for f in dataclasses.fields(cls))
-"""Flags read while parsing (``--config``, Megatron-LM's spellings), then removed from the Namespace."""
 
 
 class ConfigError(ValueError):
@@ -503,48 +501,6 @@ def _check_parallel(args, world_size: int, cuda: bool) -> int:
     return gbs
 
 
-def _check_lr_schedule(args: argparse.Namespace) -> None:
-    """The lr / weight-decay schedule flags: what megatron-core's ``OptimizerParamScheduler`` asserts,
-    as one-line errors naming the flag."""
-    if args.lr_warmup_iters > args.lr_decay_iters:
-        raise ConfigError(
-            f"--lr-warmup-iters {args.lr_warmup_iters} exceeds --lr-decay-iters {args.lr_decay_iters}"
-        )
-    fraction = getattr(args, "lr_warmup_fraction", None)
-    if fraction is not None:
-        if args.lr_warmup_iters:
-            raise ConfigError(f"--lr-warmup-fraction {fraction} and --lr-warmup-iters {args.lr_warmup_iters}: "
-                              "give one of them")
-        if not 0.0 <= fraction < 1.0:
-            raise ConfigError(f"--lr-warmup-fraction {fraction}: must be in [0, 1)")
-    init = getattr(args, "lr_warmup_init", 0.0)
-    if not 0.0 <= init <= args.lr:
-        raise ConfigError(f"--lr-warmup-init {init}: must be in [0, --lr {args.lr}]")
-    wsd = getattr(args, "lr_wsd_decay_iters", None)
-    if args.lr_decay_style == "WSD":
-        if wsd is None:
-            raise ConfigError("--lr-decay-style WSD needs --lr-wsd-decay-iters N (the annealing length, "
-                              f"0 <= N <= --lr-decay-iters {args.lr_decay_iters})")
-        if not 0 <= wsd <= args.lr_decay_iters:
-            raise ConfigError(f"--lr-wsd-decay-iters {wsd}: must be in [0, --lr-decay-iters {args.lr_decay_iters}]")
-    elif wsd is not None:
-        raise ConfigError(f"--lr-wsd-decay-iters {wsd}: used only with --lr-decay-style WSD "
-                          f"(this run's is {args.lr_decay_style})")
-    if getattr(args, "override_opt_param_scheduler", False) and getattr(args, "use_checkpoint_opt_param_scheduler",
-                                                                        False):
-        raise ConfigError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler: give one of them")
-    incr = getattr(args, "weight_decay_incr_style", "constant")
-    start, end = getattr(args, "start_weight_decay", None), getattr(args, "end_weight_decay", None)
-    if incr == "constant":
-        if start is not None or end is not None:
-            raise ConfigError("--start-weight-decay / --end-weight-decay: used only with --weight-decay-incr-style "
-                              "linear or cosine (the constant style uses --weight-decay)")
-    elif start is None or end is None:
-        raise ConfigError(f"--weight-decay-incr-style {incr} needs --start-weight-decay and --end-weight-decay")
-    elif not 0.0 <= start <= end:
-        raise ConfigError(f"--start-weight-decay {start} / --end-weight-decay {end}: need 0 <= start <= end")
-
-
 def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argparse.Namespace:
     """Raise :class:`ConfigError` (one line) for anything wrong that needs no process group or model;
     return the validated values: a new Namespace, ``args`` with the defaults that depend on the
@@ -553,21 +509,10 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argp
     return _validate(args, world_size, cuda)[0]
 
 
-def _check_spellings(args: argparse.Namespace) -> None:
-    """``--config`` and Megatron's spellings are read by :func:`parse_args_or_raise`; a parser of another
-    program (RL) that skipped it (they are still on its Namespace) refuses them in one line rather than
-    ignoring them."""
-    if getattr(args, "config", None):
-        raise ConfigError(f"--config {args.config}: this program takes its flags on the command line "
-                          "(--config is pretrain.py's)")
-    if given := given_megatron_flags(args):
-        raise ConfigError(f"{given[0]}: this program takes this project's spelling (--precision, --precision-rule, "
-                          "--train-iters); Megatron-LM's flags are pretrain.py's")
-
-
 def _validate(args: argparse.Namespace, world_size: int, cuda: bool) -> tuple[argparse.Namespace, RunPrecision]:
     """:func:`validate_args`, and the precision flags parsed on the way (once)."""
-    _check_spellings(args)
+    if msg := unread_problem(args):  # another program's parser (RL) that did not read them
+        raise ConfigError(msg)
     _positive(
         args,
         "num_layers",
@@ -606,7 +551,8 @@ def _validate(args: argparse.Namespace, world_size: int, cuda: bool) -> tuple[ar
         raise ConfigError(f"--exit-duration-in-mins {args.exit_duration_in_mins}: must be > 0 (minutes)")
     if args.min_lr > args.lr:
         raise ConfigError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
-    _check_lr_schedule(args)
+    if msg := TrainingConfig.schedule_problem(args):
+        raise ConfigError(msg)
     global_batch_size = _check_parallel(args, world_size, cuda)
     by_device = _check_mixed_precision_and_memory(args, cuda)
     args = argparse.Namespace(**{**vars(args), "global_batch_size": global_batch_size, **by_device})

@@ -45,6 +45,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
+from pretrain.config.config_file import ConfigFileArgs
 from pretrain.config.fields import arg, flag_name
 
 
@@ -102,6 +103,8 @@ class MegatronFlags:
 
 PRECISION_FLAGS = tuple(f.name for f in dataclasses.fields(MegatronFlags) if f.name != "train_samples")
 """The Megatron flags that spell a precision plan."""
+PARSE_TIME = tuple(f.name for cls in (ConfigFileArgs, MegatronFlags) for f in dataclasses.fields(cls))
+"""The flags read while parsing (``--config``, Megatron-LM's spellings), then removed from the Namespace."""
 
 
 def given_megatron_flags(args: argparse.Namespace) -> list[str]:
@@ -247,3 +250,15 @@ def train_iters_from_samples(args: argparse.Namespace, given: set[str]) -> str |
                          f"{' or '.join(map(str, near))} (every iteration trains on one global batch)")
     args.train_iters, args.train_samples = n // gbs, None
     return f"= --train-samples {n} / --global-batch-size {gbs}"
+
+
+def unread_problem(args: argparse.Namespace) -> str | None:
+    """``--config`` and Megatron's spellings are read (and removed from the Namespace) by
+    ``pretrain.arguments.parse_args_or_raise``; on the Namespace of a parser that did not read them
+    (RL's) they are one line here rather than ignored."""
+    if getattr(args, "config", None):
+        return f"--config {args.config}: this program takes its flags on the command line (--config is pretrain.py's)"
+    if given := given_megatron_flags(args):
+        return (f"{given[0]}: this program takes this project's spelling (--precision, --precision-rule, "
+                "--train-iters); Megatron-LM's flags are pretrain.py's")
+    return None

@@ -271,6 +271,46 @@ class TrainingConfig:
         "nonfinite-steps) before the next one ends the run as diverged")
     """Non-finite steps rolled back before the next one is divergence."""
 
+    @staticmethod
+    def schedule_problem(args: argparse.Namespace) -> str | None:
+        """One line saying what is wrong with the lr / weight-decay schedule flags of ``args`` (what
+        megatron-core's ``OptimizerParamScheduler`` asserts), or ``None`` (validation)."""
+        if args.lr_warmup_iters > args.lr_decay_iters:
+            return f"--lr-warmup-iters {args.lr_warmup_iters} exceeds --lr-decay-iters {args.lr_decay_iters}"
+        fraction = getattr(args, "lr_warmup_fraction", None)
+        if fraction is not None:
+            if args.lr_warmup_iters:
+                return f"--lr-warmup-fraction {fraction} and --lr-warmup-iters {args.lr_warmup_iters}: give one of them"
+            if not 0.0 <= fraction < 1.0:
+                return f"--lr-warmup-fraction {fraction}: must be in [0, 1)"
+        init = getattr(args, "lr_warmup_init", 0.0)
+        if not 0.0 <= init <= args.lr:
+            return f"--lr-warmup-init {init}: must be in [0, --lr {args.lr}]"
+        wsd = getattr(args, "lr_wsd_decay_iters", None)
+        if args.lr_decay_style == "WSD":
+            if wsd is None:
+                return ("--lr-decay-style WSD needs --lr-wsd-decay-iters N (the annealing length, "
+                        f"0 <= N <= --lr-decay-iters {args.lr_decay_iters})")
+            if not 0 <= wsd <= args.lr_decay_iters:
+                return f"--lr-wsd-decay-iters {wsd}: must be in [0, --lr-decay-iters {args.lr_decay_iters}]"
+        elif wsd is not None:
+            return (f"--lr-wsd-decay-iters {wsd}: used only with --lr-decay-style WSD "
+                    f"(this run's is {args.lr_decay_style})")
+        if getattr(args, "override_opt_param_scheduler", False) and \
+                getattr(args, "use_checkpoint_opt_param_scheduler", False):
+            return "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler: give one of them"
+        incr = getattr(args, "weight_decay_incr_style", "constant")
+        start, end = getattr(args, "start_weight_decay", None), getattr(args, "end_weight_decay", None)
+        if incr == "constant":
+            if start is not None or end is not None:
+                return ("--start-weight-decay / --end-weight-decay: used only with --weight-decay-incr-style "
+                        "linear or cosine (the constant style uses --weight-decay)")
+        elif start is None or end is None:
+            return f"--weight-decay-incr-style {incr} needs --start-weight-decay and --end-weight-decay"
+        elif not 0.0 <= start <= end:
+            return f"--start-weight-decay {start} / --end-weight-decay {end}: need 0 <= start <= end"
+        return None
+
 
 @dataclass(frozen=True)
 class DataConfig:
