@@ -123,7 +123,7 @@ def bench(args) -> list[dict]:
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     budget = args.memory_budget_gib * 2**30
     seq = args.prompt_length + args.max_new_tokens
-    rows, ref_routes = [], None
+    rows, ref_routes, ref_tokens = [], None, None
     for preset, plan in plans.items():
         rollout = RolloutModel(model, plan)
         rollout.update()
@@ -149,7 +149,7 @@ def bench(args) -> list[dict]:
                      "max_batch_at_budget": max(0, int((budget - weights) // (seq * kv))),
                      "device": device, "gemms": "emulated"})
         if out.routes is not None:
-            rows[-1].update(_moe_columns(rollout, out, ref_routes, ref_tokens if ref_routes else None))
+            rows[-1].update(_moe_columns(rollout, out, ref_routes, ref_tokens))
             if ref_routes is None:
                 ref_routes, ref_tokens = out.routes, out.tokens
     ref = rows[0]
@@ -191,8 +191,8 @@ def table(rows: list[dict], args) -> str:
                      f"| {r['weight_bytes']} | {r['weight_bytes_vs_bf16']:.3f} | {r['kv_bytes_per_token']:g} "
                      f"| {r['kv_bytes_vs_bf16']:.3f} | {r['max_batch_at_budget']} | {mb} |")
     if "expert_linear_bytes" in rows[0]:
-        lines += ["", "Mixture of experts: packed expert linears (routed + shared), routers, and the expert choices "
-                  "(positions x MoE layers) that differ from BF16's before a row's first differing token:", "",
+        lines += ["", ("Mixture of experts: packed expert linears (routed + shared), routers, and the expert choices "
+                       "(positions x MoE layers) that differ from BF16's before a row's first differing token:"), "",
                   "| preset | expert linear bytes | x BF16 | router bytes | expert choices differing from BF16 |",
                   "|---|---|---|---|---|"]
         for r in rows:

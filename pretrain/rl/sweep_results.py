@@ -17,6 +17,13 @@ Each run of ``launch/rl.py`` logs TensorBoard scalars (``rl/reward_mean``, ``rl/
 ``ess``, ``masked``      mean effective sample size and masked fraction of the correction
 ``tokens_per_sec``       mean rollout tokens/s (emulated FP4 on CPU: a label, not a speed)
 ``memory_bytes``         peak rollout memory (KV + packed weights on CPU, CUDA peak on GPUs)
+``topk_mismatch``        MoE policies: mean over iterations of ``routing/topk_mismatch_fraction`` (positions
+                         x MoE layers whose top-k expert set differs between rollout and trainer)
+``router_prob_gap``      MoE: mean of ``routing/router_prob_gap``
+``k3_kl_no_replay``      MoE: mean of ``routing/k3_kl_no_replay`` and ``routing/k3_kl_replay`` (the log-prob
+``k3_kl_replay``         mismatch without / with routing replay, whichever the run trained with)
+``collapse_iteration``   the first evaluation at which the held-out accuracy is more than 0.10 below the
+                         starting policy's (NaN: none) -- when a run collapses
 =======================  ==========================================================================
 
 Runs with the same seed start from the same weights and see the same prompts (unless the task file
@@ -45,6 +52,10 @@ RL_COLUMNS = ["run", "status", "label", "seed", "iterations", "final_accuracy", 
 SUMMARY_METRICS = ["final_accuracy", "gain", "rollout_accuracy", "accuracy_auc", "reward_auc", "k3_kl", "ess", "masked", "tokens_per_sec",
                    "memory_bytes"]
 GAPS = ("final_accuracy", "accuracy_auc", "reward_auc")  # paired by seed against the baseline
+MOE_METRICS = ["topk_mismatch", "router_prob_gap", "k3_kl_no_replay", "k3_kl_replay", "collapse_iteration"]
+RL_COLUMNS += MOE_METRICS
+SUMMARY_METRICS += MOE_METRICS
+COLLAPSE_DROP = 0.10  # held-out accuracy below the start's by more than this: collapsed
 
 
 def _values(scalars: dict, tag: str) -> list[float]:
@@ -92,6 +103,13 @@ def analyse_rl(name: str, scalars: dict[str, list[tuple[int, float]]], summary: 
         if isinstance(v, (int, float)) and math.isfinite(v):
             row[ours] = v
     row["gain"] = row["final_accuracy"] - row["initial_accuracy"]  # NaN without an evaluation at the start
+    for ours, tag in (("topk_mismatch", "routing/topk_mismatch_fraction"), ("router_prob_gap", "routing/router_prob_gap"),
+                      ("k3_kl_no_replay", "routing/k3_kl_no_replay"), ("k3_kl_replay", "routing/k3_kl_replay")):
+        row[ours] = _mean(_values(scalars, tag))
+    evals = [(i, v) for i, v in scalars.get("rl/heldout_accuracy", []) if math.isfinite(v)]
+    start = evals[0][1] if evals else math.nan
+    row["collapse_iteration"] = next((float(i) for i, v in evals[1:] if v < start - COLLAPSE_DROP), math.nan)
+    row["_curves"]["routing/topk_mismatch_fraction"] = scalars.get("routing/topk_mismatch_fraction", [])
     return row
 
 
@@ -137,6 +155,7 @@ def summarize_rl(rows: list[dict], baseline: str | None, margin: float | None = 
                 diffs.append(d)
             s["gap_" + metric] = paired_interval(diffs)
         s["gain_interval"] = paired_interval([m["gain"] for m in members if math.isfinite(m["gain"])])
+        s["_collapses"] = [m.get("collapse_iteration", math.nan) for m in members]
         s["is_baseline"] = run.label == baseline
         s["verdict_unadjusted"] = gap_verdict(s["gap_final_accuracy"], s["is_baseline"], higher_is_better=True,
                                               margin=margin)
@@ -187,6 +206,18 @@ def rl_summary_table(summary: list[dict], hyper: list[str]) -> list[str]:
                  f"{_f(s['k3_kl'], 5)} ({_f(floor, 5)})", _f(s["ess"]), _f(s["masked"]), _f(s["tokens_per_sec"], 1), _f(mib, 2),
                  _gain_text(s["gain_interval"]), verdict]
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    if any(math.isfinite(s["topk_mismatch"]) for s in summary):  # a mixture-of-experts policy
+        lines += ["", ("Mixture of experts (means over iterations, then over seeds; collapse: the held-out accuracy "
+                       f"more than {COLLAPSE_DROP:g} below the start at an evaluation):"), "",
+                  ("| treatment | top-k set mismatch | router prob gap | k3_kl without replay | k3_kl with replay "
+                   "| seeds collapsed (first iteration) |"), "|---|---|---|---|---|---|"]
+        for s in summary:
+            members = s.get("_collapses", [])
+            collapsed = [c for c in members if math.isfinite(c)]
+            when = f" ({int(min(collapsed))})" if collapsed else ""
+            lines.append(f"| {s['label']} | {_msd(s['topk_mismatch'], s['topk_mismatch_sd'], 4)} | "
+                         f"{_msd(s['router_prob_gap'], s['router_prob_gap_sd'], 4)} | {_f(s['k3_kl_no_replay'], 5)} | "
+                         f"{_f(s['k3_kl_replay'], 5)} | {len(collapsed)} of {len(members)}{when} |")
     return lines
 
 
@@ -277,7 +308,9 @@ def write_rl_plots(out: Path, rows: list[dict], summary: list[dict], baseline: s
     panels = [("rl/reward_mean", "training reward (smoothed, mean over seeds)", 5),
               ("rl/heldout_accuracy", "held-out accuracy (mean over seeds)", 1),
               ("mismatch/k3_kl", "trainer vs rollout k3_kl (smoothed)", 5)]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    if any(r["_curves"].get("routing/topk_mismatch_fraction") for r in rows):  # a mixture-of-experts policy
+        panels.append(("routing/topk_mismatch_fraction", "MoE: top-k expert sets differing (smoothed)", 5))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.3 * len(panels), 4.5))
     for ax, (tag, title, window) in zip(axes, panels):
         ax.set_prop_cycle(color=plt.cm.tab20.colors)  # more treatments than the default 10 colours
         for s in summary:

@@ -73,11 +73,11 @@ if TYPE_CHECKING:  # annotations only
 
 from model.generate import Engine
 from model.gpt import ModelConfig, policy_linears
+from model.moe_replay import RoutingTap
 from model.rollout import RolloutModel
 from model.rollout_plan import RolloutPlan
 from precision import PrecisionPlan
 from pretrain import runtime
-from model.moe_replay import RoutingTap
 from pretrain.arguments import ConfigError
 from pretrain.config import RunConfig
 from pretrain.data import load_tokenizer

@@ -41,7 +41,7 @@ def test_moe_step_logs_routing_metrics(world_of_one, tokenizer, replay):  # noqa
     _sharpen(t.model)
     t.rollout.update()
     assert t.routing is not None and len(t.routing) == 2
-    problems, gen, _ = t.generate(0)
+    _, gen, _ = t.generate(0)
     batch = gen.rollout_batch()
     tokens, valid, _ = sequences(batch)
     tap = RoutingTap(t.model)
