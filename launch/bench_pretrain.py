@@ -8,6 +8,9 @@
     python launch/bench_pretrain.py --model-size tiny --precisions bf16,fp8,mxfp4,wgrad_hadamard \
         --bf16-modes off,on --train-iters 6 --out /tmp/bench_tiny
     python launch/bench_pretrain.py ... --dry-run     # print the runs' commands, run nothing
+    # a tiny MoE against the dense model of the same active parameters, per recipe
+    python launch/bench_pretrain.py --model-size moe_tiny --dense-model-size tiny --precisions bf16,mxfp4 \
+        --train-iters 6 --out /tmp/bench_moe
 
 Each recipe is a fresh ``launch/pretrain.py`` process (``torchrun --nproc-per-node N``) with the
 same seed, data and flags, so the runs see the same batches; ``--bf16-modes`` repeats the recipes
@@ -38,6 +41,22 @@ and the ratio of tokens/s (and of step time) to the baseline recipe -- the first
                 recipe with a quantized GEMM that is not on tensor cores of its own format is
                 *emulated* speed, and the table says so; GEMMs the recipe keeps in BF16 (the
                 output layer) run plain BF16 GEMMs on ``bf16_mm`` and do not count.
+
+Mixture of experts (``--dense-model-size``): with a MoE ``--model-size`` (``moe_tiny``) every recipe also
+runs the dense model of the same *active* parameters per token (``tiny``: its FFN width equals top-k x
+expert width + shared expert width), in the same invocation, and the table gains
+
+  vs dense      the MoE run's tokens/s over the dense run's (same recipe, mode and batches)
+  experts quant the fraction of step time the quantizer spends on the routed experts' operands
+                (layers named ``...mlp.experts.local_experts.E...``), within "quantizing"
+
+The experts run as megatron's ``SequentialMLP``: one policy GEMM per expert and GEMM, on the same
+per-format paths as the dense layers (the start-up report's "GEMM paths per format"; on CPU every
+quantized GEMM is emulated, FP32 GEMMs of dequantized operands). torch 2.13 offers grouped entry points
+-- ``torch._grouped_mm`` / ``F.grouped_mm`` (BF16) and ``torch._scaled_grouped_mm`` /
+``F.scaled_grouped_mm`` (FP8 row-wise, MX block scales on SM100) -- that a grouped expert GEMM would use
+on a GPU; the experts do not use them yet (``--moe-grouped-gemm`` is refused), so a GPU run measures
+one GEMM launch per expert.
 
 Writes ``OUT/bench_pretrain.json`` and ``OUT/bench_pretrain.md``; each run's log is
 ``OUT/<recipe>[-<mode>]/log``. Everything after ``--`` goes to ``pretrain.py`` unchanged.
@@ -111,16 +130,18 @@ def scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def run_dir(args, precision: str, mode: str) -> Path:
+def run_dir(args, precision: str, mode: str, model: str | None = None) -> Path:
     name = precision.replace("/", "_") + ("" if mode == "default" else f"-bf16{mode}")
+    if model is not None and model != args.model_size:  # the dense comparison model (--dense-model-size)
+        name = f"{Path(model).stem}-{name}"
     return Path(args.out) / name
 
 
-def command(precision: str, mode: str, args, extra: list[str], stats: Path) -> list[str]:
+def command(precision: str, mode: str, args, extra: list[str], stats: Path, model: str | None = None) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
         str(Path(__file__).resolve()), CHILD_FLAG, str(stats),
-        "--model-size", args.model_size, "--precision", precision, *MODES[mode],
+        "--model-size", model or args.model_size, "--precision", precision, *MODES[mode],
         "--train-iters", str(args.train_iters), "--eval-iters", "0", "--log-interval", "1",
         "--tensorboard-dir", str(stats.parent / "tb"), "--log-throughput", *extra,
     ]  # fmt: skip
@@ -162,9 +183,16 @@ def _gemm_emulated(spec: str, backend: str) -> bool:
     return not (backend == "bf16_mm" and _plain_bf16(spec))
 
 
-def quant_fraction(stats: dict, steps: list[tuple[int, float]], tokens_per_iter: int | None, skip: int) -> float:
-    """Median over iterations after ``skip`` of (quantizer seconds / step seconds)."""
+def quant_fraction(stats: dict, steps: list[tuple[int, float]], tokens_per_iter: int | None, skip: int,
+                   experts_only: bool = False) -> float:
+    """Median over iterations after ``skip`` of (quantizer seconds / step seconds); ``experts_only``:
+    the seconds of the routed experts' operands only."""
     calls, iters = stats.get("quant_seconds", []), stats.get("iterations", 0)
+    if experts_only:
+        flags = stats.get("quant_expert", [])
+        if len(flags) != len(calls):
+            return float("nan")
+        calls = [c if f else 0.0 for c, f in zip(calls, flags, strict=True)]
     if not calls or not iters or not tokens_per_iter or len(calls) % iters:
         return float("nan")
     per = len(calls) // iters
@@ -176,18 +204,18 @@ def quant_fraction(stats: dict, steps: list[tuple[int, float]], tokens_per_iter:
     return statistics.median(fractions) if fractions else float("nan")
 
 
-def run_one(precision: str, mode: str, args, extra: list[str]) -> dict:
-    out = run_dir(args, precision, mode)
+def run_one(precision: str, mode: str, args, extra: list[str], model: str | None = None) -> dict:
+    out = run_dir(args, precision, mode, model)
     out.mkdir(parents=True, exist_ok=True)
     stats_file = out / "child_stats.json"
     stats_file.unlink(missing_ok=True)
-    cmd = command(precision, mode, args, extra, stats_file)
+    cmd = command(precision, mode, args, extra, stats_file, model)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     t0 = time.perf_counter()
     with open(out / "log", "w") as log:
         proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
     wall = time.perf_counter() - t0
-    row = {"precision": precision, "mode": mode}
+    row = {"precision": precision, "mode": mode, "model": model or args.model_size}
     text = (out / "log").read_text()
     if proc.returncode != 0:
         said = next((ln for ln in text.splitlines() if ln.startswith("pretrain.py: error:")), None)
@@ -209,6 +237,7 @@ def run_one(precision: str, mode: str, args, extra: list[str]) -> dict:
         "peak_memory_gib": stats.get("peak_memory_bytes", float("nan")) / 2**30,
         "memory_kind": stats.get("memory_kind", "?"),
         "quant_fraction": quant_fraction(stats, steps, fields["tokens_per_iter"], args.skip),
+        "expert_quant_fraction": quant_fraction(stats, steps, fields["tokens_per_iter"], args.skip, experts_only=True),
         "gemm_paths": fields["gemm_paths"],
         "emulated": (fields["emulated_gemms"] > 0 if fields["emulated_gemms"] is not None
                      else is_emulated(precision, fields["gemm_paths"])),
@@ -237,30 +266,42 @@ def is_emulated(precision: str, paths: dict) -> bool:
 def table(rows: list[dict], peak: float | None, ceiling: float | None = None) -> str:
     """One Markdown table; ratios against the first recipe of the same ``--bf16`` mode; MFU against
     the datasheet ``peak`` and the measured BF16 GEMM ``ceiling`` (TFLOP/s)."""
-    base = {}
+    base, dense = {}, {}
+    models = list(dict.fromkeys(r.get("model") for r in rows))
+    moe = len(models) > 1  # --dense-model-size: the first model is the MoE one, the second the dense one
     for r in rows:
-        base.setdefault(r["mode"], r.get("tokens_per_sec"))
+        base.setdefault((r["mode"], r.get("model")), r.get("tokens_per_sec"))
+        if moe and r.get("model") == models[1] and "error" not in r:
+            dense[(r["precision"], r["mode"])] = r["tokens_per_sec"]
     first = rows[0]["precision"] if rows else "?"
+    extra_head, extra_rule = (" vs dense | experts quant |", "---:|---:|") if moe else ("", "")
     lines = [
-        (f"| recipe | --bf16 | tokens/s | vs {first} | step time vs {first} | TFLOP/s/device | MFU (datasheet) "
-         "| MFU (measured BF16 GEMM) | peak memory | quantizing | GEMM paths | loss@N |"),
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        (f"| {'model | ' if moe else ''}recipe | --bf16 | tokens/s | vs {first} | step time vs {first} | TFLOP/s/device "
+         f"| MFU (datasheet) | MFU (measured BF16 GEMM) | peak memory | quantizing |{extra_head} GEMM paths | loss@N |"),
+        f"|{'---|' if moe else ''}---|---|---:|---:|---:|---:|---:|---:|---:|---:|{extra_rule}---|---:|",
     ]
     for r in rows:
+        lead = f"{r.get('model')} | " if moe else ""
         if "error" in r:
-            lines.append(f"| {r['precision']} | {r['mode']} | {r['error']} | | | | | | | | | |")
+            lines.append(f"| {lead}{r['precision']} | {r['mode']} | {r['error']} | | | | | | | | {'| | ' if moe else ''}| |")
             continue
-        b = base.get(r["mode"])
+        b = base.get((r["mode"], r.get("model")))
         ratio = r["tokens_per_sec"] / b if b else float("nan")
         mfu = f"{100 * r['tflops_per_device'] / peak:.1f}%" if peak else "n/a"
         mfu_c = f"{100 * r['tflops_per_device'] / ceiling:.1f}%" if ceiling else "n/a"
         paths = ", ".join(f"{k} {v}" for k, v in sorted(r["gemm_paths"].items())) or "?"
         label = " (emulated)" if r["emulated"] else ""
         mem = f"{r['peak_memory_gib']:.2f} GiB{' RSS' if r['memory_kind'] == 'cpu_rss' else ''}"
+        cells = ""
+        if moe:
+            d = dense.get((r["precision"], r["mode"])) if r.get("model") == models[0] else None
+            vs = f"{r['tokens_per_sec'] / d:.2f}x" if d else "-"
+            eq = r.get("expert_quant_fraction", float("nan"))
+            cells = f" {vs} | {'-' if eq != eq or r.get('model') != models[0] else f'{100 * eq:.0f}%'} |"
         lines.append(
-            f"| {r['precision']}{label} | {r['mode']} | {r['tokens_per_sec']:,.0f} | {ratio:.2f}x | "
+            f"| {lead}{r['precision']}{label} | {r['mode']} | {r['tokens_per_sec']:,.0f} | {ratio:.2f}x | "
             f"{1 / ratio if ratio else float('nan'):.2f}x | {r['tflops_per_device']:.3g} | {mfu} | {mfu_c} | {mem} | "
-            f"{100 * r['quant_fraction']:.0f}% | {paths} | {r['final_loss']:.4f} |"
+            f"{100 * r['quant_fraction']:.0f}% |{cells} {paths} | {r['final_loss']:.4f} |"
         )
     return "\n".join(lines)
 
@@ -316,9 +357,11 @@ def child(stats_path: str, argv: list[str]) -> int:
     from pretrain.train import main as pretrain_main
 
     cuda = torch.cuda.is_available()
-    spans, inner = [], operand.quantize_operand
+    spans, experts, inner = [], [], operand.quantize_operand
 
     def timed(*a, **k):
+        state = a[5] if len(a) > 5 else k.get("state")
+        experts.append(".experts.local_experts." in (getattr(state, "name", None) or ""))
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -343,7 +386,7 @@ def child(stats_path: str, argv: list[str]) -> int:
             seconds = spans
             peak, kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "cpu_rss"
         iters = argv[argv.index("--train-iters") + 1] if "--train-iters" in argv else "0"
-        Path(stats_path).write_text(json.dumps({"quant_seconds": seconds, "iterations": int(iters),
+        Path(stats_path).write_text(json.dumps({"quant_seconds": seconds, "quant_expert": experts, "iterations": int(iters),
                                                 "peak_memory_bytes": peak, "memory_kind": kind}))
     return rc
 
@@ -374,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch-size", type=int, default=None,
                    help="given to every run unless the flags after -- set it (default: 8 on CUDA -- at 1 or 2 a "
                    "quantized step measures Python overhead, not the GEMMs -- and pretrain's own on CPU)")
+    p.add_argument("--dense-model-size", metavar="NAME",
+                   help="with a mixture-of-experts --model-size: also run every recipe on this dense model (the same "
+                   "active parameters per token, e.g. tiny for moe_tiny) and report MoE tokens/s against it")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--dry-run", action="store_true", help="print each run's command and exit")
     p.add_argument("--goals", action="store_true", help="check issue 13's GPU goals under the table")
@@ -389,19 +435,23 @@ def main(argv: list[str] | None = None) -> int:
     mbs = args.micro_batch_size or (8 if _cuda() else None)
     if mbs and "--micro-batch-size" not in extra:
         extra = ["--micro-batch-size", str(mbs), *extra]
-    runs = [(precision, mode) for mode in modes for precision in args.precisions.split(",")]
+    models = [args.model_size] + ([args.dense_model_size] if args.dense_model_size else [])
+    for flag, m in zip(("--model-size", "--dense-model-size"), models):
+        if not (REPO / "configs" / "models" / f"{m}.yaml").is_file() and not (m.endswith(".yaml") and Path(m).is_file()):
+            p.error(f"{flag} {m}: no configs/models/{m}.yaml (a model-size name, or a .yaml path)")
+    runs = [(precision, mode, m) for mode in modes for precision in args.precisions.split(",") for m in models]
     if args.dry_run:
-        for precision, mode in runs:
-            stats = run_dir(args, precision, mode) / "child_stats.json"
-            print(shlex.join(command(precision, mode, args, extra, stats)))
+        for precision, mode, m in runs:
+            stats = run_dir(args, precision, mode, m) / "child_stats.json"
+            print(shlex.join(command(precision, mode, args, extra, stats, m)))
         return 0
     name, peak = device_peak(args.peak_tflops)
     ceiling = bf16_gemm_ceiling()
     if ceiling:
         print(f"BF16 GEMM ceiling measured on {name}: {ceiling:.0f} TFLOP/s (8192^3, best of 10)", flush=True)
     rows = []
-    for precision, mode in runs:
-        row = run_one(precision, mode, args, extra)
+    for precision, mode, m in runs:
+        row = run_one(precision, mode, args, extra, m)
         rows.append(row)
         print(json.dumps(row), flush=True)
         md = write_results(args, extra, name, peak, rows, ceiling)  # after every run: a timeout keeps the table so far

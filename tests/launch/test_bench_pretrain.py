@@ -84,3 +84,32 @@ def test_bench_pretrain_reports_a_refused_run(tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 1
     assert "pretrain.py: error: --precision: unknown precision 'nope'" in (out / "bench_pretrain.md").read_text()
+
+
+def test_moe_against_dense_table_and_expert_quant_fraction(tmp_path):
+    sys.path.insert(0, str(REPO / "launch"))
+    import bench_pretrain as bp
+
+    # 1 iteration, 4 quantizer calls of which the 2nd and 4th are the routed experts'; 100 tokens at 50 tokens/s
+    stats = {"quant_seconds": [0.1, 0.2, 0.3, 0.4], "quant_expert": [False, True, False, True], "iterations": 1}
+    assert bp.quant_fraction(stats, [(1, 50.0)], 100, skip=0) == pytest.approx(1.0 / 2)
+    assert bp.quant_fraction(stats, [(1, 50.0)], 100, skip=0, experts_only=True) == pytest.approx(0.6 / 2)
+    assert math.isnan(bp.quant_fraction({**stats, "quant_expert": []}, [(1, 50.0)], 100, skip=0, experts_only=True))
+    row = {"tflops_per_device": 1.0, "memory_kind": "cpu_rss", "peak_memory_gib": 1.0, "quant_fraction": 0.5,
+           "final_loss": 7.0, "mode": "default", "gemm_paths": {"emulated": 9}, "emulated": True}
+    rows = [{**row, "model": "moe_tiny", "precision": "bf16", "tokens_per_sec": 600.0, "expert_quant_fraction": 0.0},
+            {**row, "model": "tiny", "precision": "bf16", "tokens_per_sec": 1000.0, "expert_quant_fraction": float("nan")},
+            {**row, "model": "moe_tiny", "precision": "mxfp4", "tokens_per_sec": 300.0, "expert_quant_fraction": 0.25},
+            {**row, "model": "tiny", "precision": "mxfp4", "tokens_per_sec": 400.0, "expert_quant_fraction": float("nan")}]
+    md = bp.table(rows, None)
+    assert "| model | recipe |" in md and "vs dense | experts quant |" in md
+    assert "| moe_tiny | bf16 (emulated) | default | 600 | 1.00x | 1.00x |" in md and "| 0.60x | 0% |" in md
+    assert "| moe_tiny | mxfp4 (emulated) | default | 300 | 0.50x | 2.00x |" in md and "| 0.75x | 25% |" in md
+    assert "| tiny | mxfp4 (emulated) | default | 400 | 0.40x | 2.50x |" in md  # against the dense bf16 run
+    cmd = [sys.executable, str(REPO / "launch" / "bench_pretrain.py"), "--model-size", "moe_tiny", "--dense-model-size",
+           "tiny", "--precisions", "bf16,mxfp4", "--train-iters", "3", "--out", str(tmp_path), "--dry-run"]
+    lines = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, check=True).stdout.splitlines()
+    assert [ln.split("--model-size ")[1].split()[0] for ln in lines] == ["moe_tiny", "tiny"] * 2
+    assert "tiny-mxfp4/child_stats.json" in lines[3]
+    bad = subprocess.run(cmd[:5] + ["nope"] + cmd[6:], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--dense-model-size nope: no configs/models/nope.yaml (a model-size name" in bad.stderr
