@@ -8,6 +8,9 @@ Two engines behind one interface (``--ddp-impl``):
     the TP-partial gradients (sequence parallelism) summed. Pipeline parallelism: no.
     ``--bf16``: BF16 model, FP32 main parameters and gradients (``pretrain.optim.MainParams``); the
     FP32 gradients are summed over data-parallel ranks here (no torch DDP: it would reduce BF16).
+    Expert parallelism (``--expert-model-parallel-size``): no torch DDP either; dense gradients are
+    summed over the data-parallel group, the routed experts' over the expert-data-parallel group,
+    and the norm adds the experts' squares over expert TP x EP (``pretrain.expert_parallel``).
     No host synchronisation: loss and gradient norm stay on the device (``train_step`` returns
     0-d tensors), and the step is taken whatever they are unless the engine's
     :class:`NonFinitePolicy` reads each step (then one read per step decides: with
