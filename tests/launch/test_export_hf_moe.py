@@ -164,3 +164,31 @@ def test_moe_models_without_hf_equivalent_are_refused():
         with pytest.raises(HFExportError, match=re.escape(needle)) as e:
             hf_state_dict({}, cfg)
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_a_moe_training_run_exports_and_loads_in_transformers(data_cache, tmp_path):
+    """The whole path: ``launch/pretrain.py`` trains a Qwen3-MoE-shaped model for 2 iterations
+    (q/k norms, pre-softmax routing, layer 1 dense), ``launch/export_hf.py`` exports its checkpoint,
+    and ``AutoModelForCausalLM`` gives the logits of our model with the exported (BF16) weights."""
+    tf = pytest.importorskip("transformers")
+    from launch.export_hf import main
+    from pretrain.evaluation.loading import init_single_process
+    from pretrain.hf_export import load_tp1_weights
+    from tests.pretrain._launch import TINY, run_pretrain
+
+    moe = ["--qk-layernorm", "--num-experts", "4", "--moe-ffn-hidden-size", "64", "--moe-router-pre-softmax",
+           "--moe-layer-freq", "[1,0]", "--moe-aux-loss-coeff", "0.01"]
+    run_pretrain([*TINY, *moe, "--train-iters", "2", "--eval-interval", "100", "--precision", "bf16",
+                  "--data-cache-dir", str(data_cache), "--save", str(tmp_path / "ckpt")], nproc=0)
+    assert main(["--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")]) == 0
+    hf = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Qwen3MoeForCausalLM" and hf.config.mlp_only_layers == [1]
+    assert hf.config.norm_topk_prob is False
+    init_single_process()
+    state, cfg, _ = load_tp1_weights(str(tmp_path / "ckpt"))
+    tokens = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf(tokens).logits
+    mine = our_logits({k: v.bfloat16() for k, v in state.items()}, cfg, tokens)
+    assert (mine - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
