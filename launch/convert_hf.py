@@ -46,7 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(t.numel() for t in payload["model"].values())
     print(f"{src['architecture']} ({src['dtype']}, {n_params / 1e6:.1f}M parameters): {cfg['num_layers']} layers, "
           f"hidden {cfg['hidden_size']}, ffn {cfg['ffn_hidden_size']}, heads {cfg['num_attention_heads']}/"
-          f"{cfg['num_query_groups']}, vocab {cfg['vocab_size']}")
+          f"{cfg['num_query_groups']}, vocab {cfg['vocab_size']}" + ("; q/k norms" if cfg["qk_layernorm"] else ""))
+    if cfg["num_experts"]:
+        routing = "softmax over all, top-k kept" if cfg["moe_router_pre_softmax"] else "top-k renormalized"
+        freq = cfg["moe_layer_freq"]
+        layers = "every layer" if freq == 1 else f"layers {[i for i, m in enumerate(freq) if m]}"
+        print(f"mixture of experts ({layers}): {cfg['num_experts']} experts of width {cfg['moe_ffn_hidden_size']}, "
+              f"top-{cfg['moe_router_topk']} ({routing}): --num-experts {cfg['num_experts']} --moe-router-topk "
+              f"{cfg['moe_router_topk']}" + (" --moe-router-pre-softmax" if cfg["moe_router_pre_softmax"] else ""))
     tok_dir = os.path.join(args.save, "hf_tokenizer")
     tok = f"; tokenizer files in {tok_dir}" if os.path.isdir(tok_dir) else "; no tokenizer files in --hf-dir"
     print(f"wrote {path} ({time.perf_counter() - t0:.1f}s){tok}")

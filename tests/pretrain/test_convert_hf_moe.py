@@ -119,6 +119,18 @@ def test_moe_configs_we_cannot_represent_are_refused(hf):
         assert "\n" not in str(e.value)
 
 
+def test_cli_converts_a_moe_checkpoint(hf, tmp_path, capsys):
+    from launch.convert_hf import main
+
+    assert main(["--hf-dir", hf["qwen3_moe_norm"][0], "--save", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Qwen3MoeForCausalLM" in out and "q/k norms" in out
+    assert "mixture of experts (layers [0]): 4 experts of width 32, top-2 (top-k renormalized)" in out
+    state, cfg, source = hf_convert.load_converted(str(tmp_path))
+    assert source["architecture"] == "Qwen3MoeForCausalLM" and cfg.num_experts == 4
+    assert "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight" in state
+
+
 def test_moe_names(hf):
     payload = hf_convert.convert_hf_checkpoint(hf["mixtral"][0])
     state = payload["model"]
