@@ -45,6 +45,7 @@ only, so the batches then start at sample 0).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import warnings
@@ -59,6 +60,7 @@ from pretrain.gradient_error import (  # noqa: F401 (public names)
     bias_projection,
     break_even_steps,
     cross_group_square,
+    figures,
     measure,
     report,
     setup,
@@ -78,6 +80,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--batches", type=int, default=32, help="global batches to average over (default 32)")
     p.add_argument("--groups", type=int, default=8,
                    help="groups the batches are split into for the bias and its standard error (default 8)")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="also write the whole-model figures (per precision: step error, bias, <G, E[e]>/|G|^2 with "
+                        "standard errors) to PATH as JSON, e.g. to fit them against measured extra tokens")
     if "--" not in argv:
         p.error("give the checkpoint's pretrain flags after '--', including --load CKPT")
     i = argv.index("--")
@@ -106,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for line in report(m):
         print(line)
+    if ours.json:
+        record = {"load": run.checkpoint.load, "iteration": trainer.iteration, "reference": ours.reference,
+                  "batches": ours.batches, "groups": ours.groups, **figures(m)}
+        with open(ours.json, "w") as f:
+            json.dump(record, f, indent=1)
     return 0
 
 

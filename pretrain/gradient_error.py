@@ -202,14 +202,35 @@ def measure(run, trainer, plans: dict, reference: str, precisions: list[str], n_
     return m
 
 
-def report(m: Measurement) -> list[str]:
-    """The summary line and the two Markdown tables (whole model; bias by parameter kind)."""
+def figures(m: Measurement) -> dict:
+    """The numbers of the whole-model table: ``g_norm``, ``noise`` (one step's sampling noise / |G|),
+    ``tokens_per_step``, ``steps``, and per precision ``step_error``, ``bias`` (signed, / |G|) and its
+    ``bias_se``, ``projection`` (``<G, E[e]> / |G|^2``) and ``projection_se``, ``dloss`` and
+    ``dloss_se`` (``launch/gradient_error.py --json`` writes them)."""
     per_group, ref = m.per_group, m.ref
     mean_sq, _ = cross_group_square(ref.group_sum, per_group)
     total = ref.group_sum.sum(0) / m.batches
     noise_sq = (ref.sq - m.batches * float(total.square().sum())) / (m.batches - 1)
     g_norm = math.sqrt(max(mean_sq, 1e-300))
-    noise = math.sqrt(max(noise_sq, 0.0)) / g_norm
+    out = {"g_norm": g_norm, "noise": math.sqrt(max(noise_sq, 0.0)) / g_norm, "tokens_per_step": m.tokens_per_step,
+           "steps": m.train_iters, "precisions": {}}
+    for p in m.precisions:
+        e = m.err[p]
+        b_sq, b_se = cross_group_square(e.group_sum, per_group)
+        dl = torch.tensor(m.dloss[p], dtype=torch.float64)
+        proj, proj_se = bias_projection(ref.group_sum, e.group_sum, per_group)
+        out["precisions"][p] = {
+            "step_error": math.sqrt(e.sq / e.steps) / g_norm, "bias": signed_sqrt(b_sq) / g_norm,
+            "bias_se": b_se / (2 * math.sqrt(abs(b_sq)) * g_norm) if b_sq else float("nan"),
+            "projection": proj, "projection_se": proj_se,
+            "dloss": float(dl.mean()), "dloss_se": float(dl.std() / math.sqrt(len(dl)))}
+    return out
+
+
+def report(m: Measurement) -> list[str]:
+    """The summary line and the two Markdown tables (whole model; bias by parameter kind)."""
+    f = figures(m)
+    per_group, ref, g_norm, noise = m.per_group, m.ref, f["g_norm"], f["noise"]
     tokens_per_step, steps = m.tokens_per_step, m.train_iters
     lines = [(f"\nmean gradient |G| = {g_norm:.4g}; one step's sampling noise = {noise:.3f} |G| "
               f"({tokens_per_step:,} tokens per step)\n"),
@@ -217,19 +238,13 @@ def report(m: Measurement) -> list[str]:
               f"| <G, E[e]> / abs(G)^2 (s.e.) | break-even steps (tokens in total) | drift ratio at {steps} steps |"),
              "|---|---|---|---|---|---|---|---|"]
     for p in m.precisions:
-        e = m.err[p]
-        b_sq, b_se = cross_group_square(e.group_sum, per_group)
-        step = math.sqrt(e.sq / e.steps) / g_norm
-        bias = signed_sqrt(b_sq) / g_norm
-        bias_se = b_se / (2 * math.sqrt(abs(b_sq)) * g_norm) if b_sq else float("nan")
-        dl = torch.tensor(m.dloss[p], dtype=torch.float64)
-        dl_se = float(dl.std() / math.sqrt(len(dl)))
+        q = f["precisions"][p]
+        step, bias, bias_se, proj, proj_se = q["step_error"], q["bias"], q["bias_se"], q["projection"], q["projection_se"]
         breakeven = f"{tokens_per_step * noise ** 2 / bias ** 2:,.0f}" if bias > 0 else "none (no bias)"
-        proj, proj_se = bias_projection(ref.group_sum, e.group_sum, per_group)
         s_even = break_even_steps(noise, bias)
         even = f"{s_even:,.0f} ({s_even * tokens_per_step:,.0f})" if math.isfinite(s_even) else "none (no bias)"
         drift = f"{bias * math.sqrt(steps) / noise:.3f}" if bias > 0 and noise > 0 else "n/a"
-        lines.append(f"| {p} | {float(dl.mean()):+.5f} ({dl_se:.5f}) | {step:.4f} | {bias:.4f} ({bias_se:.4f}) "
+        lines.append(f"| {p} | {q['dloss']:+.5f} ({q['dloss_se']:.5f}) | {step:.4f} | {bias:.4f} ({bias_se:.4f}) "
                      f"| {breakeven} | {proj:+.4f} ({proj_se:.4f}) | {even} | {drift} |")
     lines.append("\nbias / abs(G) by parameter kind (each kind's bias over its own mean gradient):\n")
     present = [k for k in KINDS if m.kind_slices[k]]

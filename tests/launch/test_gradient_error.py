@@ -4,6 +4,7 @@ smoke run on a tiny checkpoint in which a real MXFP4 error is told from BF16's."
 from __future__ import annotations
 
 import math
+import json
 import re
 
 import pytest
@@ -84,7 +85,8 @@ def test_gradient_error_smoke(tmp_path, data_cache):
     ckpt = tmp_path / "ckpt"
     common = [*TINY, "--data-cache-dir", str(data_cache), "--train-iters", "2"]
     run_pretrain([*common, "--precision", "fp32", "--save", str(ckpt), "--save-interval", "2"], nproc=0)
-    out = run_pretrain(["--precisions", "bf16", "mxfp4", "--batches", "4", "--groups", "2", "--",
+    out = run_pretrain(["--precisions", "bf16", "mxfp4", "--batches", "4", "--groups", "2",
+                        "--json", str(tmp_path / "f.json"), "--",
                         *common, "--load", str(ckpt)], nproc=0, script=SCRIPT).stdout
     assert "gradient error at iteration 2" in out
     rows = {m[1]: float(m[2]) for m in re.finditer(r"^\| (\w+) \| [^|]+ \| ([0-9.]+) \|", out, re.MULTILINE)}
@@ -95,6 +97,10 @@ def test_gradient_error_smoke(tmp_path, data_cache):
     assert "<G, E[e]> / abs(G)^2 (s.e.) | break-even steps (tokens in total) | drift ratio at 2 steps |" in out
     mx = next(line for line in out.splitlines() if line.startswith("| mxfp4 |")).split(" | ")
     assert re.fullmatch(r"[+-][0-9.]+ \([0-9.na]+\)", mx[5]) and re.fullmatch(r"[0-9.]+", mx[7].rstrip(" |")), mx
+    fig = json.loads((tmp_path / "f.json").read_text())  # the same figures as the table, unrounded
+    assert fig["iteration"] == 2 and set(fig["precisions"]) == {"bf16", "mxfp4"}
+    assert f"{fig['precisions']['mxfp4']['step_error']:.4f}" == mx[2].strip()
+    assert f"{fig['precisions']['mxfp4']['projection']:+.4f}" == mx[5].split(" (")[0]
 
 
 def test_gradient_error_needs_load(tmp_path):
