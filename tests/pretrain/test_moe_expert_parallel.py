@@ -36,10 +36,11 @@ def test_expert_parallel_2_matches_expert_parallel_1(tmp_path, data_cache):
     assert loss1[4] < loss1[1]
 
 
+@pytest.mark.slow
 def test_expert_parallel_refusals(tmp_path, data_cache):
-    base = [*TINY, *MOE, "--train-iters", "1", "--data-cache-dir", str(data_cache)]
+    base = [*TINY, *MOE, "--train-iters", "2", "--data-cache-dir", str(data_cache)]
     proc = run_pretrain(base + ["--expert-model-parallel-size", "2", "--save", str(tmp_path / "c")], check=False)
-    assert proc.returncode == 2
+    assert proc.returncode != 0  # the workers exit 2; torchrun reports a failed worker as 1
     line = [x for x in proc.stderr.splitlines() if "error:" in x]
     assert line and "--ckpt-format torch_dist" in line[0] and "--save" in line[0], proc.stderr[-2000:]
     proc = run_pretrain(base + ["--expert-model-parallel-size", "2"], nproc=0, check=False)
