@@ -198,10 +198,11 @@ class PortableAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
         hidden_states, probs = super().dispatch_preprocess(hidden_states, routing_map, probs)
         if self.slice_tp:
-            tokens = hidden_states.shape[0]
-            if tokens % self.attn_tp_group.size():
-                raise ValueError(f"MoE layer: {tokens} tokens per micro-batch are not divisible by "
-                                 f"--tensor-model-parallel-size {self.attn_tp_group.size()}")
+            # tokens not divisible by TP (e.g. a decode step's rows): zero rows routed to no expert pad them
+            self.tokens, pad = hidden_states.shape[0], -hidden_states.shape[0] % self.attn_tp_group.size()
+            if pad:
+                hidden_states, probs = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (hidden_states, probs))
+                self.routing_map = torch.nn.functional.pad(self.routing_map, (0, 0, 0, pad))
             hidden_states = _Scatter.apply(hidden_states, self.attn_tp_group, "slice")
             probs = _Scatter.apply(probs, self.attn_tp_group, "slice")
             self.routing_map = _slice(self.routing_map, self.attn_tp_group)
@@ -220,7 +221,7 @@ class PortableAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
             dtype = hidden_states.dtype
             hidden_states = _Scatter.apply(hidden_states.to(self.local_probs.dtype), self.tp_ep_group, "sum").to(dtype)
         if self.slice_tp:
-            hidden_states = _Gather.apply(hidden_states, self.attn_tp_group, "slice")
+            hidden_states = _Gather.apply(hidden_states, self.attn_tp_group, "slice")[: self.tokens]
         return hidden_states
 
 

@@ -26,7 +26,9 @@ BASE = {"num_layers": 2, "hidden_size": 128, "ffn_hidden_size": 256, "num_attent
         "make_vocab_size_divisible_by": 64}
 STYLES = {"llama": {}, "gpt2": {"normalization": "LayerNorm", "activation": "gelu",
                                 "position_embedding": "learned_absolute", "untie_embeddings": False,
-                                "add_bias_linear": True}}
+                                "add_bias_linear": True},
+          "moe": {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 64,
+                  "moe_shared_expert_intermediate_size": 64}}
 PROMPTS = [[5, 6, 7, 8, 9], [3, 4], [11, 12, 13]]
 RUNS = {"model": (None, SamplingParams(max_new_tokens=5)),
         "mxfp4": ("mxfp4", SamplingParams(max_new_tokens=5)),
@@ -47,6 +49,8 @@ def run(cfg, tp_size):
             rollout = RolloutModel(model, resolve_rollout_plan(preset, [], names, cfg.num_layers, 32))
         g = Engine(model, vocab_size=cfg.vocab_size, rollout=rollout).generate(PROMPTS, params)
         out[key] = {"tokens": g.tokens, "logprobs": g.logprobs}
+        if g.routes is not None:  # a MoE policy: every position's experts per layer
+            out[key]["experts"] = [r.experts.sort(-1).values.tolist() for r in g.routes]
     parallel_state.destroy_model_parallel()
     return out
 

@@ -6,6 +6,8 @@ ranks must agree (each samples from the all-gathered logits with the same seeded
 log-probs agree to the float rounding of the row-parallel all-reduce (summation order). Measured:
 ``mxfp4`` bit-identical; FP32 plan and ``nvfp4`` <= 2.2e-6; ``fp8`` 1.4e-4 -- an all-reduce
 last-bit difference flipped one per-tensor FP8 activation rounding (hence its own tolerance).
+A MoE policy (4 experts, top-2, a shared expert): the same, and the recorded experts of every position
+equal -- decode steps of 3 rows at TP=2 pad the MoE layer's tokens to a multiple of TP (``model.moe``).
 """
 
 import json
@@ -34,7 +36,7 @@ def reports(tmp_path_factory):
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize("style", ["llama", "gpt2"])
+@pytest.mark.parametrize("style", ["llama", "gpt2", "moe"])
 @pytest.mark.parametrize("run", ["model", "mxfp4", "fp8", "nvfp4_sampled"])
 def test_tp2_generation_equals_tp1(reports, style, run):
     r0, r1 = (rep[style] for rep in reports)
@@ -43,3 +45,5 @@ def test_tp2_generation_equals_tp1(reports, style, run):
     assert tp2["tokens"] == tp1["tokens"]
     diff = max(abs(a - b) for x, y in zip(tp1["logprobs"], tp2["logprobs"]) for a, b in zip(x, y))
     assert diff < TOL[run], diff
+    if style == "moe":  # the same experts at every position and layer, on both ranks
+        assert tp2["experts"] == tp1["experts"] == r1["tp2"][run]["experts"]
