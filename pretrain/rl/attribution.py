@@ -1,4 +1,4 @@
-"""Mismatch attribution: how much of the trainer/rollout gap comes from weights, activations, KV-cache.
+"""Mismatch attribution: how much of the trainer/rollout gap comes from weights, activations, KV-cache (, router).
 
 A quantized rollout differs from a BF16 one in three places: the linears' weights (``w`` of every
 Fprop), their activations (``x``) and the KV-cache. We re-score one batch of rollouts (teacher
@@ -31,6 +31,14 @@ component is quantized, that component's effect and share are exactly ``T`` and 
 (tested). Layer groups are no more additive than components (measured on the test model, MXFP4
 weights only, 32 tokens: the group interaction is 15 % of ``k3_kl`` and 48 % of the log-prob gap,
 and one layer's effect can be negative), so read per-group effects with their interaction row.
+
+A mixture-of-experts policy adds a fourth component, the **router**: the routing decisions alone.
+Quantized, every MoE layer replays the expert sets the full rollout plan's recompute chose; back in
+BF16, those the reference recompute (all components in BF16) chose (``model.moe_replay``); combine
+weights always come from the forward's own router scores at the replayed experts. So the 16 plans
+are every subset of the four, the all-quantized plan is the rollout's and the all-BF16 one the
+reference: the total is unchanged and the Shapley shares still add up to 100 %. An FP32 operand (the
+router GEMM's default) stays FP32 when its component is "back in BF16" (docs/rl.md).
 
 Scoring is a recomputation over whole sequences (``model.generate.forward_logits``, the KV formats
 fake-quantized by ``SDPAttention.kv_format``, per-head KV scales calibrated on this batch), so it
