@@ -362,9 +362,10 @@ class CheckpointConfig:
                            help="checkpoint directory (DIR/iter_0000010/..., in the --ckpt-format layout)")
     """Checkpoint directory (``None``: nothing saved)."""
     ckpt_format: str = arg(
-        "--ckpt-format", default="legacy", choices=("legacy", "torch_dist"),
-        help="how --save writes: legacy (Megatron-LM's 'torch' layout, mp_rank_XX/model_optim_rng.pt per TP rank) "
-        "or torch_dist (megatron-core dist_checkpointing: sharded, loads at any TP size); --load reads either")
+        "--ckpt-format", default="legacy", choices=("legacy", "torch", "torch_dist"),
+        help="how --save writes: legacy (Megatron-LM's 'torch' layout, mp_rank_XX/model_optim_rng.pt per TP rank; "
+        "'torch' is accepted as its Megatron-LM name) or torch_dist (megatron-core dist_checkpointing: sharded, loads "
+        "at any TP size); --load reads either")
     """Checkpoint layout written by ``--save`` (``pretrain.dist_checkpoint`` for ``torch_dist``)."""
     save_interval: int | None = arg("--save-interval", type=int,
                                     help="save every N iterations (and always at the end and on SIGTERM)")
