@@ -28,6 +28,11 @@ METRICS = {
     "flushed": (True, "fraction of non-zero values flushed to zero"),
     "amax_ratio": (True, "current amax / the amax the scale came from (> 1: delayed scaling lagged)"),
     "amax": (True, "max |value| of the operand"),
+    # per-block figures along the GEMM's contraction axis (precision.block_stats); had16_*: after a Hadamard
+    "flushed_nonzero": (True, "share of non-zero elements quantized to zero"),
+    "block_max_median": (True, "mean over blocks of max|x| / median|x|"),
+    "block_top_share": (True, "mean share of a block's energy in its largest element"),
+    "had16_flushed_nonzero": (True, "flushed_nonzero after a 16-point Hadamard along the contraction axis"),
 }
 
 
