@@ -50,7 +50,14 @@ from pretrain.config import (  # noqa: F401 - re-exported: launchers, RL and the
     model_sizes,
 )
 from pretrain.config.config_file import ConfigFileArgs, ConfigFileError, config_argv
-from pretrain.config.megatron_flags import PARSE_TIME, MegatronFlags, train_iters_from_samples, translate, unread_problem
+from pretrain.config.megatron_flags import (
+    PARSE_TIME,
+    MegatronFlags,
+    train_iters_from_samples,
+    translate,
+    unread_problem,
+    unrecognized,
+)
 from pretrain.config.precision import RunPrecision, phase_precisions, precision_schedule  # noqa: F401 - re-exported
 from pretrain.config.run import LoggingConfig
 
@@ -69,7 +76,7 @@ def fail(message: str) -> NoReturn:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # argparse prints usage + error; we raise one line
-        raise ConfigError(message)
+        raise ConfigError(unrecognized(message, self._option_string_actions))
 
 
 def build_parser() -> argparse.ArgumentParser:

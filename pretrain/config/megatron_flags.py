@@ -24,6 +24,7 @@ Megatron-LM                            here
                                        (Megatron's defaults: most_recent, 1)
 ``--fp8-recipe mxfp8``                 ``mxfp8_e4m3`` (``mxfp8_e5m2`` for ``dy`` with hybrid), the
                                        E8M0 scale rounded up (``rceil``, TE's MXFP8BlockScaling)
+``--no-fp8-wgrad`` (delayed only)      ``wgrad=bf16`` (TE's ``override_linear_precision``)
 ``--fp8-recipe blockwise``             refused: no 1x128 / 128x128 FP32-scaled blocks here
 ``--fp8-margin N``                     this project's own flag; with Megatron's flags only with
                                        ``delayed`` (TE's current-scaling recipes take no margin)
@@ -73,6 +74,10 @@ class MegatronFlags:
         "--fp8-amax-compute-algo", choices=("max", "most_recent"),
         help="Megatron-LM, --fp8-recipe delayed: the amax of the window (default most_recent)")
     """Megatron's ``fp8_amax_compute_algo``."""
+    no_fp8_wgrad: bool = arg(
+        "--no-fp8-wgrad", action="store_true",
+        help="Megatron-LM, --fp8-recipe delayed: Wgrad in BF16 (TE's override_linear_precision): wgrad=bf16")
+    """Megatron's ``fp8_wgrad=False``."""
     fp4_format: str | None = arg(
         "--fp4-format", choices=("e2m1",),
         help="Megatron-LM: FP4 on every transformer-layer linear (with --fp4-recipe nvfp4: --precision nvfp4)")
@@ -122,11 +127,12 @@ def given_megatron_flags(args: argparse.Namespace) -> list[str]:
 def _clear(args: argparse.Namespace) -> None:
     for f in dataclasses.fields(MegatronFlags):
         if hasattr(args, f.name):
-            setattr(args, f.name, False if f.name == "first_last_layers_bf16" else None)
+            setattr(args, f.name, False if f.type == "bool" else None)
 
 
-def _fp8_spec(fmt: str, recipe: str, algo: str, history_len: int) -> str:
-    """The per-GEMM ``--precision`` spec of Megatron's ``--fp8-format fmt --fp8-recipe recipe``."""
+def _fp8_spec(fmt: str, recipe: str, algo: str, history_len: int, wgrad: bool = True) -> str:
+    """The per-GEMM ``--precision`` spec of Megatron's ``--fp8-format fmt --fp8-recipe recipe``
+    (``wgrad=False``: ``--no-fp8-wgrad``, delayed only)."""
     if recipe == "mxfp8":
         pair = "mxfp8_e5m2@mxfp8_e4m3" if fmt == "hybrid" else "mxfp8_e4m3"  # dy's format first
         return f"fprop=mxfp8_e4m3+rceil,dgrad={pair}+rceil,wgrad={pair}+rceil"
@@ -134,7 +140,7 @@ def _fp8_spec(fmt: str, recipe: str, algo: str, history_len: int) -> str:
     if recipe == "tensorwise":
         return "fp8" if fmt == "hybrid" else f"fprop={op},dgrad={op},wgrad={op}"
     mod = f"+delayed({algo},{history_len})"
-    return f"fprop={op}{mod},dgrad={op}{mod},wgrad={op}{mod}"
+    return f"fprop={op}{mod},dgrad={op}{mod},wgrad=" + (f"{op}{mod}" if wgrad else "bf16")
 
 
 def translate(args: argparse.Namespace, given: set[str]) -> str | None:
@@ -155,10 +161,11 @@ def translate(args: argparse.Namespace, given: set[str]) -> str | None:
     if fp8 and fp4:
         raise ValueError(f"--fp8-format {fp8} and --fp4-format {fp4}: one of them (megatron-core refuses both: "
                          "'fp4 and fp8 cannot be used simultaneously')")
-    fp8_only = [n for n in ("fp8_recipe", "fp8_amax_history_len", "fp8_amax_compute_algo")
-                if getattr(args, n) is not None]
+    fp8_only = [n for n in ("fp8_recipe", "fp8_amax_history_len", "fp8_amax_compute_algo", "no_fp8_wgrad")
+                if getattr(args, n) not in (None, False)]
     if not fp8 and fp8_only:
-        raise ValueError(f"{flag_name(fp8_only[0])} {getattr(args, fp8_only[0])} needs --fp8-format e4m3|hybrid "
+        given_as = next(t for t in tokens if t.split()[0] == flag_name(fp8_only[0]))
+        raise ValueError(f"{given_as} needs --fp8-format e4m3|hybrid "
                          "(Megatron turns FP8 on with --fp8-format; without it the flag has no effect)")
     if not fp4 and args.fp4_recipe is not None:
         raise ValueError(f"--fp4-recipe {args.fp4_recipe} needs --fp4-format e2m1 (Megatron turns FP4 on with "
@@ -182,6 +189,9 @@ def translate(args: argparse.Namespace, given: set[str]) -> str | None:
                 if getattr(args, n) is not None:
                     raise ValueError(f"{flag_name(n)} {getattr(args, n)}: only --fp8-recipe delayed keeps an amax "
                                      f"history (Megatron ignores it with --fp8-recipe {recipe}); drop it")
+            if args.no_fp8_wgrad:
+                raise ValueError(f"--no-fp8-wgrad: Megatron honours it only with --fp8-recipe delayed (with {recipe} "
+                                 "Wgrad stays FP8); drop it, or spell the plan with wgrad=bf16 in --precision")
             if margin is not None and margin != 0:
                 raise ValueError(f"--fp8-margin {margin}: Megatron applies the margin only with --fp8-recipe delayed "
                                  f"(TE's --fp8-recipe {recipe} takes none); drop it, or spell the plan as "
@@ -190,7 +200,7 @@ def translate(args: argparse.Namespace, given: set[str]) -> str | None:
         history = 1 if args.fp8_amax_history_len is None else args.fp8_amax_history_len
         if history < 1:
             raise ValueError(f"--fp8-amax-history-len {history}: must be >= 1")
-        spec = _fp8_spec(fp8, recipe, args.fp8_amax_compute_algo or "most_recent", history)
+        spec = _fp8_spec(fp8, recipe, args.fp8_amax_compute_algo or "most_recent", history, not args.no_fp8_wgrad)
         if args.first_last_layers_bf16 and recipe == "delayed":
             raise ValueError(
                 "--first-last-layers-bf16 with --fp8-recipe delayed: megatron-core refuses it ('Delayed scaling "
@@ -262,3 +272,39 @@ def unread_problem(args: argparse.Namespace) -> str | None:
         return (f"{given[0]}: this program takes this project's spelling (--precision, --precision-rule, "
                 "--train-iters); Megatron-LM's flags are pretrain.py's")
     return None
+
+
+NOT_HERE = {
+    "--fp8-param-gather": "keeps FP8 copies of the parameters (TE's memory saving); here every GEMM quantizes its "
+                          "operands from the high-precision weights by its recipe: drop it",
+    "--fp4-param-gather": "keeps FP4 copies of the parameters (TE's memory saving); here every GEMM quantizes its "
+                          "operands from the high-precision weights by its recipe: drop it",
+    "--fp8-dot-product-attention": "the plan quantizes the linear layers; attention's own matmuls run in the "
+                                   "model's dtype (--kv-quant FORMAT fake-quantizes K and V): drop it",
+    "--fp8-multi-head-attention": "the plan quantizes the linear layers; attention's own matmuls run in the "
+                                  "model's dtype (--kv-quant FORMAT fake-quantizes K and V): drop it",
+    "--fp8-interval": "deprecated since TransformerEngine 1.8 and ignored by Megatron-LM: drop it",
+    "--fp8-quantizer-factory": "a custom recipe here is a per-GEMM --precision spec (docs/precision.md)",
+    "--fp4-quantizer-factory": "a custom recipe here is a per-GEMM --precision spec (docs/precision.md)",
+    "--lr-decay-samples": "the schedule is counted in iterations: --lr-decay-iters N (samples / --global-batch-size)",
+    "--lr-warmup-samples": "the schedule is counted in iterations: --lr-warmup-iters N (samples / --global-batch-size)",
+    "--rampup-batch-size": "no batch-size ramp-up here: one --global-batch-size for the whole run",
+}
+"""Megatron-LM flags with no counterpart here, and why (an unknown flag's one-line error says so)."""
+
+
+def unrecognized(message: str, options) -> str:
+    """argparse's ``unrecognized arguments: ...`` made actionable: a Megatron-LM flag with no counterpart
+    here says why (:data:`NOT_HERE`); another unknown flag names the nearest one of ``options``."""
+    import difflib
+
+    if not message.startswith("unrecognized arguments: "):
+        return message
+    first = next((t for t in message.split(": ", 1)[1].split() if t.startswith("--")), None)
+    if first is None:
+        return message
+    flag = first.split("=", 1)[0]
+    if flag in NOT_HERE:
+        return f"{flag}: Megatron-LM's flag has no counterpart here: {NOT_HERE[flag]}"
+    near = difflib.get_close_matches(flag, [o for o in options if o.startswith("--")], n=1, cutoff=0.75)
+    return f"{message}; did you mean {near[0]}?" if near else message

@@ -39,7 +39,8 @@ def test_a_typo_in_a_base_flag_is_refused_before_any_run(tmp_path, capsys):
     f = _file(tmp_path, SWEEP.format(iters=4).replace("train-iters", "train-iter"))
     assert sweep.main([f, "--out", str(tmp_path / "out")]) == 2
     line = _one_error_line(capsys)
-    assert line == "error: run bf16: pretrain.py refuses its flags: unrecognized arguments: --train-iter 4"
+    assert line == ("error: run bf16: pretrain.py refuses its flags: unrecognized arguments: --train-iter 4; "
+                    "did you mean --train-iters?")
     assert not (tmp_path / "out" / "runs").exists()  # nothing started
 
 

@@ -218,3 +218,25 @@ def test_help_lists_the_spellings():
     text = build_parser().format_help()
     assert "Megatron-LM spellings" in text and "--fp8-format" in text and "--data-cache-path" in text
     assert isinstance(build_parser().parse_args(["--fp8-recipe", "mxfp8"]), argparse.Namespace)
+
+
+def test_no_fp8_wgrad_keeps_wgrad_in_bf16_under_delayed_scaling():
+    _, got = plan(["--fp8-format", "hybrid", "--no-fp8-wgrad"])
+    _, ours = plan(["--precision", "fprop=fp8,dgrad=fp8,wgrad=bf16", "--amax-algo", "most_recent",
+                    "--amax-history-len", "1"])
+    assert got == ours and got["decoder.layers.2.mlp.linear_fc1"].wgrad.is_high_precision
+    with pytest.raises(ConfigError, match=r"^--no-fp8-wgrad: Megatron honours it only with --fp8-recipe delayed"):
+        plan(["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--no-fp8-wgrad"])
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--fp8-param-gather"], "--fp8-param-gather: Megatron-LM's flag has no counterpart here: keeps FP8 copies"),
+    (["--lr-decay-samples=100"], "--lr-decay-samples: Megatron-LM's flag has no counterpart here: the schedule"),
+    (["--fp8-interval", "1"], "--fp8-interval: Megatron-LM's flag has no counterpart here: deprecated"),
+    (["--train-iter", "3"], "unrecognized arguments: --train-iter 3; did you mean --train-iters?"),
+    (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+])  # fmt: skip
+def test_unknown_flags_say_why_or_name_the_nearest(argv, expected):
+    with pytest.raises(ConfigError) as e:
+        plan(argv)
+    assert str(e.value) == expected if expected.endswith("flag") else str(e.value).startswith(expected), str(e.value)
