@@ -14,7 +14,8 @@ shows up.
     (elsewhere bf16 rounding may legitimately flip it; ~97% of positions agree overall);
   - TP=2 (``torchrun --nproc-per-node 2``, gloo; this file is its own worker): sharded loading
     gives transformers' logits on the exact path (~2e-6) and the TP=1 logits to bf16 accuracy
-    with the bf16 plan.
+    with the bf16 plan -- Llama, Qwen2 and a Qwen3-MoE (4 experts of width 64, top-2, q/k norms,
+    layer 1 dense; the MoE import itself: tests/pretrain/test_convert_hf_moe.py).
 """
 
 from __future__ import annotations
@@ -40,13 +41,18 @@ COMMON = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 SEQ = 48
+TP2_KINDS = ("llama", "qwen2", "qwen3_moe")  # qwen3_moe: experts (width 64) and q/k norms sharded at TP=2
 
 
 def _hf_model(kind: str):
     import transformers as tf
 
-    torch.manual_seed({"llama": 0, "qwen2": 1, "llama3": 2}[kind])
-    if kind == "llama":
+    torch.manual_seed({"llama": 0, "qwen2": 1, "llama3": 2, "qwen3_moe": 3}[kind])
+    if kind == "qwen3_moe":  # experts of width 64: 32 per TP=2 rank (an MX block)
+        model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
+            vocab_size=200, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=16,
+            mlp_only_layers=[1], **COMMON))
+    elif kind == "llama":
         model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=256, **COMMON))
     elif kind == "qwen2":
         model = tf.Qwen2ForCausalLM(tf.Qwen2Config(vocab_size=300, tie_word_embeddings=True, **COMMON))
@@ -66,7 +72,7 @@ def hf(tmp_path_factory):
     """{kind: (hf_dir, transformers model, tokens, float32 reference logits)}."""
     pytest.importorskip("transformers")
     out = {}
-    for kind in ("llama", "qwen2", "llama3"):
+    for kind in ("llama", "qwen2", "llama3", "qwen3_moe"):
         model = _hf_model(kind)
         path = str(tmp_path_factory.mktemp(kind))
         model.save_pretrained(path, safe_serialization=True)
@@ -225,7 +231,7 @@ def test_logits_match_transformers_bf16_plan(hf, kind):
 
 @pytest.mark.slow
 def test_tp2_load_matches_tp1(hf, tmp_path):
-    for kind in ("llama", "qwen2"):
+    for kind in TP2_KINDS:
         path, _, tokens, ref = hf[kind]
         hf_convert.save_converted(hf_convert.convert_hf_checkpoint(path), str(tmp_path / kind))
         torch.save({"tokens": tokens, "ref": ref}, tmp_path / kind / "ref.pt")
@@ -237,9 +243,9 @@ def test_tp2_load_matches_tp1(hf, tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     report = json.loads(out.read_text())
-    for kind in ("llama", "qwen2"):
+    for kind in TP2_KINDS:
         r = report[kind]
-        assert r["padded_vocab"] == {"llama": [256, 256], "qwen2": [384, 512]}[kind]
+        assert r["padded_vocab"] == {"llama": [256, 256], "qwen2": [384, 512], "qwen3_moe": [256, 256]}[kind]
         assert r["exact_tp1_vs_hf"] <= 1e-5 * r["ref_absmax"], r
         assert r["exact_tp2_vs_hf"] <= 1e-5 * r["ref_absmax"], r
         # bf16: a last-bit fp32 difference in a row-parallel sum can flip a bf16 operand rounding in
@@ -259,7 +265,7 @@ def _worker() -> None:
     torch.distributed.init_process_group("gloo")
     real_linear = model.layers.policy_linear
     report = {}
-    for kind in ("llama", "qwen2"):
+    for kind in TP2_KINDS:
         state, cfg, _ = hf_convert.load_converted(os.path.join(args.dir, kind))
         data = torch.load(os.path.join(args.dir, kind, "ref.pt"))
         tokens, ref = data["tokens"], data["ref"]
