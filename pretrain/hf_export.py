@@ -444,6 +444,11 @@ def export_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str, *,
     from safetensors.torch import save_file
 
     formats = _per_linear(weight_format, cfg)
+    routers = [n for n, f in formats.items() if f is not None and n.endswith(".mlp.router")]
+    if routers:
+        raise HFExportError(f"--rollout-precision: {routers[0]} would be FP4-packed; the MoE router gate is an "
+                            "unquantized layer in transformers and vLLM (keep the router in BF16/FP32: the preset's "
+                            "kind:router=fp32)")
     used = {getattr(f, "fmt", f) for f in formats.values() if f is not None}
     bad = sorted(used - set(EXPORT_FORMATS))
     if bad:

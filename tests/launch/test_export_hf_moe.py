@@ -166,6 +166,17 @@ def test_moe_models_without_hf_equivalent_are_refused():
         assert "\n" not in str(e.value)
 
 
+def test_an_fp4_router_is_refused(world_of_one, tmp_path, capsys):
+    from launch.export_hf import main
+
+    torch.save({"model": random_state(QWEN), "model_config": dataclasses.asdict(QWEN)}, tmp_path / "w.pt")
+    argv = ["--load", str(tmp_path / "w.pt"), "--out", str(tmp_path / "out"), "--rollout-precision", "nvfp4",
+            "--rollout-precision-rule", "kind:router=nvfp4"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "decoder.layers.0.mlp.router would be FP4-packed" in err and err.count("\n") == 1, err
+
+
 @pytest.mark.slow
 def test_a_moe_training_run_exports_and_loads_in_transformers(data_cache, tmp_path):
     """The whole path: ``launch/pretrain.py`` trains a Qwen3-MoE-shaped model for 2 iterations
