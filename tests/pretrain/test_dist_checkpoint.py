@@ -287,3 +287,48 @@ def test_no_load_optim_and_no_load_rng(fmt, tmp_path, data_cache):
 
     assert adam_step(straight / "iter_0000003") == 3.0
     assert adam_step(out / "iter_0000003") == 1.0  # one step since a fresh optimizer
+
+
+# === kill -9 mid-save ===
+
+
+@pytest.mark.slow
+def test_kill_9_of_one_rank_mid_save_leaves_a_loadable_checkpoint_and_the_resume_is_exact(tmp_path, data_cache):
+    """``test_reliability.py``'s kill test for ``torch_dist``: SIGKILL one rank at a random moment of a
+    run that saves every iteration (so often mid-save); resuming from the last complete checkpoint
+    ends with the uninterrupted run's weights and optimizer state, bit for bit (read whole by torch
+    DCP), with ``--save-retain 2`` deleting old checkpoints meanwhile."""
+    import random
+    import signal
+    import time
+
+    from ._launch import start_pretrain, worker_pids
+
+    argv = ["--train-iters", "8", *TINY, "--precision", "mxfp4_sr", "--gemm-backend", "reference", "--eval-iters", "0",
+            "--tensor-model-parallel-size", "2", "--save-interval", "1", "--ckpt-format", "torch_dist",
+            "--data-cache-dir", str(data_cache)]  # fmt: skip
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    run_pretrain([*argv, "--save", str(straight)])
+    log = tmp_path / "log.txt"
+    proc = start_pretrain([*argv, "--save", str(killed), "--load", str(killed), "--save-retain", "2"], log_path=log)
+    try:
+        deadline = time.monotonic() + 600
+        while not (killed / TRACKER).exists() or int((killed / TRACKER).read_text() or 0) < 3:
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.05)
+        time.sleep(random.uniform(0.0, 0.5))
+        workers = worker_pids(proc.pid)
+        assert 1 in workers, "the run ended before the kill"
+        os.kill(workers[1], signal.SIGKILL)
+        assert proc.wait(timeout=120) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert 3 <= read_tracker(str(killed)) < 8
+    run_pretrain([*argv, "--save", str(killed), "--load", str(killed), "--save-retain", "2"])
+    assert sorted(n for n in os.listdir(killed) if n.startswith("iter_")) == ["iter_0000007", "iter_0000008"]
+    a, b = _dcp_global(straight / "iter_0000008"), _dcp_global(killed / "iter_0000008")
+    assert a.keys() == b.keys() and any(k.startswith("optimizer.state.exp_avg.") for k in a)
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert torch.equal(a[k], b[k]), k
