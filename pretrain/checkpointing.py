@@ -46,6 +46,11 @@ raises the same one-line :class:`CheckpointError` (load) or :class:`CheckpointSa
 that could not be completed, e.g. a full disk: the partial directory is removed and the previous
 checkpoint stays the tracker's) -- no rank is left waiting in a collective the others abandoned.
 
+``--ckpt-format torch_dist`` writes megatron-core's sharded format instead (``pretrain.dist_checkpoint``:
+same tracker, temporary directory, checksums, publication and retention, through ``begin_save`` /
+``publish_save`` here); :func:`load_checkpoint` reads either, recognising ``torch_dist`` by its
+``metadata.json``.
+
 Here: saving, loading (resharding a model over another TP size), RNG states. The layout's names, the
 errors, checksums and ``run_config.json`` with the tokenizer copy: ``pretrain.checkpoint_files``.
 """
