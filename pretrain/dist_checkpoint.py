@@ -45,7 +45,10 @@ import os
 import torch
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
-from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
+from megatron.core.dist_checkpointing.optimizer import (
+    get_param_id_to_sharded_param_map,
+    optim_state_to_sharding_state,
+)
 from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
 from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
 from torch.distributed.checkpoint.api import CheckpointException

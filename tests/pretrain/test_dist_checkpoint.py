@@ -25,7 +25,13 @@ from pretrain.checkpointing import (
     load_checkpoint,
     read_tracker,
 )
-from pretrain.dist_checkpoint import METADATA, WRITER_DCP, is_dist_checkpoint, load_dist_state, save_dist_checkpoint
+from pretrain.dist_checkpoint import (
+    METADATA,
+    WRITER_DCP,
+    is_dist_checkpoint,
+    load_dist_state,
+    save_dist_checkpoint,
+)
 
 from ._launch import TINY, run_pretrain, scalars
 
@@ -199,7 +205,7 @@ def _state(cfg, it):
 def test_dist_save_is_atomic_checked_and_retained(tmp_path, monkeypatch, world_of_one):
     model, cfg = _tiny_model()
     save_dir = str(tmp_path / "ckpt")
-    path = save_dist_checkpoint(save_dir, 1, _state(cfg, 1), model, None)
+    assert save_dist_checkpoint(save_dir, 1, _state(cfg, 1), model, None) == os.path.join(save_dir, "iter_0000001")
     assert sorted(os.listdir(save_dir)) == ["iter_0000001", TRACKER]
     first = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 
@@ -226,9 +232,11 @@ def test_dist_save_is_atomic_checked_and_retained(tmp_path, monkeypatch, world_o
 
     shard = next(p for p in os.listdir(os.path.join(save_dir, "iter_0000003")) if p.endswith(".distcp"))
     target = os.path.join(save_dir, "iter_0000003", shard)
-    data = bytearray(open(target, "rb").read())
-    data[len(data) // 2] ^= 0xFF  # silent corruption, size unchanged
-    open(target, "wb").write(bytes(data))
+    with open(target, "r+b") as f:  # silent corruption, size unchanged
+        f.seek(os.path.getsize(target) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(CheckpointError) as e:
         load_checkpoint(save_dir, tp_size=1)
     msg = str(e.value)
