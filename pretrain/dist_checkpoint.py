@@ -54,6 +54,7 @@ from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
 from torch.distributed.checkpoint.api import CheckpointException
 
 from pretrain.checkpoint_files import (
+    CHECKPOINT_VERSION,
     CHECKSUMS,
     CheckpointError,
     _advice,
@@ -61,6 +62,13 @@ from pretrain.checkpoint_files import (
     _write_run_config,
     file_entry,
     read_checksums,
+)
+from pretrain.checkpoint_transaction import (
+    _save_problem,
+    _write_failure,
+    begin_save,
+    gather_rng_states,
+    publish_save,
 )
 
 FORMATS = ("torch_dist", "legacy")
@@ -201,15 +209,6 @@ def save_dist_checkpoint(save_dir: str, iteration: int, state: dict, model, engi
     ``optimizer``); ``model`` and ``engine`` give the sharded part. Returns the directory; raises
     :class:`CheckpointSaveError` on every rank if any rank could not write (the previous
     checkpoint and tracker are untouched)."""
-    from pretrain.checkpointing import (
-        CHECKPOINT_VERSION,
-        _save_problem,
-        _write_failure,
-        begin_save,
-        gather_rng_states,
-        publish_save,
-    )
-
     tmp = begin_save(save_dir, iteration)
     rng_states = gather_rng_states()
     writer = writer_name()
