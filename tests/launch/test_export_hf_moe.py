@@ -38,6 +38,7 @@ from precision.formats import unpack_codes
 from precision.quantize import quantize
 from pretrain import hf_convert
 from pretrain.hf_export import HFExportError, export_hf, hf_state_dict
+from tests.launch.test_export_hf import _random_state as random_state  # weights ~N(0, 0.1), BF16 values
 
 QWEN = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
                    seq_length=32, vocab_size=200, qk_layernorm=True, num_experts=4, moe_ffn_hidden_size=32,
@@ -45,15 +46,6 @@ QWEN = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=64, num_attenti
 MIXTRAL = dataclasses.replace(QWEN, qk_layernorm=False, moe_layer_freq=1, moe_router_pre_softmax=False,
                               ffn_hidden_size=32)  # all layers MoE: Mixtral has one intermediate_size
 EXPERT = "decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc{}.weight"
-
-
-def random_state(cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    model = build_gpt(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_((torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0)).bfloat16())
-    return {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
 
 
 def our_logits(state, cfg, tokens, spec="fp32"):
