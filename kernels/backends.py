@@ -47,6 +47,7 @@ import torch
 
 from precision.elements import E5M2
 from precision.formats import Format, Scaling
+from precision.policy import compact_names
 from precision.recipe import Gemm, GemmRecipe, LinearPrecision
 
 __all__ = [
@@ -263,17 +264,22 @@ def select_backend(recipe_or_precision: GemmRecipe | LinearPrecision, device, re
 
 def describe_backends(plan: Mapping[str, LinearPrecision] | LinearPrecision, device,
                       requested: str = "auto") -> str:
-    """One line per layer, ``recipe -> backend`` for each GEMM, and a summary (what the probe
-    found on this device, if it ran, included: ``kernels.probe.startup_report`` runs it first)."""
+    """``recipe -> backend`` for each GEMM, one line per group of layers that get the same (named
+    compactly, with their count: an 8B model's 225 linears are a few lines), and a summary (what
+    the probe found on this device, if it ran, included: ``kernels.probe.startup_report`` runs it
+    first)."""
     cap = device_capability(device)
     layers = {"(all layers)": plan} if isinstance(plan, LinearPrecision) else dict(plan)
-    width = max([len(n) for n in layers] + [5])
     hw = ", ".join(device_backends(cap)) or "none"
-    rows, count = [], Counter()
+    groups: dict[tuple[str, ...], list[str]] = {}
+    count = Counter()
     for name, prec in layers.items():
         chosen = select_backend(prec, cap, requested, layer=name)
         count.update(chosen.values())
-        rows.append((name, [f"{prec.recipe(g).spec()} -> {chosen[g]}" for g in Gemm]))
+        groups.setdefault(tuple(f"{prec.recipe(g).spec()} -> {chosen[g]}" for g in Gemm), []).append(name)
+    rows = [(names[0] if len(names) == 1 else f"{compact_names(names)} ({len(names)})", list(cells))
+            for cells, names in groups.items()]
+    width = max([len(n) for n, _ in rows] + [5])
     cw = [max([len(g.value)] + [len(r[1][i]) for r in rows]) for i, g in enumerate(Gemm)]
     lines = [f"GEMM backends on {capability_name(cap)} (hardware GEMMs here: {hw}; requested: {requested})",
              f"{'layer':<{width}}  " + "  ".join(f"{g.value:<{cw[i]}}" for i, g in enumerate(Gemm)).rstrip()]

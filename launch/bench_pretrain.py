@@ -156,9 +156,17 @@ def _log_fields(text: str) -> dict:
         for part in paths.group(1).split(", "):
             name, _, n = part.rpartition(" ")
             counts[name] = int(n)
-    cells = re.findall(r"(\S+) -> (emulated|reference|bf16_mm|fp8_scaled_mm|mx_scaled_mm)\b", text)
+    # the start-up table (kernels.backends.describe_backends): one row per group of layers with the same
+    # GEMMs, "NAMES (COUNT)" where a row stands for several; rows end at "GEMMs per backend"
+    table = re.search(r"^GEMM backends on .*\n.*\n((?:.*\n)*?)GEMMs per backend", text, re.MULTILINE)
+    emulated = None
+    for row in table.group(1).splitlines() if table else ():
+        cells = re.findall(r"(\S+) -> (emulated|reference|bf16_mm|fp8_scaled_mm|mx_scaled_mm)\b", row)
+        if cells:
+            many = re.match(r".*? \((\d+)\)  ", row)
+            emulated = (emulated or 0) + int(many.group(1) if many else 1) * sum(_gemm_emulated(*c) for c in cells)
     return {"tokens_per_iter": int(tokens.group(1).replace(",", "")) if tokens else None, "gemm_paths": counts,
-            "emulated_gemms": sum(_gemm_emulated(spec, backend) for spec, backend in cells) if cells else None}
+            "emulated_gemms": emulated}
 
 
 def _plain_bf16(spec: str) -> bool:

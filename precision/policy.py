@@ -108,7 +108,7 @@ def describe_names(names: Iterable[str]) -> str:
     return ", ".join(described + others)
 
 
-def _compact_names(names: list[str]) -> str:
+def compact_names(names: list[str]) -> str:
     """Layer names exactly and compactly: transformer layers as ``decoder.layers.[0-3,5].SUFFIX`` (the
     suffixes of one layer set in braces), other names as they are."""
     layers, others = _by_suffix(names)
@@ -434,7 +434,7 @@ class PrecisionPlan(Mapping):
         groups: dict[tuple[str, str], list[str]] = {}
         for name, (p, rule) in self._entries.items():
             groups.setdefault((str(p), rule), []).append(name)
-        lines = [f"{_compact_names(names)} ({len(names)}): {p}  <- {rule}" for (p, rule), names in groups.items()]
+        lines = [f"{compact_names(names)} ({len(names)}): {p}  <- {rule}" for (p, rule), names in groups.items()]
         return "\n".join(["layer (count): precision  <- rule", *lines])
 
     def to_dict(self) -> dict[str, dict[str, str]]:

@@ -95,6 +95,13 @@ def test_describe_backends_report():
     assert lines[4] == "GEMMs per backend: bf16_mm 4, fp8_scaled_mm 2"
     assert lines[5].startswith("  bf16_mm: BF16 tensor-core GEMM") and lines[6].startswith("  fp8_scaled_mm: FP8")
     assert "hardware GEMMs here: none" in describe_backends(presets.get("nvfp4"), "cpu")
+    # layers that get the same recipes and backends are one line, named compactly with their count
+    many = {f"decoder.layers.{i}.mlp.{fc}": presets.get("fp8") for i in range(12) for fc in ("linear_fc1", "linear_fc2")}
+    many["decoder.layers.5.mlp.linear_fc2"] = presets.get("bf16")
+    rows = describe_backends(many, SM90).splitlines()[2:-3]
+    assert [r.split("  ")[0] for r in rows] == [
+        "decoder.layers.[0-11].mlp.linear_fc1, decoder.layers.[0-4,6-11].mlp.linear_fc2 (23)",
+        "decoder.layers.5.mlp.linear_fc2"]
 
 
 def test_auto_backend_on_cpu_is_the_emulated_backend():
