@@ -157,6 +157,23 @@ def _torch_optimizer_sharded(optimizer: torch.optim.Optimizer, model_sd: dict, p
     return state, steps
 
 
+def _with_steps(states: dict, steps: dict, path: str) -> dict:
+    """AdamW's per-parameter step counts put back into the loaded state. ``steps`` is global rank 0's
+    (common state), indexed by its optimizer's parameter order, which another expert-parallel or
+    pipeline layout changes; AdamW steps every parameter every iteration, so one count shared by all
+    is given to every parameter of this layout. Counts that differ are restored by index, only where
+    the layout holds the same parameters; otherwise one line."""
+    counts = {float(s) for s in steps.values()}
+    if len(counts) == 1:
+        step = next(iter(steps.values()))
+        return {i: {**s, "step": step.clone()} for i, s in states.items()}
+    if set(steps) != set(states):
+        raise CheckpointError(f"--load: {path}: its AdamW step counts differ between parameters and this run's "
+                              f"parallel layout orders the parameters differently; resume with the saved "
+                              f"--expert-model-parallel-size, or start the optimizer afresh with --no-load-optim")
+    return {i: {**s, "step": steps[i].clone()} for i, s in states.items()}
+
+
 def _optimizer_params(engine) -> list:
     """The model parameters of the torch engine's optimizer, in its order (an FP32 main stands for
     its model parameter: the model's sharded state dict is built while the model holds the mains)."""
@@ -337,8 +354,7 @@ def load_dist_state(ckpt: dict, model, engine=None, *, optimizer: bool = True, r
             engine.optimizer.load_state_dict(loaded["optimizer"])
         else:
             state = loaded["optimizer"]
-            steps = ckpt.get("optimizer_steps") or {}
-            state["state"] = {i: {**s, "step": steps[i].clone()} for i, s in state["state"].items() if i in steps}
+            state["state"] = _with_steps(state["state"], ckpt.get("optimizer_steps") or {}, path)
             state["param_groups"] = [{**g, "params": list(g["params"])} for g in state["param_groups"]]
             engine.optimizer.load_state_dict(state)
     if want_rng:
