@@ -134,3 +134,26 @@ def test_mxfp4_fullbatch_tables_regenerate_from_the_per_seed_values():
 @pytest.mark.parametrize("name", sorted(p.name for p in SWEEPS.glob("*.md")))
 def test_every_write_up_opens_with_design_family_and_verdict(name):
     _assert_headline((SWEEPS / name).read_text())
+
+
+# ---------------------------------------------------------------- moe_precision_cpu.md
+def test_moe_precision_write_up_regenerates_from_its_per_seed_values_and_claims():
+    text = (SWEEPS / "moe_precision_cpu.md").read_text()
+    per_seed = _csv("moe_precision_cpu_per_seed.csv")
+    names = list(dict.fromkeys(r["treatment"] for r in per_seed))
+    gaps = [stats.paired_interval([float(r["val_loss_gap_to_bf16"]) for r in per_seed if r["treatment"] == n])
+            for n in names]
+    verdicts = stats.table_verdicts(gaps, [n == "bf16" for n in names], margin=0.02)
+    for n, g, v in zip(names, gaps, verdicts):
+        losses = " / ".join(r["final_val_loss"] for r in per_seed if r["treatment"] == n)
+        row = f"| {n} | {losses} | {g.text(4, seeds=True)} | {v} |"
+        assert row in text, f"moe_precision_cpu.md lacks the regenerated row:\n{row}"
+    claims = _csv("moe_precision_cpu_claims.csv")
+    for first, confirm in zip(claims[0::2], claims[1::2]):
+        assert first["claim"] == confirm["claim"] and confirm["new_confirmatory_run"] == "True"
+        p, holm = float(confirm["p"]), float(confirm["p_holm"])
+        cells = (f"| {first['claim']} | {first['label']} vs {first['against']} |", f"| {float(first['mean']):+.4f} | "
+                 f"{float(confirm['mean']):+.4f} | {p:.2g} | {holm:.2g} | {confirm['verdict']} |")  # fmt: skip
+        line = next((x for x in text.splitlines() if x.startswith(cells[0])), "")
+        assert line.endswith(cells[1]), f"claim row of {first['claim']} does not match its tested values:\n{line}"
+    _assert_headline(text)
