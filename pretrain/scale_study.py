@@ -38,6 +38,7 @@ from pathlib import Path
 
 from pretrain.evaluation.extra_tokens import log_ratio
 from pretrain.evaluation.stats import t_quantile
+from pretrain.trainer.tags import read_scalars
 
 __all__ = ["AXIS", "Record", "SlopeResult", "non_embedding_params", "paired_effects", "predictor_fit",
            "records_from_sweep", "slope_over_sizes", "telemetry_table"]
@@ -230,22 +231,16 @@ def records_from_sweep(sweep_file: str, out: str | Path) -> tuple[list[Record], 
 def telemetry_table(tb_dir: str | Path) -> list[dict]:
     """Rows ``{step, gemm, operand, axis, metric, mean, max, layers}`` of a run's ``numerics/``
     scalars: per step, GEMM, operand and metric, the mean and max over the layers that logged it."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    files = sorted(Path(tb_dir).rglob("events.out.tfevents.*"))
-    if not files:
+    if not any(Path(tb_dir).rglob("events.out.tfevents.*")):
         raise FileNotFoundError(f"{tb_dir}: no TensorBoard event files (a run's --tensorboard-dir)")
     values: dict[tuple[int, str, str, str], list[float]] = {}
-    for f in files:
-        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            parts = tag.split("/")
-            if parts[0] != "numerics" or len(parts) < 5 or parts[-3] not in AXIS:
-                continue
-            gemm, operand, metric = parts[-3], parts[-2], parts[-1]
-            for e in acc.Scalars(tag):
-                values.setdefault((e.step, gemm, operand, metric), []).append(e.value)
+    for tag, points in read_scalars(tb_dir, prefix="numerics/").items():
+        parts = tag.split("/")
+        if len(parts) < 5 or parts[-3] not in AXIS:
+            continue
+        gemm, operand, metric = parts[-3], parts[-2], parts[-1]
+        for step, value in points:
+            values.setdefault((step, gemm, operand, metric), []).append(value)
     if not values:
         raise ValueError(f"{tb_dir}: no numerics/* scalars; run pretrain with --numerics-interval N")
     rows = []

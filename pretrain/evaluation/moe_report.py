@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from pretrain.trainer.tags import read_scalars
+
 __all__ = ["load_moe", "moe_section"]
 
 _LAYER = re.compile(r"^moe/layer_(\d+)/(.+)$")
@@ -19,17 +21,7 @@ _MEG = re.compile(r"^moe/(load_balancing_loss|z_loss|seq_load_balancing_loss)_la
 
 def load_moe(run_dir: Path) -> dict[str, dict[int, float]]:
     """``{tag: {step: value}}`` of every ``moe/`` scalar under ``run_dir`` (empty: not a MoE run)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    values: dict[str, dict[int, float]] = {}
-    for f in sorted(Path(run_dir).rglob("events.out.tfevents.*")):
-        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            if tag.startswith("moe/"):
-                for e in acc.Scalars(tag):
-                    values.setdefault(tag, {})[e.step] = e.value
-    return values
+    return {tag: dict(points) for tag, points in read_scalars(run_dir, prefix="moe/").items()}
 
 
 def _at(series: dict[int, float], step: int | None) -> tuple[int, float] | None:

@@ -35,23 +35,19 @@ from pretrain.evaluation.stats import (
     spread,
     table_verdicts,
 )
-from pretrain.trainer.tags import GRAD_NORM, LOSS, NONFINITE, TOKENS_PER_SEC, VAL_LOSS, VAL_LOSS_SEM, series
+from pretrain.trainer.tags import (  # read_scalars is re-exported: the sweep's readers and tests use it here
+    GRAD_NORM,
+    LOSS,
+    NONFINITE,
+    TOKENS_PER_SEC,
+    VAL_LOSS,
+    VAL_LOSS_SEM,
+    read_scalars,
+    series,
+)
 
 __all__ = ["analyse", "best_points", "descent_numbers", "extra_tokens_pct", "fitted_extra_tokens_pct", "pair_numbers", "paired_base",
            "read_scalars", "read_val_batches", "smooth", "summarize", "summarize_descent", "verdict"]
-
-
-def read_scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    out: dict[str, dict[int, float]] = {}
-    for f in sorted(tb_dir.rglob("events.out.tfevents.*")):
-        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            for e in acc.Scalars(tag):
-                out.setdefault(tag, {})[e.step] = e.value  # later files win (resumed runs)
-    return {t: sorted(v.items()) for t, v in out.items()}
 
 
 def read_val_batches(tb_dir: Path) -> dict[int, list[float]]:
