@@ -11,6 +11,15 @@ A sweep file may carry a ``claims:`` section (checked by ``pretrain.sweep.spec``
         - {id: fprop_costs, contrast: [mxfp4_fprop, fp8], metric: excess_loss, direction: worse}
         - {id: had_free, contrast: [had16, fp8], metric: val_loss, direction: equivalent, margin: 0.01}
 
+An RL sweep (``script: rl``) declares its claims on held-out accuracy::
+
+        - {id: bf16_learns, contrast: [bf16, start], metric: gain, direction: better, margin: 0.10}
+        - {id: fp4_matches, contrast: [nvfp4_tis, bf16], metric: final_accuracy, direction: equivalent, margin: 0.03}
+
+``final_accuracy`` is the final held-out accuracy gap of ``contrast[0]`` against ``contrast[1]``;
+``gain`` is ``contrast[0]``'s final held-out accuracy minus its own starting policy's (``start``, the
+evaluation at iteration 0), so ``better`` beyond 0.10 reads "learns more than +0.10".
+
 Each test pairs the runs of ``contrast[0]`` with those of ``contrast[1]`` by seed (and
 hyper-parameters) and tests its ``metric`` one-sided in the declared ``direction``: ``worse`` /
 ``better`` beyond ``margin`` (default 0) by a t-test, ``equivalent`` inside ``±margin`` by two
@@ -36,13 +45,17 @@ from pathlib import Path
 from pretrain.evaluation.extra_tokens import log_ratio
 from pretrain.evaluation.stats import ALPHA, holm_adjust, paired_interval, tost_p_value
 
-__all__ = ["CLAIM_METRICS", "DIRECTIONS", "ClaimResult", "claims_table", "evaluate_claims", "study_table"]
+__all__ = ["CLAIM_METRICS", "DIRECTIONS", "RL_CLAIM_METRICS", "START", "ClaimResult", "claims_table", "evaluate_claims", "study_table"]
 
 # metric -> (what a seed's value is, whether it is a % tested on log(1 + x))
 CLAIM_METRICS = {"val_loss": ("final validation loss gap", False),
                  "excess_loss": ("excess training loss during the descent", False),
                  "extra_steps": ("% extra steps during the descent", True),
-                 "extra_tokens": ("% extra tokens at the end (crossing)", True)}
+                 "extra_tokens": ("% extra tokens at the end (crossing)", True),
+                 "final_accuracy": ("final held-out accuracy gap (RL)", False),
+                 "gain": ("held-out accuracy gain over the starting policy (RL)", False)}
+RL_CLAIM_METRICS = ("final_accuracy", "gain")
+START = "start"  # the second label of a ``gain`` claim: the run's own starting policy
 DIRECTIONS = ("worse", "better", "equivalent")
 FIRST_LOOK = "claims_first.json"
 
@@ -100,6 +113,8 @@ def _per_seed(rows: list[dict], test: dict, window: list[int] | None) -> dict[in
     from pretrain.sweep.results import _diverged, descent_numbers, pair_numbers, partner
 
     a, b = test["contrast"]
+    if test["metric"] in RL_CLAIM_METRICS:
+        return _per_seed_rl(rows, test)
     out = {}
     for m in rows:
         if m["_run"].label != a or m.get("status", "done") not in ("done", "diverged"):
@@ -120,6 +135,47 @@ def _per_seed(rows: list[dict], test: dict, window: list[int] | None) -> dict[in
             v = math.inf if _diverged(m) else -math.inf
         out[m["_run"].seed] = log_ratio(v) if CLAIM_METRICS[metric][1] and math.isfinite(v) else v
     return out
+
+
+def _per_seed_rl(rows: list[dict], test: dict) -> dict[int, float]:
+    """An RL claim's value per seed, signed so that a higher value is worse for ``contrast[0]``: the
+    accuracy gap ``against - label`` (``final_accuracy``) or minus the gain over the start (``gain``).
+    A diverged run is its side's worst outcome."""
+    from pretrain.sweep.results import partner
+
+    a, b = test["contrast"]
+    finished = ("done", "diverged")
+    out = {}
+    for m in rows:
+        if m["_run"].label != a or m.get("status", "done") not in finished:
+            continue
+        if test["metric"] == "gain":
+            v = -m["gain"]
+            if m.get("status") == "diverged":
+                v = math.inf
+        else:
+            base = partner(rows, b, m)
+            if base is None or base.get("status", "done") not in finished:
+                continue
+            v = base["final_accuracy"] - m["final_accuracy"]
+            if m.get("status") == "diverged" or base.get("status") == "diverged":
+                v = math.inf if m.get("status") == "diverged" else -math.inf
+        if math.isnan(v):
+            continue
+        out[m["_run"].seed] = v
+    return out
+
+
+def _shown_mean(metric: str, mean: float) -> str:
+    """A claim's mean as its reader expects it: a % for extra tokens/steps, ``label - against`` (or the
+    gain) for RL accuracy, the raw gap otherwise."""
+    if math.isinf(mean):
+        return "diverged seeds: signed-rank test"
+    if CLAIM_METRICS[metric][1] and math.isfinite(mean):
+        return f"{100 * math.expm1(mean):+.2f} %"
+    if metric in RL_CLAIM_METRICS:
+        return f"{-mean:+.4f}" + (" gain" if metric == "gain" else " acc")
+    return f"{mean:+.4f}"
 
 
 def _first_look(out: Path, claims: dict, seeds_by_test: dict[str, list[int]]) -> dict:
@@ -176,10 +232,7 @@ def claims_table(results: list[ClaimResult], claims: dict, first: dict | None = 
     lines += ["| claim | contrast | metric | declared | seeds | mean | p (one-sided / TOST) | Holm p | verdict |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        pct = CLAIM_METRICS[r.metric][1]
-        mean = f"{100 * math.expm1(r.mean):+.2f} %" if pct and math.isfinite(r.mean) else f"{r.mean:+.4f}"
-        if math.isinf(r.mean):
-            mean = "diverged seeds: signed-rank test"
+        mean = _shown_mean(r.metric, r.mean)
         declared = r.direction + (f" (margin {r.margin:g})" if r.margin or r.direction == "equivalent" else "")
         name = r.id + (" (new confirmatory run)" if r.new_run else "")
         lines.append(f"| {name} | {r.contrast[0]} vs {r.contrast[1]} | {r.metric} | {declared} | "

@@ -146,7 +146,8 @@ def write_claims(out: Path, rows: list[dict], descent: list[int] | None) -> None
                         " ".join(map(str, r.seeds)), r.mean, r.p, r.p_holm, r.verdict])
     md = (out / "results.md").read_text().split("\n", 2)
     first = json.loads((out / FIRST_LOOK).read_text()) if (out / FIRST_LOOK).is_file() else None
-    rest = md[2].replace("| verdict (Holm over", "| exploratory verdict (Holm over")
+    rest = md[2].replace("| verdict (Holm over", "| exploratory verdict (Holm over").replace(
+        "| final acc gap: verdict (Holm over", "| final acc gap: exploratory verdict (Holm over")
     (out / "results.md").write_text("\n".join([md[0], md[1], *claims_table(results, claims, first), rest]))
 
 
@@ -164,6 +165,8 @@ def collect_rl(out: Path, runs: list[Run], baseline: str | None, margin: float |
         rows.append(row)
     write_rl_results(out, rows, summarize_rl(rows, baseline, margin), baseline,
                      sorted({k for r in runs for k in r.point}))
+    write_claims(out, rows, None)
+    note_first_table(out, rows)
     return rows
 
 

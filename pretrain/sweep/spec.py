@@ -96,11 +96,7 @@ def load_sweep(path: str) -> dict:
                          f"to average (the extra-tokens curves), e.g. 300; got {smooth!r}")
     _check_descent(data.get("descent_steps"), path)
     _check_published(data.get("published"), path)
-    _check_claims(data.get("claims"), path)
-    if data.get("claims") and script == "rl":
-        raise SweepError(f"sweep file {path}: claims: not supported for script: rl (the declared metrics are "
-                         "pretraining's: val_loss, excess_loss, extra_steps, extra_tokens); state an RL sweep's "
-                         "claims in its write-up")
+    _check_claims(data.get("claims"), path, script)
     if data.get("claims"):  # a YAML date becomes its ISO text (sweep.json is JSON)
         data["claims"] = {**data["claims"], "declared": str(data["claims"]["declared"])}
     contrasts = data.get("contrasts")
@@ -139,11 +135,12 @@ CLAIMS_KEYS = {"study", "declared", "study_claims", "note", "tests"}
 CLAIM_KEYS = {"id", "contrast", "metric", "direction", "margin"}
 
 
-def _check_claims(claims, path: str) -> None:
-    """``claims: {study, declared, tests: [...], study_claims?, note?}`` (``pretrain.sweep.claims``)."""
+def _check_claims(claims, path: str, script: str = "pretrain") -> None:
+    """``claims: {study, declared, tests: [...], study_claims?, note?}`` (``pretrain.sweep.claims``);
+    an RL sweep's metrics are held-out accuracy's, a pretraining sweep's the others."""
     import datetime
 
-    from pretrain.sweep.claims import CLAIM_METRICS, DIRECTIONS
+    from pretrain.sweep.claims import CLAIM_METRICS, DIRECTIONS, RL_CLAIM_METRICS, START
 
     if claims is None:
         return
@@ -167,8 +164,13 @@ def _check_claims(claims, path: str) -> None:
             raise SweepError(f"{where}.tests: {t!r}: expected {{id, contrast: [label, against], metric, direction, "
                              f"margin?}}, e.g. {{id: fprop_cost, contrast: [mxfp4_fprop, fp8], metric: val_loss, "
                              f"direction: worse}}")
-        if t["metric"] not in CLAIM_METRICS:
-            raise SweepError(f"{where}.tests: {t['id']}: metric {t['metric']!r}; valid: {', '.join(CLAIM_METRICS)}")
+        valid = [m for m in CLAIM_METRICS if (m in RL_CLAIM_METRICS) == (script == "rl")]
+        if t["metric"] not in valid:
+            raise SweepError(f"{where}.tests: {t['id']}: metric {t['metric']!r}; valid for script: {script}: "
+                             f"{', '.join(valid)}")
+        if (t["metric"] == "gain") != (t["contrast"][1] == START):
+            raise SweepError(f"{where}.tests: {t['id']}: metric gain takes contrast [label, {START}] (the run's own "
+                             f"starting policy), and {START} is only for gain; got {t['contrast']!r}")
         if t["direction"] not in DIRECTIONS:
             raise SweepError(f"{where}.tests: {t['id']}: direction {t['direction']!r}; valid: {', '.join(DIRECTIONS)}")
         margin = t.get("margin", 0.0)
@@ -387,7 +389,10 @@ def expand_runs(sweep: dict, path: str = "sweep") -> list[Run]:
     unknown = [x for c in sweep.get("contrasts") or [] for x in c if x not in labels]
     if unknown:
         raise SweepError(f"{path}: contrasts: {', '.join(unknown)} not among the runs' labels: {', '.join(labels)}")
-    unknown = [x for t in (sweep.get("claims") or {}).get("tests", []) for x in t["contrast"] if x not in labels]
+    from pretrain.sweep.claims import START
+
+    unknown = [x for t in (sweep.get("claims") or {}).get("tests", []) for x in t["contrast"]
+               if x not in labels and not (x == START and t["metric"] == "gain")]
     if unknown:
         raise SweepError(f"{path}: claims.tests: {', '.join(unknown)} not among the runs' labels: {', '.join(labels)}")
     unknown = [k for k in (sweep.get("published") or {}).get("extra_tokens", {}) if k not in labels]

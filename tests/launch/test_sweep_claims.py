@@ -120,11 +120,11 @@ def test_a_diverged_seed_counts_as_the_worst_outcome_of_a_claim(tmp_path):
 @pytest.mark.parametrize("claims, message", [
     ("claims: {study: s, tests: []}", r"claims must map study, declared \(a date\) and tests"),
     (("script: rl\nclaims: {study: s, declared: 2026-12-06, tests: [{id: a, contrast: [mxfp4, fp8], "
-     "metric: val_loss, direction: worse}]}"), r"claims: not supported for script: rl"),
+     "metric: val_loss, direction: worse}]}"), r"metric 'val_loss'; valid for script: rl: final_accuracy, gain"),
     (("claims: {study: s, declared: yesterday, tests: [{id: a, contrast: [mxfp4, fp8], metric: val_loss, "
      "direction: worse}]}"), r"claims.declared must be an ISO date, e.g. 2026-12-06"),
     (("claims: {study: s, declared: 2026-12-06, tests: [{id: a, contrast: [mxfp4, fp8], metric: loss, "
-     "direction: worse}]}"), r"metric 'loss'; valid: val_loss, excess_loss, extra_steps, extra_tokens"),
+     "direction: worse}]}"), r"metric 'loss'; valid for script: pretrain: val_loss, excess_loss, extra_steps, extra_tokens"),
     (("claims: {study: s, declared: 2026-12-06, tests: [{id: a, contrast: [mxfp4, fp8], metric: val_loss, "
      "direction: equivalent}]}"), r"margin must be a number >= 0 \(> 0 for equivalent"),
     (("claims: {study: s, declared: 2026-12-06, study_claims: 0, tests: [{id: a, contrast: [mxfp4, fp8], "

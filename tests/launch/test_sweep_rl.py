@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
@@ -134,3 +135,64 @@ def test_rl_results_against_hand_computed_numbers(tmp_path):
     # difference and the equivalence verdict print (issue #37: a shown difference no longer hides it)
     assert {s["label"]: s["verdict"] for s in summarize_rl(rows, "bf16", margin=0.2)}["fp4"] == "worse; equivalent (±0.2)"
     assert (out / "rl_curves.png").stat().st_size > 0 and (out / "summary.csv").exists()
+
+
+RL_CLAIMS = """claims:
+  study: rl_toy
+  declared: 2026-12-07
+  tests:
+    - {id: bf16_learns, contrast: [bf16, start], metric: gain, direction: better, margin: 0.10}
+    - {id: fp4_matches, contrast: [fp4_tis, bf16], metric: final_accuracy, direction: equivalent, margin: 0.03}
+"""
+
+
+def test_an_rl_sweeps_declared_claims_against_scipy(tmp_path):
+    """Declared RL claims (issue #37): the gain over the start tested one-sided beyond its margin, the
+    accuracy gap by two one-sided tests, both Holm-adjusted over the study; scipy is the oracle."""
+    import json
+
+    from scipy import stats as sps
+
+    f = tmp_path / "s.yaml"
+    f.write_text(RL_SWEEP.replace("seeds: [0, 1]", "seeds: [0, 1, 2, 3]") + RL_CLAIMS)
+    sw = sweep.load_sweep(str(f))
+    runs = sweep.expand_runs(sw, str(f))
+    out = tmp_path / "out"
+    start = 0.30
+    final = {"bf16": [0.52, 0.47, 0.55, 0.50], "fp4_tis": [0.515, 0.475, 0.54, 0.505]}
+    for r in runs:
+        _write_rl_run(out, r, [0.2, 0.4, 0.6, 0.7], [start, final[r.label][r.seed]], 1e-4)
+    (out / "sweep.json").write_text(json.dumps({"sweep": sw, "extra": [], "runs": [r.__dict__ for r in runs]}))
+    sweep.collect(out, runs, "bf16")
+    import csv
+
+    rows = {r["claim"]: r for r in csv.DictReader((out / "claims.csv").open())}
+    # float32 as TensorBoard stores them
+    f32 = lambda v: float(np.float32(v))  # noqa: E731
+    gains = [f32(a) - f32(start) for a in final["bf16"]]
+    p_gain = sps.ttest_1samp(gains, 0.10, alternative="greater").pvalue
+    assert float(rows["bf16_learns"]["p"]) == pytest.approx(p_gain, rel=1e-4)
+    gaps = [f32(a) - f32(b) for a, b in zip(final["fp4_tis"], final["bf16"])]
+    tost = max(sps.ttest_1samp(gaps, -0.03, alternative="greater").pvalue,
+               sps.ttest_1samp(gaps, 0.03, alternative="less").pvalue)
+    assert float(rows["fp4_matches"]["p"]) == pytest.approx(tost, rel=1e-4)
+    holm = sorted([p_gain, tost])
+    assert float(rows["fp4_matches"]["p_holm"]) == pytest.approx(
+        max(min(1.0, 2 * holm[0]), holm[1]) if tost == holm[1] else min(1.0, 2 * tost), rel=1e-4)
+    md = (out / "results.md").read_text()
+    assert "## Declared claims of study rl_toy" in md and "final acc gap: exploratory verdict (Holm over" in md
+    assert f"{sum(gains) / 4:+.4f} gain" in md and f"{sum(gaps) / 4:+.4f} acc" in md
+
+
+@pytest.mark.parametrize("claims, message", [
+    ("claims: {study: s, declared: 2026-12-07, tests: [{id: a, contrast: [fp4_tis, bf16], metric: val_loss, "
+     "direction: worse}]}", r"metric 'val_loss'; valid for script: rl: final_accuracy, gain"),
+    ("claims: {study: s, declared: 2026-12-07, tests: [{id: a, contrast: [bf16, fp4_tis], metric: gain, "
+     "direction: better}]}", r"metric gain takes contrast \[label, start\]"),
+    ("claims: {study: s, declared: 2026-12-07, tests: [{id: a, contrast: [fp4, start], metric: gain, "
+     "direction: better}]}", r"claims.tests: fp4 not among the runs' labels: bf16, fp4_tis"),
+])
+def test_bad_rl_claims_are_one_line_errors(tmp_path, claims, message):
+    with pytest.raises(sweep.SweepError, match=message) as e:
+        _sweep_file(tmp_path, RL_SWEEP + claims + "\n")
+    assert "\n" not in str(e.value)
