@@ -115,7 +115,7 @@ class ModelConfig:
     moe_router_pre_softmax: bool = False  # --moe-router-pre-softmax: softmax over all experts, then top-k (unnormalized)
     moe_expert_capacity_factor: float | None = None  # --moe-expert-capacity-factor (None: no dropping)
     moe_token_dispatcher_type: str = "allgather"  # --moe-token-dispatcher-type
-    moe_grouped_gemm: bool = False  # --moe-grouped-gemm (refused: experts are policy linears)
+    moe_grouped_gemm: bool = False  # --moe-grouped-gemm: experts as grouped policy GEMMs (model.grouped_experts)
     moe_router_dtype: str | None = "fp32"  # --moe-router-dtype: the router GEMM's dtype (None: activations')
     expert_model_parallel_size: int = 1  # --expert-model-parallel-size: experts split over this many ranks
 

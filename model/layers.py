@@ -50,6 +50,7 @@ at the same call index and only the second records anything (``model.recompute``
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -101,15 +102,27 @@ class _PolicyLinearMixin:
     def _policy_gemm(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.rollout_weight is not None:  # generation under a rollout plan: packed weights, Fprop only
             return self.rollout_weight.fprop(x, bias, self.quant_state, self.gemm_backend)
+        self.check_precision()
+        with self.fprop_call_index():
+            return policy_linear(x, w, self.precision, bias, state=self.quant_state, backend=self.gemm_backend,
+                                 fprop_x=self.fprop_x, backward=self.backward_operands)
+
+    def check_precision(self) -> None:
+        """Raise (naming the layer) if no precision plan was applied to it."""
         if self.precision is None:
             name = self.layer_name or f"an unnamed {type(self).__name__}"
             raise RuntimeError(
                 f"linear layer {name} has no precision recipe: call "
                 "model.gpt.apply_precision_plan(model, plan) before running the model"
             )
-        # Activation recomputation (model.recompute): the first pass is read-only (no autograd) at
-        # the Fprop call index its recomputation will use -- the current one plus the first passes
-        # of this layer still waiting for theirs (pipelining keeps several micro-batches in flight).
+
+    @contextlib.contextmanager
+    def fprop_call_index(self):
+        """Inside, the layer's Fprop quantizes at the call index activation recomputation
+        (``model.recompute``) asks for: the first pass is read-only (no autograd) at the index its
+        recomputation will use -- the current one plus the first passes of this layer still waiting
+        for theirs (pipelining keeps several micro-batches in flight). Grouped experts
+        (``model.grouped_experts``) enter it for each expert, as this layer's own GEMM does."""
         ahead, where = 0, recompute.phase()
         if where == "first":
             ahead, self._awaiting_recompute = self._awaiting_recompute, self._awaiting_recompute + 1
@@ -118,8 +131,7 @@ class _PolicyLinearMixin:
         calls = self.quant_state.calls
         calls[Gemm.FPROP.value] += ahead
         try:
-            return policy_linear(x, w, self.precision, bias, state=self.quant_state, backend=self.gemm_backend,
-                                 fprop_x=self.fprop_x, backward=self.backward_operands)
+            yield
         finally:
             calls[Gemm.FPROP.value] -= ahead
 

@@ -5,6 +5,7 @@ A MoE transformer layer replaces the dense MLP by megatron-core 0.16's ``MoELaye
     router        PolicyRouter (a TopKRouter)        logits = x . w_routerᵀ   (one policy GEMM)
     dispatcher    PortableAllGatherTokenDispatcher    all-gather tokens over TP x EP, keep the local experts'
     experts       SequentialMLP of megatron MLPs      each expert's linear_fc1 / linear_fc2 are policy linears
+                  (--moe-grouped-gemm: the same experts, each group's fc1 / fc2 one grouped GEMM, model.grouped_experts)
     shared        SharedExpertMLP                     its linear_fc1 / linear_fc2 are policy linears
     combine                                           reduce-scatter over TP x EP, weighted sum of the top-k
 
@@ -316,14 +317,22 @@ class PaddedSequentialMLP(SequentialMLP):
         return torch.cat(outputs, dim=0), None
 
 
-def expert_mlp_modules() -> tuple[type, MLPSubmodules]:
-    """Experts as a (padded) megatron ``SequentialMLP`` of MLPs whose fc1 / fc2 are policy linears."""
-    return PaddedSequentialMLP, MLPSubmodules(linear_fc1=PolicyColumnParallelLinear, linear_fc2=PolicyRowParallelLinear)
+def expert_mlp_modules(grouped: bool = False) -> tuple[type, MLPSubmodules]:
+    """Experts as a (padded) megatron ``SequentialMLP`` of MLPs whose fc1 / fc2 are policy linears; with
+    ``grouped`` (``--moe-grouped-gemm``) the same experts run as grouped GEMMs
+    (``model.grouped_experts.GroupedSequentialMLP``: same parameters, names and checkpoints)."""
+    experts = PaddedSequentialMLP
+    if grouped:
+        from model.grouped_experts import GroupedSequentialMLP  # it builds on PaddedSequentialMLP
+
+        experts = GroupedSequentialMLP
+    return experts, MLPSubmodules(linear_fc1=PolicyColumnParallelLinear, linear_fc2=PolicyRowParallelLinear)
 
 
-def moe_module_spec() -> ModuleSpec:
-    """The MoE MLP of a transformer layer: policy router, SequentialMLP experts, shared experts."""
-    experts, expert_submodules = expert_mlp_modules()
+def moe_module_spec(grouped: bool = False) -> ModuleSpec:
+    """The MoE MLP of a transformer layer: policy router, SequentialMLP experts (``grouped``: as grouped
+    GEMMs, ``--moe-grouped-gemm``), shared experts."""
+    experts, expert_submodules = expert_mlp_modules(grouped)
     shared = MLPSubmodules(linear_fc1=PolicyColumnParallelLinear, linear_fc2=PolicyRowParallelLinear)
     return ModuleSpec(
         module=PolicyMoELayer,
@@ -404,8 +413,5 @@ def validate_moe(cfg, tp_size: int, ep_size: int, cuda: bool) -> None:
     if d == "alltoall" and not cuda and (tp_size > 1 or ep_size > 1):
         raise ValueError("--moe-token-dispatcher-type alltoall needs CUDA (NCCL all-to-all; gloo has none); "
                          "use allgather on CPU")
-    if cfg.moe_grouped_gemm:
-        raise ValueError("--moe-grouped-gemm is not supported: experts run as megatron's SequentialMLP of policy "
-                         "linears (one policy GEMM per expert); drop the flag")
     if cfg.moe_router_dtype not in (*ROUTER_DTYPES, None):
         raise ValueError(f"--moe-router-dtype {cfg.moe_router_dtype!r} is not one of {', '.join(ROUTER_DTYPES)}")

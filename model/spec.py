@@ -13,7 +13,8 @@ Megatron-core assembles a transformer layer from a ``ModuleSpec`` whose leaves c
                           ``config.normalization``)
 
   MLP                     megatron's ``MLP``, or in mixture-of-experts layers ``model.moe.PolicyMoELayer``
-                          (policy router, SequentialMLP experts and shared experts of policy linears)
+                          (policy router, SequentialMLP experts and shared experts of policy linears;
+                          ``--moe-grouped-gemm``: the experts as grouped GEMMs, ``model.grouped_experts``)
 
 The output layer is not part of the layer spec; ``model.gpt.PolicyGPTModel`` swaps it in.
 
@@ -133,10 +134,10 @@ class PolicySpecProvider(BackendSpecProvider):
     def grouped_mlp_modules(
         self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool
     ) -> tuple[type, MLPSubmodules | None]:
-        if moe_use_grouped_gemm or moe_use_legacy_grouped_gemm:
-            raise ValueError("--moe-grouped-gemm is not supported: experts run as megatron's SequentialMLP of "
-                             "policy linears (one policy GEMM per expert); drop the flag")
-        return expert_mlp_modules()
+        if moe_use_legacy_grouped_gemm:
+            raise ValueError("--moe-use-legacy-grouped-gemm is not supported: --moe-grouped-gemm runs the experts as "
+                             "policy-routed grouped GEMMs (model.grouped_experts)")
+        return expert_mlp_modules(grouped=moe_use_grouped_gemm)
 
     def activation_func(self) -> type:
         return None  # MLP applies config.activation_func itself
@@ -147,14 +148,15 @@ def gpt_layer_spec(
     qk_layernorm: bool = False,
     ffn_hidden_size: int | None = None,
     moe: bool = False,
+    moe_grouped_gemm: bool = False,
 ) -> ModuleSpec:
     """A GPT transformer layer (megatron's local spec, non-MLA branch) built from ``backend``: a dense MLP,
-    or with ``moe`` the mixture-of-experts layer of ``model.moe``."""
+    or with ``moe`` the mixture-of-experts layer of ``model.moe`` (``moe_grouped_gemm``: grouped experts)."""
     backend = backend or PolicySpecProvider()
     norm = backend.layer_norm()
     qk_norm = backend.layer_norm(for_qk=True) if qk_layernorm else IdentityOp
     if moe:
-        mlp = moe_module_spec()
+        mlp = moe_module_spec(grouped=moe_grouped_gemm)
     else:
         mlp = get_mlp_module_spec_for_backend(backend=backend)
         if ffn_hidden_size is not None:  # megatron warns when the MLP has to fall back to the config's
@@ -196,7 +198,7 @@ def gpt_block_spec(
     pattern = [0] * config.num_layers
     if config.num_moe_experts:
         pattern = moe_layer_pattern(config.num_layers, config.moe_layer_freq)
-        moe = gpt_layer_spec(backend, qk_layernorm=qk_layernorm, moe=True)
+        moe = gpt_layer_spec(backend, qk_layernorm=qk_layernorm, moe=True, moe_grouped_gemm=config.moe_grouped_gemm)
     offset = get_transformer_layer_offset(config)
     return TransformerBlockSubmodules(
         layer_specs=[moe if pattern[offset + i] else dense for i in range(get_num_layers_to_build(config))],

@@ -139,8 +139,10 @@ class ModelArgs:
                                          help="allgather (CPU and GPU) or alltoall (NCCL, CUDA only)")
     """allgather (gloo and NCCL) or alltoall (NCCL)."""
     moe_grouped_gemm: bool = arg("--moe-grouped-gemm", action="store_true",
-                                 help="refused: experts are per-expert policy linears")
-    """Megatron's grouped expert GEMM; refused (each expert's GEMMs run through the policy)."""
+                                 help="each group of identically-planned experts' fc1 / fc2 as one grouped GEMM "
+                                      "(torch._grouped_mm / _scaled_grouped_mm where the format has one, else per expert)")
+    """Megatron's grouped expert GEMM: the same experts (parameters, plan names, checkpoints), each group's
+    fc1 / fc2 one grouped policy GEMM (``model.grouped_experts``)."""
     moe_router_dtype: str = arg("--moe-router-dtype", choices=["fp32", "fp64"], default="fp32",
                                 help="dtype of the router's GEMM and softmax")
     """Dtype the router computes its logits in."""
