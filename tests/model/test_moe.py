@@ -190,7 +190,6 @@ def test_router_defaults_to_fp32_and_rules_select_experts():
     ({"moe_ffn_hidden_size": 48}, "--moe-ffn-hidden-size 48"),
     ({"moe_layer_freq": (1, 0, 1)}, "--moe-layer-freq"),
     ({"moe_router_load_balancing_type": "global_aux_loss"}, "aux_loss, seq_aux_loss, sinkhorn, none"),
-    ({"moe_grouped_gemm": True}, "--moe-grouped-gemm"),
     ({"moe_token_dispatcher_type": "flex"}, "flex needs DeepEP"),
     ({"num_experts": None}, "--moe-ffn-hidden-size needs --num-experts"),
     ({"expert_model_parallel_size": 3}, "not divisible by --expert-model-parallel-size 3"),
