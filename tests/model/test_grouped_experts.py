@@ -1,8 +1,8 @@
 """Grouped expert GEMMs (``--moe-grouped-gemm``, ``model.grouped_experts``): the grouped experts equal
 megatron's sequential experts bit for bit -- forward, Dgrad and both experts' Wgrads -- for BF16
 (through ``torch._grouped_mm`` on CPU) and an emulated format (MXFP4, the per-expert loop), with uneven
-token counts and an expert without tokens; experts planned differently run as separate groups; the
-checkpoint is the sequential experts' own; the start-up lines say which path each format takes."""
+token counts and an expert without tokens; the quantization states advance alike; experts planned
+differently run as separate groups; the checkpoint is the sequential experts' own; the start-up lines say which path each format takes."""
 
 import dataclasses
 
@@ -76,14 +76,7 @@ def test_grouped_experts_equal_the_sequential_experts_bit_for_bit(monkeypatch, b
     # BF16 experts ran through torch._grouped_mm: fc1 and fc2, each Fprop, Dgrad and Wgrad, once per group
     bf16_groups = 1 if base == "bf16" else 0
     assert len(calls) == 6 * bf16_groups
-
-
-def test_the_states_advance_as_the_sequential_experts_do():
-    seq, grp = experts_pair("mxfp4", ("experts:2-3=nvfp4",))
-    x, probs = inputs(torch.float32)
-    run(seq, x, probs)
-    run(grp, x, probs)
-    for e_seq, e_grp in zip(seq.local_experts, grp.local_experts, strict=True):
+    for e_seq, e_grp in zip(seq.local_experts, grp.local_experts, strict=True):  # call counters, amax records
         for k in ("linear_fc1", "linear_fc2"):
             assert getattr(e_grp, k).quant_state.state_dict() == getattr(e_seq, k).quant_state.state_dict()
 
