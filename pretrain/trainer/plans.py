@@ -19,6 +19,7 @@ from megatron.core import parallel_state
 from kernels.backends import BackendError, select_backend
 from kernels.probe import startup_report
 from model.gpt import apply_precision_plan, build_gpt, policy_linear_names, policy_linears
+from model.grouped_experts import describe_grouped_paths
 from precision import FORMATS, PrecisionPlan, SpecError
 from precision.schedule import PrecisionSchedule
 from pretrain.arguments import ConfigError
@@ -191,6 +192,8 @@ def build_scheduled_model(run: RunConfig, vocab_size: int, device: torch.device)
         many = len(schedule) > 1
         where = f"precision phase {k} ({phase})" if many else ""
         check_gemm_backends(resolved[k][0], device, p.gemm_backend, label=where)
+        if run.model.moe_grouped_gemm:  # which grouped kernel (or per-expert loop) each expert format takes
+            rank0_print(describe_grouped_paths(resolved[k][0], device, p.gemm_backend))
     check_quantized_plans(run, schedule, resolved)
     plans = SchedulePlans(schedule, tuple(resolved[schedule.plan_index(k)][0] for k in range(len(schedule))),
                           tuple(resolved[schedule.plan_index(k)][1] for k in range(len(schedule))))
