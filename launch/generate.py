@@ -16,8 +16,12 @@ Generation runs on ``model.generate.Engine`` (one process, TP=1, CUDA when avail
 rollout plan's packed weights and KV-cache (``model.rollout``, ``model.rollout_plan``).
 
 Writes ``OUT/samples.jsonl`` (per prompt: prompt ids and text, response ids and text, the log-prob
-of each response token under the distribution it was sampled from, finish reason) and
-``OUT/rollout.json`` (plan, weight bytes, KV bytes per token, sampling, tokens/s), and
+of each response token under the distribution it was sampled from, finish reason; for a
+mixture-of-experts policy also the experts the rollout chose: ``prompt_experts`` and
+``response_experts``, per MoE layer a list of each token's top-k expert ids -- the prompt's tokens,
+then the response's but the last, which is never run through the model) and
+``OUT/rollout.json`` (plan, weight bytes, KV bytes per token, sampling, tokens/s; ``moe_layers``:
+the routers those lists follow, in order), and
 ``OUT/mismatch.md`` + plots: the trainer (``--precision``) re-scores the sampled tokens and the
 mismatch is reported under verl's names, by response position, and with ``--attribution`` split
 into weights / activations / KV-cache (``pretrain.rl.report``). ``--record-rounding SELECTOR``
@@ -47,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     add = p.add_argument
     add("--load", required=True, help="training checkpoint dir (any TP size), converted HF dir/file, or plain file")
     add("--prompts", required=True, metavar="FILE", help=".jsonl of {prompt: TEXT} / {prompt_ids: [...]}, or text lines")
-    add("--out", required=True, help="output directory (samples.jsonl, rollout.json)")
+    add("--out", required=True, help="output directory (samples.jsonl, rollout.json); a MoE policy's samples "
+        "also list each token's top-k experts per MoE layer (prompt_experts, response_experts)")
     add("--rollout-precision", default="bf16", metavar="PRESET_OR_SPEC",
         help="rollout plan: bf16, fp8, mxfp4, nvfp4, mxfp4_w4a16 (+had16/+had32), or "
         "base=PRESET,linear=X@W[+had16],kv=FORMAT (model.rollout_plan)")

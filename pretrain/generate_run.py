@@ -13,6 +13,7 @@ import os
 import time
 
 from model.generate import Engine, Generation, SamplingParams
+from model.moe_replay import moe_routers
 from model.rollout import RolloutModel, packed_rollout
 from pretrain.evaluate_run import load_with_tokenizer
 from pretrain.evaluation.loading import LoadedModel
@@ -116,7 +117,18 @@ def generate_rollouts(session: Session, prompt_ids: list[list[int]], params, bat
     if session.engine.recorded:  # rounding records (--record-rounding), per prompt
         gen.records = [r for p in parts for r in p.records]
         gen.record_codes = [c for p in parts for c in p.record_codes]
+    if session.engine.moe:  # each position's chosen experts per MoE layer, per prompt
+        gen.routes = [r for p in parts for r in p.routes]
     return gen
+
+
+def sample_experts(route, prompt_len: int) -> dict:
+    """A MoE sample's chosen experts (``samples.jsonl``): per MoE layer, per token run, the router's top-k
+    expert ids -- ``prompt_experts [layers][P][k]`` for the prompt's tokens and ``response_experts
+    [layers][R - 1][k]`` for the response's tokens the engine fed back (all but the last: never run)."""
+    experts = route.experts.tolist()
+    return {"prompt_experts": [layer[:prompt_len] for layer in experts],
+            "response_experts": [layer[prompt_len:] for layer in experts]}
 
 
 def write_outputs(out_dir: str, session: Session, rows: list[dict], gen, params, seconds: float, args) -> dict:
@@ -128,6 +140,8 @@ def write_outputs(out_dir: str, session: Session, rows: list[dict], gen, params,
             rec = {"index": i, "prompt": row["prompt"], "prompt_ids": row["prompt_ids"], "response_ids": ids,
                    "response": tok.detokenize(ids) if tok is not None else None, "logprobs": lps,
                    "finish_reason": reason}
+            if gen.routes is not None:
+                rec.update(sample_experts(gen.routes[i], len(row["prompt_ids"])))
             f.write(json.dumps(rec) + "\n")
     n_tokens = sum(len(t) for t in gen.tokens)
     summary = {
@@ -138,6 +152,8 @@ def write_outputs(out_dir: str, session: Session, rows: list[dict], gen, params,
         "tokens_per_s": n_tokens / seconds if seconds > 0 else None, "device": session.device,
         "gemms": "emulated (quantize -> dequantize -> FP32 GEMM)", "use_cache": args.use_cache,
     }
+    if gen.routes is not None:  # which MoE layer each samples.jsonl experts list is
+        summary["moe_layers"] = [name for name, _ in moe_routers(session.loaded.model)]
     with open(os.path.join(out_dir, "rollout.json"), "w") as f:
         json.dump(summary, f, indent=1)
     return summary

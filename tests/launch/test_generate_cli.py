@@ -113,6 +113,44 @@ def test_record_rounding_writes_bits_and_agreement(ckpt, tmp_path):
     assert qkv["agreement_own"] == 1.0  # embeddings + norm: the trainer's x is the rollout's
 
 
+MOE_CFG = dataclasses.replace(CFG, num_layers=2, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64)
+
+
+def test_moe_samples_record_each_tokens_experts(ckpt, tmp_path):
+    """A MoE policy's samples.jsonl lists, per MoE layer, each token's top-k experts (prompt, then the
+    response but its last token), across engine batches (--batch-size 2 over 3 prompts); they are what
+    the routers choose in one teacher-forced forward of the written tokens under the same rollout plan."""
+    import launch.generate as cli
+    import pretrain.generate_run as gen
+    from model.generate import attention_mask, forward_logits
+    from model.moe_replay import RoutingTap
+
+    _, prompts, d = ckpt
+    moe = _plain(d / "moe.pt", MOE_CFG)
+    argv = ["--load", moe, "--prompts", prompts, "--rollout-precision", "mxfp4", "--max-new-tokens", "5",
+            "--batch-size", "2", "--out", str(tmp_path)]
+    assert _run(argv) == 0
+    written = _samples(tmp_path)
+    layers = json.loads((tmp_path / "rollout.json").read_text())["moe_layers"]
+    assert layers == [f"decoder.layers.{i}.mlp.router" for i in range(2)]
+    session = gen.load_session(cli.build_parser().parse_args(argv))
+    tap = RoutingTap(session.loaded.model)
+    for r in written:
+        seq = r["prompt_ids"] + r["response_ids"][:-1]  # the tokens the engine ran
+        assert [len(x) for x in r["prompt_experts"]] == [len(r["prompt_ids"])] * 2
+        assert [len(x) for x in r["response_experts"]] == [len(r["response_ids"]) - 1] * 2
+        tokens = torch.tensor([seq])
+        with torch.no_grad(), session.rollout.active(), tap.attached():
+            forward_logits(session.loaded.model, tokens, torch.arange(len(seq))[None],
+                           attention_mask(torch.ones_like(tokens, dtype=torch.bool), len(seq)))
+        for layer, (experts, _) in enumerate(tap.last):
+            got = r["prompt_experts"][layer] + r["response_experts"][layer]
+            assert [sorted(e) for e in got] == [sorted(e) for e in experts.tolist()]  # top-k sets, position by position
+    plain = ckpt[0]  # a dense policy's samples have no expert lists
+    assert _run(["--load", plain, "--prompts", prompts, "--max-new-tokens", "2", "--out", str(tmp_path / "dense")]) == 0
+    assert not any("prompt_experts" in r for r in _samples(tmp_path / "dense"))
+
+
 @pytest.mark.parametrize("extra,match", [
     (["--rollout-precision", "mxfp5"], "--rollout-precision 'mxfp5': unknown rollout preset; valid: "),
     (["--rollout-precision", "base=mxfp4,kv=int4"], "unknown KV-cache format 'int4'; valid: "),
