@@ -34,11 +34,15 @@ def test_routing_scalars_against_numpy():
 
 
 @pytest.mark.slow
-def test_moe_telemetry_in_tensorboard_and_report(tmp_path, data_cache):
+def test_moe_telemetry_in_tensorboard_and_report_with_grouped_experts(tmp_path, data_cache):
     tb = tmp_path / "tb"
-    run_pretrain(["--train-iters", "2", *TINY, *MOE, "--precision", "bf16", "--precision-rule", "kind:expert=mxfp4",
-                  "--moe-expert-capacity-factor", "1.0", "--numerics-interval", "2", "--eval-interval", "100",
-                  "--data-cache-dir", str(data_cache), "--tensorboard-dir", str(tb)], nproc=0)
+    # grouped expert GEMMs: expert 0 in BF16 (torch._grouped_mm), experts 1-3 in MXFP4 (the per-expert loop)
+    proc = run_pretrain(["--train-iters", "2", *TINY, *MOE, "--precision", "bf16", "--precision-rule", "experts:0-0=bf16",
+                         "--precision-rule", "kind:expert=mxfp4", "--moe-grouped-gemm",
+                         "--moe-expert-capacity-factor", "1.0", "--numerics-interval", "2", "--eval-interval", "100",
+                         "--data-cache-dir", str(data_cache), "--tensorboard-dir", str(tb)], nproc=0)
+    assert "  fprop: bf16 -> torch._grouped_mm, operands emulated; mxfp4 -> per-expert loop, operands emulated" \
+        in proc.stdout
     assignments = 4 * 64 * 2  # global batch 4 x 64 tokens x top-2
     for layer in (0, 1):
         for step in (1, 2):
