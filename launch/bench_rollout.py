@@ -115,7 +115,7 @@ def bench(args) -> list[dict]:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     model, cfg = _model(args, device)
     names = policy_linear_names(model)
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
     presets = ["bf16"] + [p.strip() for p in args.presets.split(",") if p.strip() and p.strip() != "bf16"]
     plans = {p: resolve_rollout_plan(p, [], names, cfg.num_layers, head_dim) for p in presets}  # refuse early
     g = torch.Generator().manual_seed(args.seed)

@@ -102,6 +102,7 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     kv_quant: str | None = None  # --kv-quant: K and V fake-quantized as the rollout's KV-cache stores them
     qk_layernorm: bool = False  # --qk-layernorm: a norm on each head's query and key before RoPE (Qwen3)
+    kv_channels: int | None = None  # --kv-channels: attention head size (None: hidden / heads; Qwen3: 128)
     # Mixture of experts (model.moe; Megatron-LM's flags). None experts: a dense model.
     num_experts: int | None = None  # --num-experts
     moe_router_topk: int = 2  # --moe-router-topk
@@ -144,7 +145,7 @@ MOE_CONFIG_FIELDS = (
 TRANSFORMER_CONFIG_FIELDS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "normalization",
     "layernorm_epsilon", "add_bias_linear", "add_qkv_bias", "hidden_dropout", "attention_dropout", "init_method_std",
-    "qk_layernorm",
+    "qk_layernorm", "kv_channels",
 )  # fmt: skip
 
 
@@ -170,8 +171,15 @@ def validate_config(cfg: ModelConfig, tp_size: int) -> None:
         raise ValueError(f"--num-attention-heads {heads} is not divisible by --num-query-groups {groups}")
     if groups % tp_size:
         raise ValueError(f"--num-query-groups {groups} is not divisible by {tp}")
-    if hidden % heads:
-        raise ValueError(f"--hidden-size {hidden} is not divisible by --num-attention-heads {heads}")
+    if cfg.kv_channels is None and hidden % heads:
+        raise ValueError(f"--hidden-size {hidden} is not divisible by --num-attention-heads {heads} "
+                         "(give the head size with --kv-channels)")
+    if cfg.kv_channels is not None:
+        width = heads * cfg.kv_channels  # linear_proj's in-features: its Fprop contraction
+        if cfg.kv_channels < 1 or width % (MX_BLOCK * tp_size):
+            raise ValueError(f"--kv-channels {cfg.kv_channels} x --num-attention-heads {heads} / {tp} = "
+                             f"{width / tp_size:g} per rank must be a positive multiple of {MX_BLOCK} (MX block "
+                             "size along linear_proj's contraction)")
     for flag, size in (("--hidden-size", hidden), ("--ffn-hidden-size", ffn)):
         if size % MX_BLOCK:
             raise ValueError(f"{flag} {size} must be a multiple of {MX_BLOCK} (MX block size)")
@@ -197,7 +205,7 @@ def validate_plan_shapes(cfg: ModelConfig, tp_size: int, plan: Mapping[str, Line
     if tp_size == 1:
         return
     heads, groups, hidden = cfg.num_attention_heads, cfg.num_query_groups, cfg.hidden_size
-    head_dim = hidden // heads
+    head_dim = head_size(cfg)
     per_rank = (heads + 2 * groups) // tp_size * head_dim
     for name, precision in plan.items():
         if not name.endswith("self_attention.linear_qkv"):
@@ -209,12 +217,18 @@ def validate_plan_shapes(cfg: ModelConfig, tp_size: int, plan: Mapping[str, Line
         block, fmt = max(blocks)
         if per_rank % block:
             raise ValueError(
-                f"--hidden-size {hidden} / --num-attention-heads {heads} = head dim {head_dim}: {name} has "
+                (f"--kv-channels {head_dim} (head dim)" if cfg.kv_channels else
+                 f"--hidden-size {hidden} / --num-attention-heads {heads} = head dim {head_dim}") + f": {name} has "
                 f"({heads} heads + 2 x {groups} --num-query-groups) x {head_dim} / --tensor-model-parallel-size "
                 f"{tp_size} = {per_rank} output features per rank, not a multiple of the {block}-element "
                 f"{fmt} blocks of its Dgrad; use a head dim whose per-rank Q/K/V width is a multiple of "
                 f"{block} (e.g. 16, 32, 64), or a non-block format for that GEMM (--precision-rule)"
             )
+
+
+def head_size(cfg: ModelConfig) -> int:
+    """The attention head size: ``--kv-channels`` (megatron's ``kv_channels``), else hidden / heads."""
+    return cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
 
 
 def padded_vocab_size(cfg: ModelConfig, tp_size: int) -> int:
@@ -234,13 +248,14 @@ def training_flops_per_token(cfg: ModelConfig, seq_length: int, vocab_size: int 
     experts (padding rows of ``model.moe.PaddedSequentialMLP`` are not model FLOPs).
     Independent of the precision recipe, so MFU compares recipes fairly."""
     h = cfg.hidden_size
-    kv = cfg.num_query_groups * (h // cfg.num_attention_heads)
+    q = cfg.num_attention_heads * head_size(cfg)  # query (and attention output) width
+    kv = cfg.num_query_groups * head_size(cfg)
     gate = 2 if cfg.activation == "swiglu" else 1
 
     def mlp(width: int) -> int:  # linear_fc1 (SwiGLU: two input projections) + linear_fc2
         return 2 * h * width * gate + 2 * width * h
 
-    attention = 2 * h * (h + 2 * kv) + 2 * h * h + 2 * 2 * seq_length * h  # qkv, proj, q.k^T and attention.v
+    attention = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * 2 * seq_length * q  # qkv, proj, q.k^T and attention.v
     dense = mlp(cfg.ffn_hidden_size)
     moe = dense
     if cfg.num_experts is not None:

@@ -213,7 +213,7 @@ def packed_rollout(model: torch.nn.Module, cfg, value: str, rules=()) -> Rollout
     """``model``'s rollout under ``--rollout-precision value`` and ``--rollout-precision-rule``
     ``rules`` (``cfg``: its ``ModelConfig``), weights packed -- what a generation tool starts with."""
     plan = resolve_rollout_plan(value, rules, policy_linear_names(model), cfg.num_layers,
-                                cfg.hidden_size // cfg.num_attention_heads)
+                                cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads)
     rollout = RolloutModel(model, plan)
     rollout.update()
     return rollout

@@ -305,7 +305,8 @@ def _check_precision(args) -> RunPrecision:
         raise ConfigError(f"--amax-history-len {args.amax_history_len}: must be >= 1")
     if args.kv_quant is not None and args.num_attention_heads:
         try:
-            KVFormat.parse(args.kv_quant).check_head_dim(args.hidden_size // args.num_attention_heads)
+            KVFormat.parse(args.kv_quant).check_head_dim(
+                getattr(args, "kv_channels", None) or args.hidden_size // args.num_attention_heads)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     return resolved

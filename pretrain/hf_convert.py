@@ -76,7 +76,7 @@ import shutil
 import torch
 from megatron.core import parallel_state
 
-from model.gpt import ModelConfig
+from model.gpt import ModelConfig, head_size
 from model.moe import moe_layer_pattern
 from pretrain.reshard import ReshardError, model_layout, shard_tensor
 
@@ -172,10 +172,7 @@ def model_config_from_hf(hf_config: dict, *, seq_length: int | None = None) -> M
                              f"(supported: {', '.join(SUPPORTED)})")
     kind = SUPPORTED[arch]
     hidden, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
-    head_dim = hf_config.get("head_dim") or hidden // heads
-    if head_dim * heads != hidden:
-        raise HFConvertError(f"config.json: head_dim {head_dim} x num_attention_heads {heads} != hidden_size "
-                             f"{hidden} (a separate head size is not supported)")
+    head_dim = hf_config.get("head_dim") or hidden // heads  # Qwen3: its own (128), whatever hidden / heads is
     if hf_config.get("hidden_act", "silu") != "silu":
         raise HFConvertError(f"config.json: hidden_act {hf_config['hidden_act']!r} is not supported (silu only)")
     if hf_config.get("mlp_bias") or hf_config.get("attention_bias"):
@@ -201,6 +198,7 @@ def model_config_from_hf(hf_config: dict, *, seq_length: int | None = None) -> M
         add_bias_linear=False,
         add_qkv_bias=kind == "qwen2",
         qk_layernorm=kind in ("qwen3", "qwen3_moe"),
+        kv_channels=None if head_dim * heads == hidden else head_dim,
         init_method_std=hf_config.get("initializer_range", 0.02),
         rotary_base=int(theta) if float(theta).is_integer() else float(theta),
         rope_scaling_factor=scaling,
@@ -246,7 +244,7 @@ def _moe_fields(hf: dict, kind: str) -> dict:
 
 def _grouped_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """HF's separate q/k/v (weights [out, in] or biases [out]) -> megatron's per-group [q..; k; v] rows."""
-    groups, head_dim = cfg.num_query_groups, cfg.hidden_size // cfg.num_attention_heads
+    groups, head_dim = cfg.num_query_groups, head_size(cfg)
     per_group = cfg.num_attention_heads // groups
     rest = q.shape[1:]
     q = q.reshape(groups, per_group * head_dim, *rest)

@@ -83,7 +83,7 @@ import shutil
 import torch
 from sentencepiece import sentencepiece_model_pb2
 
-from model.gpt import ModelConfig
+from model.gpt import ModelConfig, head_size
 from model.moe import moe_layer_pattern
 from model.rollout_plan import resolve_rollout_plan
 from precision.elements import E2M1
@@ -220,7 +220,7 @@ def _hf_linears(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
 def _split_qkv(t: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """megatron's per-group ``[q heads of g; k_g; v_g]`` rows -> HF's q, k, v (inverse of
     ``hf_convert._grouped_qkv``)."""
-    groups, head_dim = cfg.num_query_groups, cfg.hidden_size // cfg.num_attention_heads
+    groups, head_dim = cfg.num_query_groups, head_size(cfg)
     per_group = cfg.num_attention_heads // groups
     rest = t.shape[1:]
     g = t.reshape(groups, (per_group + 2) * head_dim, *rest)
@@ -280,7 +280,7 @@ def hf_config(cfg: ModelConfig, dtype: str = "bfloat16") -> dict:
         "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_query_groups,
-        "head_dim": cfg.hidden_size // cfg.num_attention_heads,
+        "head_dim": head_size(cfg),
         "max_position_embeddings": cfg.seq_length,
         "vocab_size": cfg.vocab_size,
         "hidden_act": "silu",
@@ -401,7 +401,7 @@ def weight_formats_from_rollout(value: str, rules, cfg: ModelConfig) -> tuple[di
     Refused in one line: weight formats compressed-tensors' FP4 packing cannot hold, two FP4
     formats in one model, a rotation (the exported weight would be the rotated one)."""
     names = decoder_linear_names(cfg) + ["output_layer"]
-    plan = resolve_rollout_plan(value, list(rules), names, cfg.num_layers, cfg.hidden_size // cfg.num_attention_heads)
+    plan = resolve_rollout_plan(value, list(rules), names, cfg.num_layers, head_size(cfg))
     formats, xs = {}, set()
     for n in decoder_linear_names(cfg):
         recipe = plan.fprop(n)

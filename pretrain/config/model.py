@@ -58,6 +58,9 @@ class ModelArgs:
     """MLP width; filled with 4 x ``hidden_size`` when not given."""
     num_attention_heads: int | None = arg("--num-attention-heads", type=int)
     """Attention heads (required, or from a model-size file)."""
+    kv_channels: int | None = arg("--kv-channels", type=int,
+                                  help="attention head size (default: hidden size / heads; Qwen3 models: 128)")
+    """Megatron's ``--kv-channels``: each head's query/key/value size; None: ``hidden_size / heads``."""
     num_query_groups: int | None = arg("--num-query-groups", type=int,
                                        help="grouped-query attention groups (default: = heads)")
     """Key/value heads of grouped-query attention; filled with ``num_attention_heads`` when not given."""
@@ -160,7 +163,7 @@ class ModelArgs:
 SHAPE_FLAGS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "swiglu",
     "normalization", "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear",
-    "add_qkv_bias", "qk_layernorm", "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_layer_freq",
+    "add_qkv_bias", "qk_layernorm", "kv_channels", "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_layer_freq",
 )  # fmt: skip
 
 
@@ -203,6 +206,7 @@ MODEL_FLAGS: dict[str, _Maps] = {
     "attention_dropout": _Maps("attention_dropout", read_back=False),
     "make_vocab_size_divisible_by": _Maps("make_vocab_size_divisible_by"),
     "qk_layernorm": _Maps("qk_layernorm"),
+    "kv_channels": _Maps("kv_channels"),
     "num_experts": _Maps("num_experts"),
     "moe_router_topk": _Maps("moe_router_topk"),
     "moe_ffn_hidden_size": _Maps("moe_ffn_hidden_size"),

@@ -1,7 +1,9 @@
 """Hugging Face Qwen3-MoE / Mixtral / Qwen3 -> our GPT: logits agree with transformers' own models.
 
 Tiny random models built locally with transformers (no downloads): hidden 64, 2 layers, 4 heads / 2
-KV groups, 4 experts of width 32, top-2, a vocabulary of 200. Norm weights (q/k norms included) are
+KV groups, 4 experts of width 32, top-2, a vocabulary of 200. ``qwen3_moe`` and ``qwen3`` have a head
+size of their own (``head_dim`` 32, not hidden / heads = 16, as real Qwen3 models: 30B-A3B has hidden
+2048, 32 heads of 128): ``--kv-channels``. Norm weights (q/k norms included) are
 randomised so a mis-mapped norm shows up. Four MoE variants cover the routing settings:
 
   - ``qwen3_moe``: ``norm_topk_prob: false`` (softmax over all experts, top-2 kept as they are:
@@ -44,12 +46,13 @@ def hf_model(kind: str):
     torch.manual_seed(KINDS.index(kind) + 10)
     if kind.startswith("qwen3_moe"):
         extra = {"norm_topk_prob": True, "mlp_only_layers": [1]} if kind == "qwen3_moe_norm" else {}
-        model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=32, head_dim=16,
+        head_dim = 16 if kind == "qwen3_moe_norm" else 32  # 32: head_dim x heads (128) != hidden (64)
+        model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=32, head_dim=head_dim,
                                                          **MOE, **COMMON, **extra))
     elif kind == "mixtral":
         model = tf.MixtralForCausalLM(tf.MixtralConfig(num_local_experts=4, **MOE, **COMMON))
     else:
-        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(head_dim=16, **COMMON))
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(head_dim=32, **COMMON))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -96,12 +99,14 @@ def test_moe_config_mapping(hf):
     assert (q.num_experts, q.moe_router_topk, q.moe_ffn_hidden_size, q.ffn_hidden_size) == (4, 2, 32, 64)
     assert q.qk_layernorm and q.moe_router_pre_softmax and q.moe_layer_freq == 1
     assert q.moe_aux_loss_coeff == 0.01 and q.moe_shared_expert_intermediate_size is None
+    assert q.kv_channels == 32  # head_dim 32 != hidden 64 / 4 heads
     qn = hf_convert.model_config_from_hf(_config(hf["qwen3_moe_norm"][0]))
     assert not qn.moe_router_pre_softmax and qn.moe_layer_freq == (1, 0)
+    assert qn.kv_channels is None  # head_dim 16 = hidden / heads: megatron's default
     m = hf_convert.model_config_from_hf(_config(hf["mixtral"][0]))
     assert (m.num_experts, m.moe_ffn_hidden_size, m.qk_layernorm, m.moe_router_pre_softmax) == (4, 64, False, False)
     d = hf_convert.model_config_from_hf(_config(hf["qwen3"][0]))
-    assert d.qk_layernorm and d.num_experts is None
+    assert d.qk_layernorm and d.num_experts is None and d.kv_channels == 32
     step2 = {**_config(hf["qwen3_moe"][0]), "decoder_sparse_step": 2}
     assert hf_convert.model_config_from_hf(step2).moe_layer_freq == (0, 1)  # transformers: (i + 1) % 2 == 0
 
@@ -110,7 +115,6 @@ def test_moe_configs_we_cannot_represent_are_refused(hf):
     qwen, mixtral = _config(hf["qwen3_moe"][0]), _config(hf["mixtral"][0])
     cases = [({**qwen, "architectures": ["Qwen2MoeForCausalLM"]}, "sigmoid gate"),
              ({**qwen, "mlp_only_layers": [0, 1]}, "no sparse layer"),
-             ({**qwen, "head_dim": 32}, "separate head size"),
              ({**mixtral, "router_jitter_noise": 0.01}, "router_jitter_noise"),
              ({**mixtral, "sliding_window": 4096}, "sliding_window")]
     for bad, needle in cases:
@@ -140,6 +144,10 @@ def test_moe_names(hf):
     mixed = hf_convert.convert_hf_checkpoint(hf["qwen3_moe_norm"][0])["model"]
     assert mixed["decoder.layers.1.mlp.linear_fc1.weight"].shape == (128, 64)  # the dense layer
     assert mixed["decoder.layers.0.self_attention.q_layernorm.weight"].shape == (16,)
+    wide = hf_convert.convert_hf_checkpoint(hf["qwen3_moe"][0])["model"]  # head_dim 32: q 4 x 32, k and v 2 x 32
+    assert wide["decoder.layers.0.self_attention.linear_qkv.weight"].shape == (4 * 32 + 2 * 2 * 32, 64)
+    assert wide["decoder.layers.0.self_attention.linear_proj.weight"].shape == (64, 4 * 32)
+    assert wide["decoder.layers.0.self_attention.q_layernorm.weight"].shape == (32,)
 
 
 @pytest.mark.parametrize("kind", KINDS)
