@@ -1,9 +1,9 @@
 """TP=2 equals TP=1: losses, every gradient (reassembled from shards) and parameters after SGD.
 
-Runs ``tp_worker.py`` under ``torchrun --nproc-per-node 2`` (gloo), once with an ``F.linear``
-stand-in for ``policy_linear`` (tests megatron wiring alone) and once with the real ``mxfp4``
-preset: MX blocks lie along each GEMM's contraction axis and every TP shard's contraction length is
-a multiple of 32, so every rank quantizes exactly the operands TP=1 does.
+Runs ``tp_worker.py`` once under ``torchrun --nproc-per-node 2`` (gloo) for every case: an
+``F.linear`` stand-in for ``policy_linear`` (tests megatron wiring alone) and real presets. With
+``mxfp4`` MX blocks lie along each GEMM's contraction axis and every TP shard's contraction length
+is a multiple of 32, so every rank quantizes exactly the operands TP=1 does.
 Measured (float32): stand-in losses ~2e-7, gradients ~7e-7, parameters ~8e-7 relative; mxfp4
 gradients and parameters bit-identical, losses ~2e-7.
 Per-tensor scaled presets (``fp8``) take the amax of the whole tensor over the TP group
@@ -35,23 +35,32 @@ RTOL = 1e-5
 # Measured: losses bit-identical, gradients <= 4e-7 relative (before: 37-46%). nvfp4: 2 steps -- its
 # non-power-of-two scales make partial sums order-dependent, and by step 3 one FP4 rounding flip
 # (row-parallel all-reduce order) moves a linear_fc1 weight by 6e-5 relative.
-@pytest.fixture(scope="module", params=[(None, 5), ("mxfp4", 5), ("fp8", 3), ("mxfp4_sr", 3), ("nvfp4", 2)],
-                ids=["stand-in", "mxfp4", "fp8", "mxfp4_sr", "nvfp4"])
-def report(request, tmp_path_factory):
+CASES = {None: 5, "mxfp4": 5, "fp8": 3, "mxfp4_sr": 3, "nvfp4": 2}  # preset (None: stand-in) -> SGD steps
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    """Every case of ``CASES`` in one ``torchrun`` (each case builds its models afresh from the same
+    seeds, so a case's numbers do not depend on the others; one launch instead of five)."""
     out = tmp_path_factory.mktemp("tp") / "report.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     cmd += ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    preset, steps = request.param
-    cmd += [str(REPO / "tests/model/tp_worker.py"), "--out", str(out), "--steps", str(steps)]
-    if preset is not None:
-        cmd += ["--preset", preset]
+    cmd += [str(REPO / "tests/model/tp_worker.py"), "--out", str(out)]
+    for preset, steps in CASES.items():
+        cmd += ["--case", f"{preset or 'stand-in'}:{steps}"]
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    # 240 s: the budget on an idle machine of this kind; it grows with the load (tests._dist), so a
-    # shared, busy CI machine is slower, not failed
-    proc = run_scaled(cmd, 240, cwd=REPO, env=env, capture_output=True, text=True)
+    # 400 s: the budget on an idle machine of this kind for all five cases; it grows with the load
+    # (tests._dist), so a shared, busy CI machine is slower, not failed
+    proc = run_scaled(cmd, 400, cwd=REPO, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return {"preset": preset, **json.loads(out.read_text())}
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(params=list(CASES), ids=[p or "stand-in" for p in CASES])
+def report(request, reports):
+    preset = request.param
+    return {"preset": preset, **reports[preset or "stand-in"]}
 
 
 @pytest.mark.slow

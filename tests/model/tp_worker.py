@@ -4,7 +4,9 @@ Each rank first trains the model at TP=1 (both ranks identically, no data-parall
 rebuilds it at TP=2 from the same seed and trains it on the same batch. After the first backward
 it reassembles every TP-sharded gradient from the two ranks (using megatron's ``partition_dim`` /
 ``partition_stride`` attributes) and compares it with the TP=1 gradient; replicated parameters
-must hold identical gradients on both ranks. Rank 0 writes a JSON report to ``--out``.
+must hold identical gradients on both ranks. Rank 0 writes a JSON report to ``--out``: one entry
+per ``--case PRESET:STEPS`` (``stand-in`` is the ``F.linear`` stand-in), all cases in one process
+group, so the suite starts torchrun once instead of once per preset.
 """
 
 import argparse
@@ -96,31 +98,49 @@ def max_rel(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
+def compare(preset, steps):
+    """TP=1 vs TP=2 for both model styles under ``preset`` (``None``: the ``F.linear`` stand-in)."""
+    real_linear = model.layers.policy_linear
+    if preset is None:
+        model.layers.policy_linear = ReferenceLinear()
+    try:
+        report = {}
+        for style, overrides in STYLES.items():
+            cfg = ModelConfig(**{**BASE, **overrides})
+            gen = torch.Generator().manual_seed(7)
+            tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=gen)
+            labels = torch.roll(tokens, -1, dims=1)
+            loss1, grads1, params1, _ = run(cfg, 1, steps, tokens, labels, preset)
+            loss2, grads2, params2, replica_diff = run(cfg, 2, steps, tokens, labels, preset)
+            assert grads1.keys() == grads2.keys(), grads1.keys() ^ grads2.keys()
+            report[style] = {
+                "loss_tp1": loss1,
+                "loss_tp2": loss2,
+                "grad_max_rel": {n: max_rel(grads2[n], grads1[n]) for n in grads1},
+                "param_max_rel": {n: max_rel(params2[n], params1[n]) for n in params1},
+                "replicated_grad_max_abs_diff_across_ranks": replica_diff,
+            }
+        return report
+    finally:
+        model.layers.policy_linear = real_linear
+
+
+def parse_case(text):
+    """``PRESET:STEPS`` -> (preset or None for ``stand-in``, steps)."""
+    preset, _, steps = text.rpartition(":")
+    if not preset or not steps.isdigit():
+        raise argparse.ArgumentTypeError(f"--case {text!r}: expected PRESET:STEPS, e.g. mxfp4:5 or stand-in:5")
+    return (None if preset == "stand-in" else preset), int(steps)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--preset", default=None, help="real precision preset; default: F.linear stand-in")
+    ap.add_argument("--case", type=parse_case, action="append", required=True,
+                    help="PRESET:STEPS, repeatable; 'stand-in' is the F.linear stand-in for policy_linear")
     args = ap.parse_args()
     torch.distributed.init_process_group("gloo")
-    if args.preset is None:
-        model.layers.policy_linear = ReferenceLinear()
-    report = {}
-    for style, overrides in STYLES.items():
-        cfg = ModelConfig(**{**BASE, **overrides})
-        gen = torch.Generator().manual_seed(7)
-        tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=gen)
-        labels = torch.roll(tokens, -1, dims=1)
-        loss1, grads1, params1, _ = run(cfg, 1, args.steps, tokens, labels, args.preset)
-        loss2, grads2, params2, replica_diff = run(cfg, 2, args.steps, tokens, labels, args.preset)
-        assert grads1.keys() == grads2.keys(), grads1.keys() ^ grads2.keys()
-        report[style] = {
-            "loss_tp1": loss1,
-            "loss_tp2": loss2,
-            "grad_max_rel": {n: max_rel(grads2[n], grads1[n]) for n in grads1},
-            "param_max_rel": {n: max_rel(params2[n], params1[n]) for n in params1},
-            "replicated_grad_max_abs_diff_across_ranks": replica_diff,
-        }
+    report = {"stand-in" if preset is None else preset: compare(preset, steps) for preset, steps in args.case}
     if torch.distributed.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
