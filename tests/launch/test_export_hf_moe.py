@@ -43,6 +43,7 @@ from tests.launch.test_export_hf import _random_state as random_state  # weights
 QWEN = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
                    seq_length=32, vocab_size=200, qk_layernorm=True, num_experts=4, moe_ffn_hidden_size=32,
                    moe_layer_freq=(1, 0), moe_router_pre_softmax=True, moe_aux_loss_coeff=0.01)
+QWEN_HEAD = dataclasses.replace(QWEN, kv_channels=48)  # head_dim 48 != 64 / 4 heads, as real Qwen3 models
 MIXTRAL = dataclasses.replace(QWEN, qk_layernorm=False, moe_layer_freq=1, moe_router_pre_softmax=False,
                               ffn_hidden_size=32)  # all layers MoE: Mixtral has one intermediate_size
 EXPERT = "decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc{}.weight"
@@ -68,7 +69,7 @@ def _safetensors(out) -> dict[str, torch.Tensor]:
 TOKENS = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(3))
 
 
-@pytest.mark.parametrize("cfg", [QWEN, MIXTRAL], ids=["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("cfg", [QWEN, QWEN_HEAD, MIXTRAL], ids=["qwen3_moe", "qwen3_moe_head_dim", "mixtral"])
 def test_bf16_moe_export_round_trips_and_loads_in_transformers(world_of_one, tmp_path, cfg):
     tf = pytest.importorskip("transformers")
     state = random_state(cfg)
@@ -76,6 +77,7 @@ def test_bf16_moe_export_round_trips_and_loads_in_transformers(world_of_one, tmp
     config = json.loads((tmp_path / "config.json").read_text())
     arch = "Qwen3MoeForCausalLM" if cfg.qk_layernorm else "MixtralForCausalLM"
     assert config["architectures"] == [arch]
+    assert config["head_dim"] == (cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads)
     assert hf_convert.model_config_from_hf(config, seq_length=cfg.seq_length) == cfg
     back = hf_convert.convert_state_dict(_safetensors(tmp_path), cfg, arch)
     assert back.keys() == state.keys()
