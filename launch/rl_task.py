@@ -1,10 +1,12 @@
 """The RL task's data and its starting policy: write the SFT corpus, or evaluate a checkpoint on it.
 
     python launch/rl_task.py --task configs/rl/arith.yaml --out DIR [--policy-width 256]
+    python launch/rl_task.py --task configs/rl/arith.yaml --out DIR --policy-moe
     # -> DIR/sft.jsonl (the starting policy's corpus: {"text": "12+345=357"} per line),
     #    DIR/eval.jsonl (the held-out problems: {"prompt", "answer"}), and prints the
     #    launch/preprocess_data.py and launch/pretrain.py commands that train the starting policy
-    #    (3 layers of hidden 128 into DIR/sft, or with --policy-width 256 of hidden 256 into DIR/sft_h256)
+    #    (3 layers of hidden 128 into DIR/sft, or with --policy-width 256 of hidden 256 into DIR/sft_h256,
+    #    or with --policy-moe the mixture-of-experts one of the moe_rollout study into DIR/sft_moe)
 
     python launch/rl_task.py --task configs/rl/arith.yaml --evaluate CKPT_DIR --rollout-precision mxfp4 \\
         --group-size 8 --out DIR
@@ -29,6 +31,7 @@ from pretrain.rl.starting_policy import (
     SFT_RECIPES,
     commands,
     evaluate,
+    recipe,
     tokenizer_vocab_size,  # noqa: F401 (launch.rl_task's public name)
     write_corpus,
 )
@@ -45,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--sft-examples", type=int, default=50000, help="documents in DIR/sft.jsonl (default 50000)")
     add("--policy-width", type=int, choices=sorted(SFT_RECIPES), default=128,
         help="hidden size of the starting policy whose training command is printed (default 128)")
+    add("--policy-moe", action="store_true",
+        help="print the mixture-of-experts starting policy's command instead (every MLP 4 routed experts, top-2, "
+        "+ a shared expert; into DIR/sft_moe, what configs/sweeps/moe_rollout.yaml loads); width 128 only")
     g = p.add_argument_group("evaluation of a checkpoint (--evaluate)")
     add = g.add_argument
     add("--evaluate", metavar="CKPT_DIR", help="a training checkpoint directory (launch/pretrain.py --save)")
@@ -82,11 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.group_prompts < 1:
         return _fail(f"--group-prompts {args.group_prompts}: must be >= 1")
     if args.evaluate is None:
+        try:
+            recipe(args.policy_width, args.policy_moe)
+        except ValueError as e:
+            return _fail(str(e))
         info = write_corpus(spec, args.out, args.sft_examples)
         print(f"{args.out}/sft.jsonl: {info['sft']} documents; {args.out}/eval.jsonl: {info['eval']} held-out "
               f"problems (task {spec.name!r}, seed {spec.seed})")
         print("train the starting policy with:")
-        for cmd in commands(args.out, info["vocab"], args.policy_width):
+        for cmd in commands(args.out, info["vocab"], args.policy_width, args.policy_moe):
             print(f"  {cmd}")
         return 0
     if not os.path.isdir(args.evaluate):

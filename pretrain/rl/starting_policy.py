@@ -45,18 +45,39 @@ SFT_BATCH = "--micro-batch-size 32 --global-batch-size 32 --precision bf16 --lr-
 
 
 @dataclasses.dataclass(frozen=True)
+class MoeShape:
+    """A MoE starting policy's experts: every layer's MLP a MoE layer (softmax top-k router, FP32 as
+    the trainer's), ``experts`` routed experts of width ``expert_ffn`` and one shared expert of width
+    ``shared_ffn``, the switch load-balancing loss at ``aux_loss``."""
+
+    experts: int
+    topk: int
+    expert_ffn: int
+    shared_ffn: int
+    aux_loss: float
+
+    def flags(self) -> str:
+        return (f"--num-experts {self.experts} --moe-router-topk {self.topk} --moe-ffn-hidden-size "
+                f"{self.expert_ffn} --moe-shared-expert-intermediate-size {self.shared_ffn} "
+                f"--moe-aux-loss-coeff {self.aux_loss:g}")
+
+
+@dataclasses.dataclass(frozen=True)
 class SftRecipe:
     """One starting policy's width and schedule (configs/sweeps/fp4_rollout.md: how each was chosen);
-    the FFN is 4 x hidden and the lr decays to a tenth of its peak."""
+    the FFN is 4 x hidden and the lr decays to a tenth of its peak. ``moe``: the MoE policy's experts
+    (configs/sweeps/moe_rollout.md), else dense."""
 
     hidden: int
     lr: float
     iters: int
     save_interval: int
     save_dir: str  # under --out
+    moe: MoeShape | None = None
 
     def flags(self) -> str:
-        return (f"{SFT_MODEL} --hidden-size {self.hidden} --ffn-hidden-size {4 * self.hidden} {SFT_BATCH} "
+        moe = f" {self.moe.flags()}" if self.moe is not None else ""
+        return (f"{SFT_MODEL} --hidden-size {self.hidden} --ffn-hidden-size {4 * self.hidden}{moe} {SFT_BATCH} "
                 f"--lr {self.lr:g} --min-lr {self.lr / 10:g} --train-iters {self.iters} "
                 f"--eval-interval {self.iters} --eval-iters 4 --log-interval 100")
 
@@ -69,10 +90,29 @@ SFT_RECIPES = {
     256: SftRecipe(256, 1.5e-3, 4000, 1000, "sft_h256"),
 }
 
+# The moe_rollout study's starting policy (configs/sweeps/moe_rollout.yaml loads DIR/sft_moe): the hidden-128
+# recipe with every MLP a MoE layer -- 4 routed experts of width 128, top-2, one shared expert of width 256:
+# 2 x 128 + 256 = 512 active expert columns per token, the dense recipe's FFN.
+MOE_RECIPES = {
+    128: dataclasses.replace(SFT_RECIPES[128], save_dir="sft_moe", moe=MoeShape(4, 2, 128, 256, 1e-2)),
+}
 
-def commands(out: str, vocab: int, width: int = 128) -> list[str]:
-    """The two commands that train the starting policy of hidden size ``width`` on ``out``'s corpus."""
-    r = SFT_RECIPES[width]
+
+def recipe(width: int = 128, moe: bool = False) -> SftRecipe:
+    """The starting policy's recipe of hidden size ``width``, dense or MoE; a combination without one is
+    refused in one line naming the flags."""
+    table = MOE_RECIPES if moe else SFT_RECIPES
+    if width not in table:
+        kind = "MoE" if moe else "dense"
+        raise ValueError(f"--policy-width {width}{' --policy-moe' if moe else ''}: no {kind} starting policy of "
+                         f"that width; {kind} widths: {', '.join(map(str, sorted(table)))}")
+    return table[width]
+
+
+def commands(out: str, vocab: int, width: int = 128, moe: bool = False) -> list[str]:
+    """The two commands that train the starting policy of hidden size ``width`` (``moe``: the MoE one)
+    on ``out``'s corpus."""
+    r = recipe(width, moe)
     tok = os.path.join(out, "tokenizer.model")
     return [
         (f"python launch/preprocess_data.py --input {out}/sft.jsonl --output-prefix {out}/sft "

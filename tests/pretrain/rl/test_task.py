@@ -192,6 +192,84 @@ def test_rl_task_prints_each_starting_policys_training_command(tmp_path, capsys)
     assert "--policy-width: invalid choice: 512 (choose from 128, 256)" in capsys.readouterr().err
 
 
+def test_the_moe_starting_policy_is_the_one_the_moe_rollout_study_loads(tmp_path, capsys):
+    """--policy-moe prints the MoE starting policy's commands: they parse under pretrain.py's and
+    preprocess_data.py's own parsers into the MoE shape, the checkpoint directory they save to is the
+    moe_rollout sweep's load:, and moe_rollout.md's commands (for --out runs/rl_task) are the printed
+    ones. A width without a MoE recipe is refused in one line naming both flags."""
+    import re
+    import shlex
+
+    import yaml
+
+    from launch.preprocess_data import _parse_args as parse_preprocess
+    from launch.rl_task import main
+    from pretrain.arguments import build_parser
+    from pretrain.rl.starting_policy import MOE_RECIPES, commands, tokenizer_vocab_size
+
+    out = tmp_path / "data"
+    assert main(["--task", ARITH, "--out", str(out), "--sft-examples", "300", "--policy-moe"]) == 0
+    printed = [x.strip() for x in capsys.readouterr().out.splitlines() if "launch/" in x]
+    pre, sft = (shlex.split(x) for x in printed)
+    pre_args = parse_preprocess(pre[pre.index("launch/preprocess_data.py") + 1:])
+    args = build_parser().parse_args(sft[sft.index("launch/pretrain.py") + 1:])
+    assert pre_args.input == [str(out / "sft.jsonl")] and args.data_path == [f"{pre_args.output_prefix}_text_document"]
+    assert (args.num_layers, args.hidden_size, args.num_experts, args.moe_router_topk) == (3, 128, 4, 2)
+    assert (args.moe_ffn_hidden_size, args.moe_shared_expert_intermediate_size) == (128, 256)
+    assert 2 * args.moe_ffn_hidden_size + args.moe_shared_expert_intermediate_size == args.ffn_hidden_size
+    assert args.save == str(out / "sft_moe")
+
+    with open(os.path.join(REPO, "configs", "sweeps", "moe_rollout.yaml")) as f:
+        sweep = yaml.safe_load(f)
+    study_out = os.path.dirname(sweep["base"]["load"])
+    assert sweep["base"]["load"] == os.path.join(study_out, MOE_RECIPES[128].save_dir)
+    with open(os.path.join(REPO, "configs", "sweeps", "moe_rollout.md")) as f:
+        md = f.read()
+    block = md.split("## Starting policy", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    documented = [" ".join(x.split()) for x in re.sub(r"\\\n\s*", " ", block).splitlines() if x.strip()]
+    vocab = tokenizer_vocab_size(sft_examples(load_task(ARITH), 50000))  # rl_task.py's default --sft-examples
+    for cmd in commands(study_out, vocab, 128, moe=True):
+        assert cmd in documented, (cmd, documented)
+
+    assert main(["--task", ARITH, "--out", str(out), "--policy-moe", "--policy-width", "256"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("rl_task.py: error: --policy-width 256 --policy-moe: no MoE starting policy of that width; "
+                   "MoE widths: 128")
+
+
+@pytest.mark.slow
+def test_the_moe_starting_policy_trains_and_the_study_loads_it(tmp_path, capsys):
+    """The printed commands run as printed (2 SFT iterations instead of 3,000, on a 300-document corpus),
+    and the moe_rollout sweep's RL flags, with its load: pointed at the checkpoint they wrote, take
+    the MoE shape from it."""
+    import shlex
+
+    import yaml
+
+    from launch.rl_task import main
+    from pretrain.rl.arguments import parse_rl_args
+    from tests.pretrain._launch import env
+
+    out = tmp_path / "data"
+    assert main(["--task", ARITH, "--out", str(out), "--sft-examples", "300", "--policy-moe"]) == 0
+    pre, sft = ([t for t in shlex.split(x) if not t.startswith("OMP_NUM_THREADS=")]
+                for x in capsys.readouterr().out.splitlines() if "launch/" in x)
+    short = ["--train-iters", "2", "--eval-interval", "2", "--save-interval", "2", "--lr-warmup-iters", "0"]
+    for cmd in (pre, sft + short):
+        assert cmd[0] == "python"
+        proc = subprocess.run([sys.executable, *cmd[1:]], cwd=REPO, env=env(), capture_output=True, text=True,
+                              timeout=600, check=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(os.path.join(REPO, "configs", "sweeps", "moe_rollout.yaml")) as f:
+        sweep = yaml.safe_load(f)
+    flags = {**sweep["base"], "load": str(out / "sft_moe"), "task-replicate": "0"}
+    argv = [x for k, v in flags.items() for x in (f"--{k}", str(v))]
+    run, cfg = parse_rl_args(argv, 1, False)
+    m = run.model
+    assert (m.num_layers, m.hidden_size, m.num_experts, m.moe_router_topk) == (3, 128, 4, 2)
+    assert cfg.task_replicate == 0 and run.checkpoint.load == str(out / "sft_moe")
+
+
 def test_rl_task_refuses_bad_input_in_one_line(tmp_path, capsys):
     from launch.rl_task import main
 
