@@ -24,14 +24,24 @@ Sampling: EP ranks are data-parallel ranks for the dense part, so each reads its
 Checkpoints: the legacy per-TP-rank files (``pretrain.checkpointing``) are written by data-parallel
 rank 0 only, which holds ``num_experts / EP`` of the experts; with EP > 1 ``--save`` and ``--load``
 need a sharded format (``--ckpt-format torch_dist``), refused otherwise (:func:`check_layout`).
+
+What a run reports covers every rank's experts: the precision plan lists every expert's GEMMs by
+global expert id (:func:`every_expert` completes a rank's names; ``pretrain.trainer.plans``), and the
+per-layer TensorBoard scalars (``numerics/...``, ``moe/layer_L/expert_E/...``) are gathered over the
+expert-parallel group onto the reporting rank (:func:`gather_layer_scalars`).
 """
 
 from __future__ import annotations
 
+import re
+
 import torch
 from megatron.core import parallel_state
 
-__all__ = ["check_layout", "ep_size", "expert_norm_group", "is_expert_param", "reduce_grads"]
+__all__ = ["check_layout", "ep_size", "every_expert", "expert_norm_group", "gather_layer_scalars", "is_expert_param",
+           "reduce_grads"]
+
+_EXPERT_NAME = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)\.(.+)$")
 
 
 class _LayoutError(ValueError):
@@ -86,3 +96,46 @@ def expert_norm_group():
     if ep_size() == 1:
         return None
     return parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+
+
+def every_expert(names: list[str], num_experts: int | None) -> list[str]:
+    """Plan names of a rank's linears (``model.gpt.policy_linear_names``: experts by global id) with each
+    MoE layer's experts completed to all ``num_experts`` of them, in expert order, where the layer's
+    first expert stood: under expert parallelism a rank holds ``num_experts / EP`` of a layer's experts,
+    and a plan printed from one rank should still list every expert's GEMMs. Other names keep their
+    place; without experts (or at EP=1) the names come back unchanged."""
+    if not num_experts:
+        return list(names)
+    linears: dict[str, list[str]] = {}  # a layer's expert prefix -> its per-expert linears (fc1, fc2)
+    for name in names:
+        m = _EXPERT_NAME.match(name)
+        if m and m.group(3) not in linears.setdefault(m.group(1), []):
+            linears[m.group(1)].append(m.group(3))
+    out = []
+    for name in names:
+        m = _EXPERT_NAME.match(name)
+        if m is None:
+            out.append(name)
+        elif m.group(1) in linears:  # the layer's first expert linear: all of them here
+            prefix, per_expert = m.group(1), linears.pop(m.group(1))
+            out += [f"{prefix}{e}.{linear}" for e in range(num_experts) for linear in per_expert]
+    return out
+
+
+def gather_layer_scalars(scalars: list[tuple[str, float]]) -> list[tuple[str, float]]:
+    """Per-layer scalars of every EP rank's experts on each rank (all ranks call this; a no-op at EP=1).
+
+    A tag names one linear by its plan name (``numerics/decoder.layers.L.mlp.experts.local_experts.E...``)
+    or one expert (``moe/layer_L/expert_E/...``), E global, so the EP ranks' experts do not collide.
+    A tag that several EP ranks write -- a dense layer's, which each EP rank (a data-parallel rank)
+    measures on its own micro-batch -- keeps EP rank 0's value, as without expert parallelism the
+    report keeps data-parallel rank 0's."""
+    if ep_size() == 1:
+        return scalars
+    parts = [None] * ep_size()
+    torch.distributed.all_gather_object(parts, scalars, group=parallel_state.get_expert_model_parallel_group())
+    out: dict[str, float] = {}
+    for part in parts:
+        for tag, value in part:
+            out.setdefault(tag, value)
+    return list(out.items())

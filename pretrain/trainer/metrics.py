@@ -57,6 +57,7 @@ import torch
 from megatron.core import parallel_state
 
 from model.gpt import padded_vocab_size, training_flops_per_token
+from pretrain.expert_parallel import gather_layer_scalars
 from pretrain.runtime import is_rank0, rank0_print
 
 VAL_BATCHES_FILE = "val_batches.jsonl"  # in --tensorboard-dir: one line per evaluation
@@ -370,13 +371,15 @@ class MetricsLogger:
 
     def write_layer_scalars(self, scalars: list[tuple[str, float]], step: int) -> None:
         """Write per-layer scalars to rank 0's TensorBoard / W&B. With pipeline parallelism every stage
-        contributes its own layers (gathered over the pipeline group; all ranks call this)."""
+        contributes its own layers (gathered over the pipeline group), with expert parallelism every EP
+        rank its own experts (``pretrain.expert_parallel.gather_layer_scalars``); all ranks call this."""
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             parts = [None] * parallel_state.get_pipeline_model_parallel_world_size()
             torch.distributed.all_gather_object(
                 parts, scalars, group=parallel_state.get_pipeline_model_parallel_group()
             )
             scalars = [item for part in parts for item in part]
+        scalars = gather_layer_scalars(scalars)
         if self.tb is not None:
             for tag, value in scalars:
                 self.tb.add_scalar(tag, value, step)

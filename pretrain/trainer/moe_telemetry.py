@@ -17,7 +17,9 @@ coefficients) and ``moe/load_balancing_loss_layer_L`` / ``moe/z_loss_layer_L``.
 Every ``--numerics-interval`` iterations, from the layers' numerics telemetry (``precision.telemetry``),
 each expert's worst quantization SQNR over its GEMM operands, grouped by expert:
 ``moe/layer_L/expert_E/sqnr_db_min`` (and per GEMM: ``moe/layer_L/expert_E/fc1/fprop/x/sqnr_db``);
-with expert parallelism every EP rank's experts (gathered).
+with expert parallelism every EP rank's experts, E the global expert id (gathered by
+``MetricsLogger.write_layer_scalars`` with ``pretrain.expert_parallel.gather_layer_scalars``, as the
+per-linear ``numerics/...`` scalars of the expert linears are).
 
 Off-cost: between telemetry steps a router checks one attribute per forward; the counts stay on the
 device and are read once per telemetry step (one all-reduce of a ``layers x (experts + 3)`` tensor).
@@ -124,9 +126,10 @@ class MoETelemetry:
             scalars += self._aux_losses(step)
             for r in self.routers:
                 r.stats = None
-        if self.numerics_interval and step % self.numerics_interval == 0:
+        numerics = bool(self.numerics_interval) and step % self.numerics_interval == 0
+        if numerics:
             scalars += self._sqnr()
-        if scalars:
+        if self._active or numerics:  # on every rank alike, even with nothing of its own: a collective
             self.metrics.write_layer_scalars(scalars, step)
         self._active = False
 
@@ -155,9 +158,5 @@ class MoETelemetry:
         return writer.scalars
 
     def _sqnr(self) -> list[tuple[str, float]]:
-        scalars = expert_sqnr_scalars(self.linears)
-        if parallel_state.get_expert_model_parallel_world_size() > 1:  # each EP rank holds other experts
-            parts = [None] * parallel_state.get_expert_model_parallel_world_size()
-            torch.distributed.all_gather_object(parts, scalars, group=parallel_state.get_expert_model_parallel_group())
-            scalars = [item for part in parts for item in part]
-        return scalars
+        """This rank's experts; ``metrics.write_layer_scalars`` gathers every EP rank's (global expert ids)."""
+        return expert_sqnr_scalars(self.linears)

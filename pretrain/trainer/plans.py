@@ -22,6 +22,7 @@ from model.gpt import apply_precision_plan, build_gpt, policy_linear_names, poli
 from model.grouped_experts import describe_grouped_paths
 from precision import FORMATS, PrecisionPlan, SpecError
 from precision.schedule import PrecisionSchedule
+from pretrain import expert_parallel
 from pretrain.arguments import ConfigError
 from pretrain.config import RunConfig
 from pretrain.runtime import rank0_print
@@ -169,18 +170,30 @@ def check_quantized_plans(run, schedule, whole: dict) -> None:
                             f"QAT starts with histories of {warmup} step{'s' * (warmup != 1)}, not {window}")
 
 
+def whole_model_names(run: RunConfig, names: list[str]) -> list[str]:
+    """Plan names of the whole model's linears, from this rank's ``names`` (all ranks call this): with
+    pipeline parallelism every stage's (gathered over the pipeline group: stages may differ, e.g. with
+    a ``--moe-layer-freq`` that mixes dense and MoE layers), with expert parallelism every expert of each
+    MoE layer (``pretrain.expert_parallel.every_expert``: a rank holds ``num_experts / EP`` of them)."""
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        parts = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+        torch.distributed.all_gather_object(parts, names, group=parallel_state.get_pipeline_model_parallel_group())
+        names = list(dict.fromkeys(n for part in parts for n in part))
+    return expert_parallel.every_expert(names, run.model.num_experts)
+
+
 def build_scheduled_model(run: RunConfig, vocab_size: int, device: torch.device):
     """This rank's model and every phase's plan (``(model, SchedulePlans)``): each quantized phase of
     the run's schedule (``pretrain.arguments.precision_schedule``) resolved by global layer names and
     its GEMM backends checked, so a bad phase is refused before training; phase 0's plan applied."""
-    p, num_layers = run.precision, run.model.num_layers
+    p = run.precision
     sequence_parallel = run.parallel.sequence_parallel and run.parallel.tensor_model_parallel_size > 1
     model = build_gpt(run.model_config(vocab_size), sequence_parallel=sequence_parallel, seed=run.training.seed,
                       params_dtype=torch.bfloat16 if run.memory.bf16 else torch.float32,
                       recompute=run.memory.recompute())
-    names = policy_linear_names(model)  # this pipeline stage's, layers numbered globally
-    layer_linears = list(dict.fromkeys(n.split(".", 3)[3] for n in names if n.startswith("decoder.layers.")))
-    every = [f"decoder.layers.{i}.{s}" for i in range(num_layers) for s in layer_linears] + ["output_layer"]
+    names = policy_linear_names(model)  # this rank's, layers and experts numbered globally
+    every = whole_model_names(run, names)
+    shown = expert_parallel.every_expert(names, run.model.num_experts)  # this stage's, with every EP rank's experts
     schedule = p.schedule()
     scheduled = p.precision_schedule is not None
     resolved = {}
@@ -191,7 +204,9 @@ def build_scheduled_model(run: RunConfig, vocab_size: int, device: torch.device)
         resolved[k] = _resolve_plan(run, phase.precision, every, names, label)
         many = len(schedule) > 1
         where = f"precision phase {k} ({phase})" if many else ""
-        check_gemm_backends(resolved[k][0], device, p.gemm_backend, label=where)
+        whole = resolved[k][1]
+        check_gemm_backends(PrecisionPlan({n: (whole[n], whole.rule_for(n)) for n in shown}), device, p.gemm_backend,
+                            label=where)
         if run.model.moe_grouped_gemm:  # which grouped kernel (or per-expert loop) each expert format takes
             rank0_print(describe_grouped_paths(resolved[k][0], device, p.gemm_backend))
     check_quantized_plans(run, schedule, resolved)
