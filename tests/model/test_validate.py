@@ -30,7 +30,11 @@ def test_valid_configs_pass():
             4,
             "--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4",
         ),
-        ({"hidden_size": 66}, 1, "--hidden-size 66 is not divisible by --num-attention-heads 4"),
+        ({"hidden_size": 66}, 1,
+         "--hidden-size 66 is not divisible by --num-attention-heads 4 (give the head size with --kv-channels)"),
+        ({"kv_channels": 12}, 1, "--kv-channels 12 x --num-attention-heads 4 / --tensor-model-parallel-size 1 = 48 "
+                                 "per rank must be a positive multiple of 32 (MX block size along linear_proj's "
+                                 "contraction)"),
         ({"hidden_size": 48}, 1, "--hidden-size 48 must be a multiple of 32 (MX block size)"),
         ({"ffn_hidden_size": 100}, 1, "--ffn-hidden-size 100 must be a multiple of 32 (MX block size)"),
         (
@@ -94,3 +98,19 @@ def test_qkv_shard_cutting_an_mx_block_is_refused_for_block_plans_only(hidden, h
     validate_plan_shapes(cfg, 1, {name: presets.get("mxfp4")})  # TP=1: no shard edge
     if per_rank % 16 == 0:  # NVFP4's 16-element blocks fit where MX's 32 do not
         validate_plan_shapes(cfg, tp, {name: presets.get("nvfp4")})
+
+
+def test_a_head_size_of_its_own_validates():
+    """``--kv-channels`` (Qwen3: 128 whatever hidden / heads is): 6 heads of 32 on a width of 64."""
+    from model.gpt import head_size, training_flops_per_token
+
+    cfg = dataclasses.replace(CFG, hidden_size=64, num_attention_heads=6, kv_channels=32)
+    validate_config(cfg, 1)
+    assert head_size(cfg) == 32 and head_size(dataclasses.replace(cfg, num_attention_heads=4, kv_channels=None)) == 16
+    # the attention GEMMs count 6 x 32 = 192 query/output features, not the width 64
+    narrow = dataclasses.replace(cfg, kv_channels=None, num_attention_heads=4)
+    extra = training_flops_per_token(cfg, 16, 256) - training_flops_per_token(narrow, 16, 256)
+    q, kv, h, s = 192, CFG.num_query_groups * 32, 64, 16
+    want = 3 * cfg.num_layers * (2 * h * (q + 2 * kv) + 2 * q * h + 4 * s * q
+                                 - (2 * h * (64 + 2 * CFG.num_query_groups * 16) + 2 * 64 * h + 4 * s * 64))
+    assert extra == want
