@@ -53,10 +53,9 @@ expert width + shared expert width), in the same invocation, and the table gains
 The experts run as megatron's ``SequentialMLP``: one policy GEMM per expert and GEMM, on the same
 per-format paths as the dense layers (the start-up report's "GEMM paths per format"; on CPU every
 quantized GEMM is emulated, FP32 GEMMs of dequantized operands). torch 2.13 offers grouped entry points
--- ``torch._grouped_mm`` / ``F.grouped_mm`` (BF16) and ``torch._scaled_grouped_mm`` /
-``F.scaled_grouped_mm`` (FP8 row-wise, MX block scales on SM100) -- that a grouped expert GEMM would use
-on a GPU; the experts do not use them yet (``--moe-grouped-gemm`` is refused), so a GPU run measures
-one GEMM launch per expert.
+-- ``torch._grouped_mm`` (BF16) and ``torch._scaled_grouped_mm`` (FP8 row-wise) -- that the experts use
+with ``--moe-grouped-gemm`` (passed after ``--``; ``model.grouped_experts``, which prints the path per
+format); without it a GPU run measures one GEMM launch per expert.
 
 Writes ``OUT/bench_pretrain.json`` and ``OUT/bench_pretrain.md``; each run's log is
 ``OUT/<recipe>[-<mode>]/log``. Everything after ``--`` goes to ``pretrain.py`` unchanged.
