@@ -57,18 +57,20 @@ def assert_same_state(a, b, where=""):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "layout",
-    [["--tensor-model-parallel-size", "2"], ["--tensor-model-parallel-size", "1"]],
+    "layout, stop_at_exit",
+    [(["--tensor-model-parallel-size", "2"], True), (["--tensor-model-parallel-size", "1"], False)],
     ids=["tp2", "dp2"],
 )
-def test_resume_reproduces_the_uninterrupted_run(tmp_path, data_cache, layout):
-    """10 iterations straight vs 5, exit, resume, 5 more: same losses and final state, bit for bit.
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, data_cache, layout, stop_at_exit):
+    """6 iterations straight vs 3, then a resume for 3 more: same losses and final state, bit for bit.
 
+    TP=2 stops a run with ``--exit-interval 3`` and resumes it; DP=2 resumes from the straight run's
+    own iteration-3 checkpoint (``--ckpt-step 3``; one training run fewer).
     ``mxfp4_sr`` rounds gradients stochastically from each layer's quantization streams, so this
     only holds if the streams' call counters come back with the model (its ``_extra_state``)."""
     common = [
         "--train-iters",
-        "10",
+        "6",
         *TINY,
         "--precision",
         "mxfp4_sr",
@@ -76,48 +78,55 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, data_cache, layout):
         "reference",
         *layout,
         "--eval-interval",
-        "5",
+        "3",
         "--data-cache-dir",
         str(data_cache),
     ]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    run_pretrain(common + ["--save", str(straight), "--tensorboard-dir", str(straight / "tb")])
-    first = run_pretrain(
-        common
-        + [
-            "--save",
-            str(split),
-            "--load",
-            str(split),
-            "--exit-interval",
-            "5",
-            "--tensorboard-dir",
-            str(split / "tb1"),
-        ]
-    )
-    assert (
-        "no checkpoint yet" in first.stdout
-        and "--exit-interval 5: stopping after iteration 5" in first.stdout
-    )
-    assert read_tracker(str(split)) == 5
-    second = run_pretrain(
-        common + ["--save", str(split), "--load", str(split), "--tensorboard-dir", str(split / "tb2")]
-    )
-    assert f"resumed from {split / 'iter_0000005'}: iteration 5, 20 samples consumed" in second.stdout
+    straight_save = ["--save", str(straight)] + ([] if stop_at_exit else ["--save-interval", "3"])
+    run_pretrain(common + straight_save + ["--tensorboard-dir", str(straight / "tb")])
+    if stop_at_exit:
+        first = run_pretrain(
+            common
+            + [
+                "--save",
+                str(split),
+                "--load",
+                str(split),
+                "--exit-interval",
+                "3",
+                "--tensorboard-dir",
+                str(split / "tb1"),
+            ]
+        )
+        assert (
+            "no checkpoint yet" in first.stdout
+            and "--exit-interval 3: stopping after iteration 3" in first.stdout
+        )
+        assert read_tracker(str(split)) == 3
+        mid_dir, load = split / "iter_0000003", ["--load", str(split)]
+    else:
+        mid_dir, load = straight / "iter_0000003", ["--load", str(straight), "--ckpt-step", "3"]
+    second = run_pretrain(common + ["--save", str(split), *load, "--tensorboard-dir", str(split / "tb2")])
+    assert f"resumed from {mid_dir}: iteration 3, 12 samples consumed" in second.stdout
 
     loss = scalars(straight / "tb", "lm loss")
-    resumed = {**scalars(split / "tb1", "lm loss"), **scalars(split / "tb2", "lm loss")}
-    assert sorted(scalars(split / "tb2", "lm loss")) == [6, 7, 8, 9, 10]
-    assert resumed == loss  # float equality, every iteration
-    assert scalars(split / "tb2", "lm loss validation") == {10: scalars(straight / "tb", "lm loss validation")[10]}
+    resumed = scalars(split / "tb2", "lm loss")
+    assert sorted(resumed) == [4, 5, 6]
+    if stop_at_exit:
+        resumed = {**scalars(split / "tb1", "lm loss"), **resumed}
+        assert resumed == loss  # float equality, every iteration
+    else:
+        assert resumed == {k: v for k, v in loss.items() if k > 3}  # float equality, every iteration
+    assert scalars(split / "tb2", "lm loss validation") == {6: scalars(straight / "tb", "lm loss validation")[6]}
     assert scalars(split / "tb2", "grad-norm") == {
-        k: v for k, v in scalars(straight / "tb", "grad-norm").items() if k > 5
+        k: v for k, v in scalars(straight / "tb", "grad-norm").items() if k > 3
     }
 
     tp = int(layout[1])
     for rank in range(tp):
-        a = load_rank_checkpoint(straight / "iter_0000010", rank)
-        b = load_rank_checkpoint(split / "iter_0000010", rank)
+        a = load_rank_checkpoint(straight / "iter_0000006", rank)
+        b = load_rank_checkpoint(split / "iter_0000006", rank)
         for key in (
             "model",
             "optimizer",
@@ -127,7 +136,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, data_cache, layout):
             "precision_plan",
         ):
             assert_same_state(a[key], b[key], key)
-        mid = load_rank_checkpoint(split / "iter_0000005", rank)
+        mid = load_rank_checkpoint(mid_dir, rank)
         quant = mid["model"]["decoder.layers.1.mlp.linear_fc2._extra_state"]
         assert quant["calls"]["wgrad"] > 0  # a fresh state would replay the first iterations' SR draws
         assert len(mid["rng_state"]) == 2 // tp  # one per data-parallel rank
