@@ -130,7 +130,7 @@ def gather_layer_scalars(scalars: list[tuple[str, float]]) -> list[tuple[str, fl
     A tag that several EP ranks write -- a dense layer's, which each EP rank (a data-parallel rank)
     measures on its own micro-batch -- keeps EP rank 0's value, as without expert parallelism the
     report keeps data-parallel rank 0's."""
-    if ep_size() == 1:
+    if ep_size() <= 1:  # 0: no process group (a world of one outside torch.distributed)
         return scalars
     parts = [None] * ep_size()
     torch.distributed.all_gather_object(parts, scalars, group=parallel_state.get_expert_model_parallel_group())
