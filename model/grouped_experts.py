@@ -31,7 +31,7 @@ path                                   when
                                        a plain BF16 recipe (``emulated``): BF16 operands, FP32
                                        accumulation, one rounding (CPU: the same bits as the
                                        per-expert FP32 GEMM, tested)
-``torch._scaled_grouped_mm``           per-tensor FP8 on ``fp8_scaled_mm`` (CUDA sm_90+): each
+``torch._scaled_grouped_mm``           per-tensor FP8 E4M3 x E4M3 on ``fp8_scaled_mm`` (CUDA sm_90+): each
                                        expert's decode scale as row-wise scales; BF16 output (a
                                        GEMM whose output is FP32 runs per expert)
 per-expert loop                        everything else: the ``emulated`` / ``reference`` backends
@@ -57,6 +57,7 @@ from kernels.gemm import bf16_single_rounding, fp32_gemm, gemm, ieee_fp32_matmul
 from kernels.operand import gemm_operands
 from model.linear import _out_dtype
 from model.moe import PaddedSequentialMLP, token_bucket
+from precision.elements import E4M3
 from precision.formats import Scaling
 from precision.recipe import Gemm, GemmRecipe, LinearPrecision
 
@@ -80,7 +81,8 @@ def gemm_path(recipe: GemmRecipe, device, backend: str = "auto", g: Gemm = Gemm.
     device or a capability, as ``kernels.backends``) with the layer's GEMM ``backend``."""
     cap = device_capability(device)
     chosen = select_backend(recipe, cap, backend, gemm=g)
-    if chosen == "fp8_scaled_mm" and isinstance(cap, tuple) and cap >= (9, 0) and hasattr(torch, "_scaled_grouped_mm"):
+    if (chosen == "fp8_scaled_mm" and isinstance(cap, tuple) and cap >= (9, 0) and hasattr(torch, "_scaled_grouped_mm")
+            and recipe.a.format.element is E4M3 and recipe.b.format.element is E4M3):  # its kernels: E4M3 only
         return SCALED_GROUPED_MM, chosen
     if hasattr(torch, "_grouped_mm") and (chosen == "bf16_mm" or chosen == "emulated" and cap is None
                                           and _plain_bf16(recipe)):

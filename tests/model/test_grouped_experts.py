@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from model.gpt import apply_precision_plan, build_gpt, policy_linear_names
-from model.grouped_experts import GROUPED_MM, LOOP, SCALED_GROUPED_MM, GroupedSequentialMLP, describe_grouped_paths
+from model.grouped_experts import (
+    GROUPED_MM,
+    LOOP,
+    SCALED_GROUPED_MM,
+    GroupedSequentialMLP,
+    describe_grouped_paths,
+)
 from model.moe import PaddedSequentialMLP
 from model.spec import PolicySpecProvider
 from precision import presets
@@ -88,6 +94,7 @@ def test_paths_per_format_and_device():
     assert cpu.splitlines()[0] == "Grouped expert GEMMs (--moe-grouped-gemm) on cpu:"
     assert f"bf16 -> {GROUPED_MM}, operands emulated" in cpu and f"mxfp4 -> {LOOP}, operands emulated" in cpu
     hopper = describe_grouped_paths({**plan, names[0]: presets.get("fp8")}, (9, 0))
+    assert "fp8_e5m2" not in hopper.split("dgrad:")[0]  # Fprop: E4M3 x E4M3
     # Hopper: FP8 on FP8 tensor cores, grouped; MXFP4 on BF16 tensor cores (bf16_mm), grouped
     assert f"fp8_e4m3 -> {SCALED_GROUPED_MM}" in hopper and f"mxfp4 -> {GROUPED_MM}, operands bf16_mm" in hopper
     blackwell = describe_grouped_paths(plan, (10, 0))  # block-scaled tensor cores: no grouped entry point used
@@ -123,3 +130,17 @@ def test_fp8_grouped_on_gpu_matches_the_per_expert_fp8_gemms():
     torch.testing.assert_close(dx_grp, dx_seq, rtol=2e-2, atol=2e-2)
     for name, g in dw_seq.items():
         torch.testing.assert_close(dw_grp[name], g, rtol=2e-2, atol=2e-2)
+
+
+def test_per_linear_features_run_the_per_expert_loop(monkeypatch):
+    """``--qat-backward ste`` (like a rollout plan's packed weights and ``fprop_x``) is a per-linear
+    feature: the grouped experts run the sequential experts' loop then, and give their results."""
+    seq, grp = experts_pair("bf16")
+    for m in (seq, grp):
+        for e in m.local_experts:
+            e.linear_fc1.backward_operands = e.linear_fc2.backward_operands = "ste"
+    x, probs = inputs(torch.float32)
+    y_seq, dx_seq, _ = run(seq, x, probs)
+    monkeypatch.setattr(torch, "_grouped_mm", None)  # would fail if called
+    y_grp, dx_grp, _ = run(grp, x, probs)
+    assert torch.equal(y_grp, y_seq) and torch.equal(dx_grp, dx_seq)

@@ -32,9 +32,9 @@ def test_valid_configs_pass():
         ),
         ({"hidden_size": 66}, 1,
          "--hidden-size 66 is not divisible by --num-attention-heads 4 (give the head size with --kv-channels)"),
-        ({"kv_channels": 12}, 1, "--kv-channels 12 x --num-attention-heads 4 / --tensor-model-parallel-size 1 = 48 "
-                                 "per rank must be a positive multiple of 32 (MX block size along linear_proj's "
-                                 "contraction)"),
+        ({"kv_channels": 12}, 1, ("--kv-channels 12 x --num-attention-heads 4 / --tensor-model-parallel-size 1 = 48 "
+                                  "per rank must be a positive multiple of 32 (MX block size along linear_proj's "
+                                  "contraction)")),
         ({"hidden_size": 48}, 1, "--hidden-size 48 must be a multiple of 32 (MX block size)"),
         ({"ffn_hidden_size": 100}, 1, "--ffn-hidden-size 100 must be a multiple of 32 (MX block size)"),
         (
