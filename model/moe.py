@@ -317,22 +317,17 @@ class PaddedSequentialMLP(SequentialMLP):
         return torch.cat(outputs, dim=0), None
 
 
-def expert_mlp_modules(grouped: bool = False) -> tuple[type, MLPSubmodules]:
-    """Experts as a (padded) megatron ``SequentialMLP`` of MLPs whose fc1 / fc2 are policy linears; with
-    ``grouped`` (``--moe-grouped-gemm``) the same experts run as grouped GEMMs
-    (``model.grouped_experts.GroupedSequentialMLP``: same parameters, names and checkpoints)."""
-    experts = PaddedSequentialMLP
-    if grouped:
-        from model.grouped_experts import GroupedSequentialMLP  # it builds on PaddedSequentialMLP
-
-        experts = GroupedSequentialMLP
-    return experts, MLPSubmodules(linear_fc1=PolicyColumnParallelLinear, linear_fc2=PolicyRowParallelLinear)
+def expert_mlp_modules() -> tuple[type, MLPSubmodules]:
+    """Experts as a (padded) megatron ``SequentialMLP`` of MLPs whose fc1 / fc2 are policy linears."""
+    return PaddedSequentialMLP, MLPSubmodules(linear_fc1=PolicyColumnParallelLinear, linear_fc2=PolicyRowParallelLinear)
 
 
-def moe_module_spec(grouped: bool = False) -> ModuleSpec:
-    """The MoE MLP of a transformer layer: policy router, SequentialMLP experts (``grouped``: as grouped
-    GEMMs, ``--moe-grouped-gemm``), shared experts."""
-    experts, expert_submodules = expert_mlp_modules(grouped)
+def moe_module_spec(experts: type | None = None) -> ModuleSpec:
+    """The MoE MLP of a transformer layer: policy router, SequentialMLP experts (or ``experts``, a subclass
+    with the same parameters: ``model.grouped_experts.GroupedSequentialMLP`` for ``--moe-grouped-gemm``),
+    shared experts."""
+    sequential, expert_submodules = expert_mlp_modules()
+    experts = experts or sequential
     shared = MLPSubmodules(linear_fc1=PolicyColumnParallelLinear, linear_fc2=PolicyRowParallelLinear)
     return ModuleSpec(
         module=PolicyMoELayer,

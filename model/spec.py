@@ -52,6 +52,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from model.attention import PortableSelfAttention, SDPAttention
+from model.grouped_experts import GroupedSequentialMLP
 from model.layers import PolicyColumnParallelLinear, PolicyRowParallelLinear
 from model.moe import expert_mlp_modules, moe_layer_pattern, moe_module_spec
 from model.recompute import checkpoint
@@ -137,7 +138,8 @@ class PolicySpecProvider(BackendSpecProvider):
         if moe_use_legacy_grouped_gemm:
             raise ValueError("--moe-use-legacy-grouped-gemm is not supported: --moe-grouped-gemm runs the experts as "
                              "policy-routed grouped GEMMs (model.grouped_experts)")
-        return expert_mlp_modules(grouped=moe_use_grouped_gemm)
+        experts, submodules = expert_mlp_modules()
+        return (GroupedSequentialMLP if moe_use_grouped_gemm else experts), submodules
 
     def activation_func(self) -> type:
         return None  # MLP applies config.activation_func itself
@@ -156,7 +158,7 @@ def gpt_layer_spec(
     norm = backend.layer_norm()
     qk_norm = backend.layer_norm(for_qk=True) if qk_layernorm else IdentityOp
     if moe:
-        mlp = moe_module_spec(grouped=moe_grouped_gemm)
+        mlp = moe_module_spec(GroupedSequentialMLP if moe_grouped_gemm else None)
     else:
         mlp = get_mlp_module_spec_for_backend(backend=backend)
         if ffn_hidden_size is not None:  # megatron warns when the MLP has to fall back to the config's
