@@ -38,7 +38,12 @@ def experts_pair(base: str, rules=(), dtype=torch.float32):
         model = build_gpt(dataclasses.replace(MOE, moe_grouped_gemm=grouped), params_dtype=dtype)
         names = policy_linear_names(model)
         apply_precision_plan(model, PrecisionPolicy.from_args(base, list(rules)).resolve(names, MOE.num_layers))
-        mods.append(model.decoder.layers[0].mlp.experts)
+        experts = model.decoder.layers[0].mlp.experts
+        for e in experts.local_experts:  # quantized experts: the eager quantizers (same bits, no compile time)
+            for lin in (e.linear_fc1, e.linear_fc2):
+                if str(lin.precision) != str(presets.get("bf16")):
+                    lin.gemm_backend = "reference"
+        mods.append(experts)
     seq, grp = mods
     assert type(seq) is PaddedSequentialMLP and type(grp) is GroupedSequentialMLP
     assert grp.state_dict().keys() == seq.state_dict().keys()  # the same checkpoint entries
@@ -144,3 +149,17 @@ def test_per_linear_features_run_the_per_expert_loop(monkeypatch):
     monkeypatch.setattr(torch, "_grouped_mm", None)  # would fail if called
     y_grp, dx_grp, _ = run(grp, x, probs)
     assert torch.equal(y_grp, y_seq) and torch.equal(dx_grp, dx_seq)
+
+
+def test_evaluation_reads_the_states_and_changes_nothing():
+    """Under ``torch.no_grad`` (evaluation, generation) the grouped experts give the sequential experts'
+    output and leave every expert's quantization state as it was (``precision.state``: reading is not
+    training)."""
+    seq, grp = experts_pair("bf16", ("experts:2-3=mxfp4",))
+    x, probs = inputs(torch.float32)
+    before = [e.linear_fc1.quant_state.state_dict() for e in grp.local_experts]
+    with torch.no_grad():
+        y_seq, _ = seq(x, torch.tensor(COUNTS), probs)
+        y_grp, _ = grp(x, torch.tensor(COUNTS), probs)
+    assert torch.equal(y_grp, y_seq)
+    assert [e.linear_fc1.quant_state.state_dict() for e in grp.local_experts] == before
