@@ -67,7 +67,6 @@ __all__ = ["GROUPED_MM", "LOOP", "SCALED_GROUPED_MM", "GroupedSequentialMLP", "d
 GROUPED_MM = "torch._grouped_mm"
 SCALED_GROUPED_MM = "torch._scaled_grouped_mm"
 LOOP = "per-expert loop"
-PATHS = (GROUPED_MM, SCALED_GROUPED_MM, LOOP)
 
 
 def _plain_bf16(recipe: GemmRecipe) -> bool:
