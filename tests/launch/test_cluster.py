@@ -117,7 +117,7 @@ def test_sbatch_on_two_nodes_trains_resumes_exactly_and_a_lost_node_ends_the_job
     processes SIGKILLed after its second checkpoint, which must end the job in seconds with one
     error line naming the node and the checkpoint to resume; then the same sbatch command again,
     which resumes and ends with the straight run's losses, weights and optimizer state, bit for bit."""
-    c, iters = two_node_cluster, 12
+    c, iters = two_node_cluster, 8
     argv = [*FAST, "--train-iters", str(iters), "--tensor-model-parallel-size", "2", "--precision",
             "wgrad_hadamard", "--save-interval", "2", "--data-cache-dir", str(data_cache)]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
@@ -175,7 +175,7 @@ def test_numerics_telemetry_tags_and_report(tmp_path, data_cache):
 
     tb = tmp_path / "run" / "tensorboard"
     run_pretrain([*FAST, "--train-iters", "2", "--precision", "wgrad_hadamard", "--numerics-interval", "1",
-                  "--tensorboard-dir", str(tb), "--data-cache-dir", str(data_cache)], nproc=1)
+                  "--tensorboard-dir", str(tb), "--data-cache-dir", str(data_cache)], nproc=0)
     scalars = tb_scalars(tb)
     tags = [t for t in scalars if t.startswith("numerics/")]
     want = "numerics/decoder.layers.0.mlp.linear_fc1/wgrad/dy/sqnr_db"
