@@ -359,7 +359,8 @@ def validate_moe(cfg, tp_size: int, ep_size: int, cuda: bool) -> None:
     if n is None:
         given = [flag for flag, v in (("--moe-ffn-hidden-size", cfg.moe_ffn_hidden_size),
                                       ("--moe-shared-expert-intermediate-size", cfg.moe_shared_expert_intermediate_size),
-                                      ("--moe-expert-capacity-factor", cfg.moe_expert_capacity_factor)) if v is not None]
+                                      ("--moe-expert-capacity-factor", cfg.moe_expert_capacity_factor),
+                                      ("--moe-grouped-gemm", cfg.moe_grouped_gemm or None)) if v is not None]
         if given:
             raise ValueError(f"{given[0]} needs --num-experts (a mixture-of-experts model)")
         if ep_size > 1:

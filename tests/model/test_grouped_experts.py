@@ -108,6 +108,10 @@ def test_paths_per_format_and_device():
 
 
 def test_refusals_name_the_flag_and_the_layer():
+    from model.gpt import validate_config
+
+    with pytest.raises(ValueError, match="^--moe-grouped-gemm needs --num-experts"):
+        validate_config(dataclasses.replace(TINY_LLAMA, moe_grouped_gemm=True), 1)
     with pytest.raises(ValueError, match="--moe-use-legacy-grouped-gemm is not supported") as e:
         PolicySpecProvider().grouped_mlp_modules(True, True)
     assert "\n" not in str(e.value)
