@@ -71,11 +71,11 @@ QAT = ["--precision", "hif8_w8a8", "--precision-rule", "kind:mlp=hif8_w8a8", "--
 def test_qat_from_checkpoint_warmup_switch_and_resume(tmp_path, data_cache):
     common = [*TINY, "--data-cache-dir", str(data_cache), "--lr", "1e-4", "--min-lr", "1e-5", "--lr-warmup-iters", "0"]
     base = tmp_path / "pretrained"
-    run_pretrain([*common, "--train-iters", "2", "--save", str(base), "--gemm-backend", "reference"], nproc=1)
+    run_pretrain([*common, "--train-iters", "2", "--save", str(base), "--gemm-backend", "reference"], nproc=0)
 
     straight, tb1 = tmp_path / "qat", tmp_path / "tb1"
     out = run_pretrain([*common, *QAT, "--load", str(base), "--finetune", "--train-iters", "4",
-                        "--save", str(straight), "--tensorboard-dir", str(tb1)], nproc=1).stdout
+                        "--save", str(straight), "--save-interval", "3", "--tensorboard-dir", str(tb1)], nproc=0).stdout
     # --qat-warmup-iters 2 is the schedule 0:observe,2:hif8_w8a8: its switch, logged
     assert ("iteration 3: QAT warm-up done (2 BF16 iterations filled the amax histories): precision phase 1 -> "
             "hif8_w8a8 (iterations 3..4)") in out
@@ -85,17 +85,16 @@ def test_qat_from_checkpoint_warmup_switch_and_resume(tmp_path, data_cache):
     assert sorted(clipped) == [3, 4] and sorted(ratio) == [3, 4]  # logged from the switch on
     assert all(0.0 <= v <= 1.0 for v in clipped.values())
 
-    # Interrupt at iteration 3 (just after the switch), resume, and match the straight run.
-    half, tb2 = tmp_path / "qat_half", tmp_path / "tb2"
-    run_pretrain([*common, *QAT, "--load", str(base), "--finetune", "--train-iters", "4", "--exit-interval", "3",
-                  "--save", str(half), "--tensorboard-dir", str(tb2)], nproc=1)
-    ck = torch.load(half / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt", map_location="cpu",
+    # Resume from the checkpoint the straight run saved at iteration 3 (just after the switch) and
+    # match the straight run's iteration 4.
+    ck = torch.load(straight / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt", map_location="cpu",
                     weights_only=False)
     extra = ck["model"]["decoder.layers.0.mlp.linear_fc1._extra_state"]
     # one history entry per optimizer step, the maximum over its micro-batches (TINY runs 2 per
     # iteration; precision.state): 2 warm-up iterations + the first QAT iteration
     assert len(extra["amax"]["fprop/x"]["history"]) == 3
-    out = run_pretrain([*common, *QAT, "--load", str(half), "--train-iters", "4", "--save", str(half),
-                        "--tensorboard-dir", str(tb2)], nproc=1).stdout
-    assert "resumed from" in out
-    assert read_scalar(tb2, "lm loss") == read_scalar(tb1, "lm loss")
+    resumed, tb2 = tmp_path / "qat_resumed", tmp_path / "tb2"
+    out = run_pretrain([*common, *QAT, "--load", str(straight), "--ckpt-step", "3", "--train-iters", "4", "--save",
+                        str(resumed), "--tensorboard-dir", str(tb2)], nproc=0).stdout
+    assert f"resumed from {straight / 'iter_0000003'}: iteration 3" in out
+    assert read_scalar(tb2, "lm loss") == {4: read_scalar(tb1, "lm loss")[4]}
