@@ -16,6 +16,7 @@ from model.grouped_experts import (
     SCALED_GROUPED_MM,
     GroupedSequentialMLP,
     describe_grouped_paths,
+    gemm_path,
 )
 from model.moe import PaddedSequentialMLP
 from model.spec import PolicySpecProvider
@@ -122,19 +123,29 @@ def test_refusals_name_the_flag_and_the_layer():
         experts(x, torch.tensor(COUNTS), probs)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                    reason="torch._scaled_grouped_mm needs CUDA sm_90+")
-def test_fp8_grouped_on_gpu_matches_the_per_expert_fp8_gemms():
-    seq, grp = experts_pair("fp8", (), torch.bfloat16)
+def _cuda_capability():
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
+
+
+@pytest.mark.parametrize("base, needs, path", [("bf16", (8, 0), GROUPED_MM), ("mxfp4", (8, 0), GROUPED_MM),
+                                              ("fp8", (9, 0), SCALED_GROUPED_MM)])
+def test_grouped_kernels_on_gpu_match_the_per_expert_gemms(base, needs, path):
+    """On a GPU: BF16 and MXFP4 (below Blackwell: ``bf16_mm``) through ``torch._grouped_mm``, FP8 E4M3
+    Fprop through ``torch._scaled_grouped_mm``, against the sequential experts' per-expert GEMMs."""
+    if _cuda_capability() < needs or _cuda_capability()[0] >= 10 and base == "mxfp4":
+        pytest.skip(f"{base}: needs CUDA sm_{needs[0]}{needs[1]}+" + (" below sm_100 (bf16_mm)" if base == "mxfp4" else ""))
+    seq, grp = experts_pair(base, (), torch.bfloat16)
     for m in (seq, grp):
         m.cuda()
         for e in m.local_experts:
             for lin in (e.linear_fc1, e.linear_fc2):
                 lin.gemm_backend = "auto"
+    fc1 = grp.local_experts[0].linear_fc1
+    assert gemm_path(fc1.precision.fprop, "cuda", "auto")[0] == path
     x, probs = inputs(torch.bfloat16)
     y_seq, dx_seq, dw_seq = run(seq, x.cuda(), probs.cuda())
     y_grp, dx_grp, dw_grp = run(grp, x.cuda(), probs.cuda())
-    # the same FP8 operands; the grouped kernel may sum in another order: within a BF16 rounding or two
+    # the same quantized operands; the grouped kernel may sum in another order: within a BF16 rounding or two
     torch.testing.assert_close(y_grp, y_seq, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(dx_grp, dx_seq, rtol=2e-2, atol=2e-2)
     for name, g in dw_seq.items():
