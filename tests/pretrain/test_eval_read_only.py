@@ -15,7 +15,7 @@ def test_evaluation_leaves_training_bit_identical(tmp_path, data_cache):
     for interval in (0, 1):
         tb = tmp_path / f"tb{interval}"
         out = run_pretrain(["--train-iters", "4", *TINY, *SR_DELAYED, "--eval-interval", str(interval),
-                            "--tensorboard-dir", str(tb), "--data-cache-dir", str(data_cache)], nproc=1).stdout
+                            "--tensorboard-dir", str(tb), "--data-cache-dir", str(data_cache)], nproc=0).stdout
         assert ("validation at iteration 2" in out) == (interval == 1)
         losses[interval] = scalars(tb, "lm loss")
     assert sorted(losses[1]) == [1, 2, 3, 4]
