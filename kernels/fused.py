@@ -14,6 +14,14 @@ results are bit-identical for SR too.
 
 ``fake_quantize(..., impl=...)``: ``"compiled"``, ``"eager"`` (the same expression uncompiled) or
 ``"auto"`` (compiled where ``torch.compile`` works on this machine, else eager).
+
+The FP4 error controls (``OperandFormat.control``: ``4over6``, ``eden`` / ``eden128``, ``quest``)
+compile the reference's own block expressions (``precision.four_over_six``, ``precision.eden``,
+``precision.quest``), rotation, tensor amax and dequantization included, into one kernel: their
+sums run in ``precision.blocks.pairwise_sum``'s fixed order and every division is one FP32 division,
+so compiled and reference results are bit-identical (``tests/kernels/test_fused_controls.py``).
+``impl="auto"`` compiles them on CUDA only (on a CPU the eager expression, the same bits).
+With an SR ``generator`` (not an ``SRKey``) a control runs the reference itself (its draws' order).
 """
 
 from __future__ import annotations
@@ -26,12 +34,13 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from precision import blocks
 from precision.elements import round_to_grid
+from precision.enums import FourOverSix
 from precision.formats import Scaling, get_format
 from precision.quantize import margin_amax
 from precision.recipe import OperandFormat
 from precision.rotation import rotate, rotation_size
 from precision.srand import SRKey, uniforms_from_params
-from precision.tensorwise import scale_from_amax
+from precision.tensorwise import scale_from_amax, tensor_amax
 
 __all__ = ["fake_quantize", "compile_available"]
 
@@ -75,6 +84,20 @@ def _nvfp4_fn(x, u, signs, amax_used, *, spec, axis, scale_rule, rounding, presc
     return blocks.from_blocks(q, axis, n).contiguous()
 
 
+def _control_fn(x, u, signs, amax_used, *, op, axis, rot_n):
+    """An FP4 error control (4over6, MS-EDEN, QuEST): the reference's quantizer and dequantizer as
+    one expression; ``u``: SRKey uniforms in the natural layout (or None)."""
+    xf = _rotated(x, signs, axis, rot_n)
+    spec = op.format
+    amax = None
+    if spec.tensor_scaled:  # NVFP4's FP32 tensor scale: this tensor's finite amax unless given
+        amax = torch.where(amax_used < 0, tensor_amax(xf), amax_used)
+    extra = {} if op.four_over_six == FourOverSix.NONE else {"four_over_six": op.four_over_six}
+    q = spec._quantize(xf, axis, op.rounding, op.scale_rule, None, op.prescale_factor, amax, u,
+                       block2d=op.block2d, **extra)
+    return spec.dequantize(q).contiguous()
+
+
 def _tensor_fn(x, u, signs, amax_used, *, spec, rounding, axis, rot_n):
     """Per-tensor FP8: returns (dequantized, current amax, number clipped)."""
     xf = _rotated(x, signs, axis, rot_n)
@@ -105,7 +128,8 @@ def compile_available() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(kind: str, compiled: bool, **static):
-    fn = {"mx": _mx_fn, "nvfp4": _nvfp4_fn, "tensor": _tensor_fn, "uniforms": _uniforms_fn}[kind]
+    fn = {"mx": _mx_fn, "nvfp4": _nvfp4_fn, "tensor": _tensor_fn, "uniforms": _uniforms_fn,
+          "control": _control_fn}[kind]
     bound = functools.partial(fn, **static)
     if not compiled:
         return bound
@@ -187,7 +211,8 @@ def fake_quantize(
     if impl not in ("auto", "compiled", "eager"):
         raise ValueError(f"impl: unknown {impl!r}; valid: auto, compiled, eager")
     compiled = impl == "compiled" or (impl == "auto" and compile_available())
-    if spec.kind == Scaling.NONE or spec.element is None or op.reference_only:  # fp32, bf16, hif8: the reference
+    reference = op.control is not None and typed_rounding.stochastic and sr is None  # a generator's draws
+    if spec.kind == Scaling.NONE or spec.element is None or reference:  # fp32, bf16, hif8: the reference
         if rot_n > 1:
             x = rotate(x, axis, rot_n, signs)
         q = spec.quantize(x, op, axis=axis, amax=amax if spec.tensor_scaled else None,
@@ -202,6 +227,13 @@ def fake_quantize(
     def key_uniforms(shape, block):
         return _kernel("uniforms", compiled, shape=tuple(shape), axis=axis, block=block)(srp)
 
+    if op.control is not None:  # the FP4 error controls: the reference's expression, compiled
+        # ``auto`` compiles them on CUDA only: on a (loaded 2-core) CPU their compiled kernels ran at
+        # 0.8-2x the eager expression's speed and each new shape costs a compile of tens of seconds
+        compiled = impl == "compiled" or (impl == "auto" and x.is_cuda and compile_available())
+        u = key_uniforms(x.shape, 0) if srp is not None else None
+        k = _kernel("control", compiled, op=op, axis=axis, rot_n=rot_n)
+        return k(x, u, signs, used), {}
     if spec.kind == Scaling.TENSOR:
         u = torch.rand(x.shape, generator=generator, device=x.device) if draw else None
         if srp is not None:

@@ -55,8 +55,8 @@ def triton_missing_reason(x: torch.Tensor | None = None, fmt=None) -> str | None
         return f"no Triton kernel for format {name!r} (Triton formats: {', '.join(TRITON_FORMATS)})"
     if rounding is not None and not rounding.triton:
         return f"no Triton kernel for {rounding} rounding ({', '.join(r for r in Rounding if r.triton)} only)"
-    if isinstance(fmt, OperandFormat) and fmt.reference_only:
-        return fmt.reference_only
+    if isinstance(fmt, OperandFormat) and fmt.triton_missing:
+        return fmt.triton_missing
     if not triton_importable():
         return "triton is not installed (pip install 'lowprec-pretrain[gpu]', or pip install triton)"
     if x is not None and x.device.type != "cuda":
@@ -99,7 +99,8 @@ def quantize(
         raise TypeError(f"kernels.quantize: unknown argument(s) {', '.join(sorted(unknown))}; valid besides the "
                         "named ones: rounding, scale_rule, prescale, generator")
     op, sr = quantize_call(fmt, sr, **older)
-    op = OperandFormat(op.fmt, op.rounding, op.scale_rule, op.prescale)  # this entry point's settings
+    op = OperandFormat(op.fmt, op.rounding, op.scale_rule, op.prescale,  # this entry point's settings
+                       four_over_six=op.four_over_six)
     spec = op.format
     if backend not in QUANTIZE_BACKENDS:
         raise ValueError(f"quantize backend: unknown {backend!r}; valid: {', '.join(QUANTIZE_BACKENDS)}")

@@ -596,8 +596,8 @@ def quantize_triton(
         raise RuntimeError(f"triton quantizer: {why}")
     axis = axis % x.dim()
     n = x.shape[axis]
-    if op.reference_only:
-        raise ValueError(f"triton quantizer: {op.reference_only}")
+    if op.triton_missing:
+        raise ValueError(f"triton quantizer: {op.triton_missing}")
     if not rounding.triton:
         raise ValueError(f"triton quantizer: no kernel for {rounding} rounding; valid: "
                          f"{', '.join(r for r in Rounding if r.triton)} (the reference quantizer has every mode)")

@@ -10,6 +10,13 @@ rotation along the in-features -- and the model one KV-cache format (``model.kv_
     mxfp4         mxfp4             mxfp4             mxfp4               4.25
     nvfp4         nvfp4             nvfp4             nvfp4               4.5
     mxfp4_w4a16   mxfp4             bf16              bf16                4.25
+    nvfp4_4over6  nvfp4 4/6         nvfp4 4/6         nvfp4               4.5
+
+The FP4 error controls that are deterministic forward quantizers work in a rollout GEMM like any
+format: four-over-six on NVFP4 weights and activations (``nvfp4_4over6``, or ``x@w`` specs with
+``/4over6``, ``/4over6(mae)``, ``/2d/4over6``), and QuEST's MXFP4 scale under a Hadamard
+(``linear=mxfp4/quest+had32``). MS-EDEN (``eden``, ``eden128``) is refused: it rounds its scales
+stochastically under resampled random rotations -- a backward control, unbiased only in expectation.
 
 ``PRESET+had16`` / ``PRESET+had32`` adds a deterministic Hadamard on the activations along the
 in-features -- and on the weights, so that the exact product is unchanged (``H·Hᵀ = I``), exactly
@@ -88,6 +95,7 @@ ROLLOUT_PRESETS: dict[str, tuple[str, str]] = {
     "mxfp4": ("mxfp4@mxfp4", "mxfp4"),
     "nvfp4": ("nvfp4@nvfp4", "nvfp4"),
     "mxfp4_w4a16": ("bf16@mxfp4", "bf16"),
+    "nvfp4_4over6": ("nvfp4/4over6@nvfp4/4over6", "nvfp4"),
 }
 ROLLOUT_ROTATIONS = ("none", "had16", "had32")
 _KEYS = ("base", "linear", "kv")
@@ -99,6 +107,11 @@ def _valid() -> str:
 
 
 def _check_recipe(recipe: GemmRecipe, where: str) -> GemmRecipe:
+    for role, op in zip(Gemm.FPROP.operands, (recipe.a, recipe.b)):
+        if op.rounding.eden_group:
+            raise SpecError(f"{where}: operand {role} {op}: MS-EDEN ({op.rounding.modifier}) is a backward control "
+                            "(stochastic scales under random rotations); a rollout rounds to nearest -- "
+                            "forward controls: 4over6 (NVFP4), quest (MXFP4 under had16/had32)")
     if recipe.rotation not in ROLLOUT_ROTATIONS:
         raise SpecError(f"{where}: rotation {recipe.rotation} is not deterministic; valid: "
                         f"{', '.join(ROLLOUT_ROTATIONS)}")

@@ -55,6 +55,7 @@ __all__ = [
     "mx_scale_bytes",
     "nvfp4_dequantize_blocks",
     "nvfp4_quantize_blocks",
+    "pairwise_sum",
     "tile_amax",
     "to_blocks",
 ]
@@ -77,6 +78,20 @@ def from_blocks(xb: torch.Tensor, axis: int, n: int) -> torch.Tensor:
     """Inverse of :func:`to_blocks` for a tensor whose ``axis`` had length ``n``."""
     x = xb.reshape(*xb.shape[:-2], -1)[..., :n]
     return x.movedim(-1, axis)
+
+
+def pairwise_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over the last axis (a power-of-two length) in one fixed FP32 order: halves added
+    element-wise, ``t[..., :n/2] + t[..., n/2:]``, until one is left. ``torch.sum``'s order is the
+    backend's own (vectorized lanes on CPU, a tree on GPU, another under ``torch.compile``); this
+    one every quantizer (reference, fused, Triton) repeats bit for bit."""
+    n = t.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"pairwise_sum: the last axis must be a power of two, got {n}")
+    while n > 1:
+        n //= 2
+        t = t[..., :n] + t[..., n:]
+    return t[..., 0]
 
 
 def tile_amax(x: torch.Tensor, axis: int, tile: int) -> torch.Tensor:

@@ -96,6 +96,9 @@ class Rounding(_StrEnum):
     # away from zero), the block scale takes EDEN's correction and is rounded stochastically --
     # one uniform per block; unbiased over the GEMM's random rotation (rht16*)
     MS_EDEN = ("ms_eden", "eden", True, False, False, _round_half_away)
+    # the same with EDEN's correction over 128-element groups under a 128-point random rotation
+    # (rht128*): Quartet II's setting
+    MS_EDEN128 = ("ms_eden128", "eden128", True, False, False, _round_half_away)
 
     def __new__(cls, value, modifier, stochastic, nearest_even, triton, step_fn):
         obj = str.__new__(cls, value)
@@ -106,6 +109,12 @@ class Rounding(_StrEnum):
         obj.triton = triton
         obj._step_fn = step_fn
         return obj
+
+    @property
+    def eden_group(self) -> int:
+        """MS-EDEN's group (the elements sharing one correction factor, = its rotation's size): 16
+        or 128; 0 for every other mode."""
+        return {"ms_eden": 16, "ms_eden128": 128}.get(self.value, 0)
 
     def round_steps(self, steps: torch.Tensor, u: torch.Tensor | None = None,
                     generator: torch.Generator | None = None) -> torch.Tensor:

@@ -429,10 +429,10 @@ class NVFP4Format(Format):
                   four_over_six=FourOverSix.NONE):
         n = xf.shape[axis]
         used = tensor_amax(xf) if amax is None else torch.as_tensor(amax, dtype=torch.float32, device=xf.device)
-        if rounding == Rounding.MS_EDEN:  # precision.eden: EDEN-corrected, stochastically rounded scales
+        if rounding.eden_group:  # precision.eden: EDEN-corrected, stochastically rounded scales
             if block2d:
-                raise ValueError(f"{self.name}: ms_eden rounds 1-D blocks (2-D weight tiles round to nearest)")
-            codes, sbytes, g_enc = ms_eden_quantize(xf, axis, used.reshape(()), u, generator)
+                raise ValueError(f"{self.name}: {rounding} rounds 1-D blocks (2-D weight tiles round to nearest)")
+            codes, sbytes, g_enc = ms_eden_quantize(xf, axis, used.reshape(()), u, generator, rounding.eden_group)
             return QuantizedTensor(self.name, codes, sbytes, axis, tensor_scale=g_enc)
         if four_over_six != FourOverSix.NONE:  # precision.four_over_six: per block, amax -> 4 or 6
             codes, sbytes, g_enc = fouroversix_quantize(xf, axis, used.reshape(()), four_over_six, rounding,

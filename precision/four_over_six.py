@@ -16,6 +16,7 @@ every step one FP32 operation)::
     q_k   = e2m1_rne(x * (1 / ((1 / g_enc) * s_k)))    # 0 where s_k == 0
     d_k   = ((q_k * s_k) * amax_tensor) / S            # the block as the authors dequantize it
     err_k = sum((d_k - x)^2)   (mse, default) | sum |d_k - x| (mae) | max |d_k - x| (abs_max)
+                                          # sums in precision.blocks.pairwise_sum's fixed order
     keep 4 where err_4 < err_6 (a tie keeps 6)
 
 The per-tensor scale changes: the largest block scale is 256 instead of 448, so that a block
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from precision.blocks import FP32_MAX, from_blocks, to_blocks
+from precision.blocks import FP32_MAX, from_blocks, pairwise_sum, to_blocks
 from precision.elements import E2M1, E4M3, e2m1_decode, e2m1_encode, fdiv
 from precision.enums import FourOverSix, Rounding
 
@@ -55,9 +56,9 @@ def fouroversix_tensor_scale(amax_tensor: torch.Tensor) -> torch.Tensor:
 def _block_error(d: torch.Tensor, x: torch.Tensor, rule: FourOverSix) -> torch.Tensor:
     diff = d - x
     if rule == FourOverSix.MSE:
-        return (diff * diff).sum(dim=-1)
+        return pairwise_sum(diff * diff)
     if rule == FourOverSix.MAE:
-        return diff.abs().sum(dim=-1)
+        return pairwise_sum(diff.abs())
     if rule == FourOverSix.ABS_MAX:
         return diff.abs().amax(dim=-1)
     raise ValueError(f"4over6: unknown error measure {rule!r}; valid: {', '.join(FourOverSix.values()[1:])}")

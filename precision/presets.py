@@ -1,4 +1,5 @@
-"""Named precision presets: the MXFP4 pretraining study's ablation ladder, plus NVFP4 and HiF8.
+"""Named precision presets: the MXFP4 pretraining study's ablation ladder, plus NVFP4, the FP4
+error controls (four-over-six, Quartet II's MS-EDEN backward, Quartet's QuEST forward) and HiF8.
 
 FP8 (TransformerEngine's hybrid: E4M3 for ``x`` and ``w``, E5M2 for ``dy``, per-tensor current
 scaling) is the base format for the GEMMs a preset leaves out of MXFP4. Each preset's docstring
@@ -177,6 +178,74 @@ def nvfp4() -> LinearPrecision:
     ``fprop=nvfp4,dgrad=nvfp4/sr@nvfp4,wgrad=nvfp4/sr@nvfp4+rht16``.
     """
     return _lp("nvfp4@nvfp4/2d", "nvfp4/sr@nvfp4/2d", "nvfp4/sr@nvfp4+rht16_te")
+
+
+@_preset
+def nvfp4_4over6() -> LinearPrecision:
+    """TransformerEngine's NVFP4 recipe (the ``nvfp4`` preset) with four-over-six scaling on every
+    NVFP4 operand (arXiv 2512.02010; TE's ``nvfp4_4over6``; the authors' ``fouroversix`` applies
+    the ``mse`` rule to weights, activations and gradients by default): each block keeps the scale
+    mapping its amax to 4 or to 6, whichever block error is smaller (``precision.four_over_six``).
+
+    | GEMM  | consumes                                                 | rotation              |
+    |-------|----------------------------------------------------------|-----------------------|
+    | fprop | x nvfp4 (1-D 16, 4over6), w nvfp4 (2-D 16x16, 4over6)      | none                  |
+    | dgrad | dy nvfp4 (1-D 16, SR, 4over6), w nvfp4 (2-D 16x16, 4over6) | none                  |
+    | wgrad | dy nvfp4 (1-D 16, SR, 4over6), x nvfp4 (1-D 16, 4over6)    | rht16_te along tokens |
+
+    Evidence here (docs/controls.md; synthetic tensors, 2-core CPU, reference quantizer): 4/6 adds
+    0.8 dB SQNR to plain NVFP4 on Gaussian operands and 0.35 dB on Student-t(3); with SR both
+    candidates share one uniform, so the SR operands are not unbiased. No training run of this
+    preset has been made: nothing here says what it does to the loss.
+    """
+    return _lp("nvfp4/4over6@nvfp4/2d/4over6", "nvfp4/sr/4over6@nvfp4/2d/4over6",
+               "nvfp4/sr/4over6@nvfp4/4over6+rht16_te")
+
+
+@_preset
+def nvfp4_quartet2() -> LinearPrecision:
+    """Quartet II (arXiv 2601.22813): NVFP4 Fprop rounded to nearest in 1-D 16-blocks, and both
+    backward GEMMs in MS-EDEN (``eden128``: round to nearest, EDEN's correction over each 128-group
+    put into the E4M3 block scales, which round stochastically) under a 128-point randomized
+    Hadamard with new signs on every call, as the authors' backward does.
+
+    | GEMM  | consumes                                  | rotation                           |
+    |-------|-------------------------------------------|------------------------------------|
+    | fprop | x nvfp4 (1-D 16), w nvfp4 (1-D 16)        | none                               |
+    | dgrad | dy nvfp4 (eden128), w nvfp4 (eden128)     | rht128_resample along out-features |
+    | wgrad | dy nvfp4 (eden128), x nvfp4 (eden128)     | rht128_resample along tokens       |
+
+    Differences from the authors' training code: their Dgrad and Wgrad re-quantize Fprop's
+    already-quantized ``w`` and ``x`` (here each backward GEMM quantizes the high-precision tensor
+    under ``--qat-backward hp``; ``--qat-backward ste`` re-quantizes Fprop's as they do); their amax may be the previous step's (``delayed_amax``), here it is the
+    current tensor's. Evidence here (docs/controls.md; synthetic tensors, 2-core CPU): MS-EDEN's
+    bias is zero within its standard error where round-to-nearest under the same rotations is shown
+    biased, with about half SR's squared error (16-groups; ``tests/precision/test_ms_eden.py``). No
+    training run of this preset has been made.
+    """
+    return _lp("nvfp4", "nvfp4+eden128+rht128_resample", "nvfp4+eden128+rht128_resample")
+
+
+@_preset
+def mxfp4_quartet() -> LinearPrecision:
+    """Quartet's recipe shape (arXiv 2505.14669): a QuEST-style MXFP4 forward -- each 32-block
+    scaled from its standard deviation after a 32-point Hadamard, values beyond ~2.9 sigma clipped
+    (``precision.quest``) -- and an MXFP4 backward with stochastic rounding after the same rotation.
+
+    | GEMM  | consumes                       | rotation                  |
+    |-------|--------------------------------|---------------------------|
+    | fprop | x mxfp4 (quest), w mxfp4 (quest) | had32 along in-features |
+    | dgrad | dy mxfp4 (SR), w mxfp4 (SR)    | had32 along out-features  |
+    | wgrad | dy mxfp4 (SR), x mxfp4 (SR)    | had32 along tokens        |
+
+    Differences from the authors: their backward rotation is randomized and their QuEST forward
+    pairs with a trust-mask gradient (the clipped elements get no gradient), which
+    ``--qat-backward`` does not implement. Evidence here (docs/controls.md; synthetic tensors,
+    2-core CPU): the authors' power-of-two floor of the scale costs about 3 dB SQNR against plain
+    MXFP4 on Gaussian operands after had32 and shrinks values (bias about -0.06). No training run of
+    this preset has been made.
+    """
+    return _lp("mxfp4/quest+had32", "mxfp4/sr+had32", "mxfp4/sr+had32")
 
 
 @_preset

@@ -8,7 +8,8 @@ values beyond are clipped. Quartet's forward quantizer (the authors' Triton kern
 ``mxfp4_forward_kernel`` with ``quest=True``, ``gaussian_scale = 2.92247856 / 6``) does exactly
 that, with the scale rounded down to a power of two so that it is an E8M0 byte::
 
-    sigma = sqrt(mean(x^2) - mean(x)^2)            # over the 32-block (the rotated values)
+    sigma = sqrt(mean(x^2) - mean(x)^2)            # over the 32-block (the rotated values);
+                                                   # sums in precision.blocks.pairwise_sum's order
     e     = floor(log2(2.92247856 / 6 * sigma + 1e-8))     # the block's E8M0 exponent
     q     = e2m1(x / 2^e)   nearest, a midpoint rounds towards zero; |x / 2^e| > 5 -> 6 (clipped)
                             (or stochastic, as the kernel's ``stochastic_round``; beyond 6 -> 6)
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from precision.blocks import SCALE_NAN, from_blocks, to_blocks
+from precision.blocks import SCALE_NAN, from_blocks, pairwise_sum, to_blocks
 from precision.elements import E2M1, e2m1_encode, exponent_floor, pow2, round_to_grid
 from precision.enums import Rounding
 
@@ -58,8 +59,8 @@ def quest_quantize_blocks(xb: torch.Tensor, rounding: Rounding | str = Rounding.
     n = float(xb.shape[-1])
     finite = torch.isfinite(xb).all(dim=-1)
     x = torch.where(finite.unsqueeze(-1), xb, torch.zeros_like(xb))
-    mean_sq = (x * x).sum(dim=-1) / n
-    mean = x.sum(dim=-1) / n
+    mean_sq = pairwise_sum(x * x) / n
+    mean = pairwise_sum(x) / n
     sigma = torch.sqrt(torch.clamp(mean_sq - mean * mean, min=0.0))
     e = exponent_floor(QUEST_SCALE * sigma + EPS).clamp(-127, 127)
     v = x * pow2(-e).unsqueeze(-1)  # exact: a power of two

@@ -27,12 +27,12 @@ plan file's ``default``), BF16 -- the default precision -- and, as a per-layer r
 GEMM spec grammar: ``operand ['@' operand] ('+' modifier)*`` with ``operand = format ('/' mod)*``.
 Operand modifiers: ``sr`` (stochastic rounding), ``prescale`` (3/4 before SR), ``2d`` (weights:
 2-D square tiles, NVFP4 16x16 / MX 32x32), ``rceil`` (MX scale rule; ``floor`` is the default;
-``quest``: MXFP4's Gaussian-fitted scale under a rotation), ``eden`` (NVFP4 MS-EDEN rounding under an
-``rht16*`` rotation), ``delayed(ALGO[,N])`` (per-tensor formats: ALGO one of
+``quest``: MXFP4's Gaussian-fitted scale under a rotation), ``eden`` / ``eden128`` (NVFP4 MS-EDEN
+rounding under an ``rht16*`` / ``rht128*`` rotation), ``delayed(ALGO[,N])`` (per-tensor formats: ALGO one of
 most_recent, max, ema), ``margin(N)`` (per-tensor formats: scale = target / amax / 2^N),
 ``4over6[(mse|mae|abs_max)]`` (NVFP4: each block's amax mapped to 4 or 6, whichever block error
 is smaller -- ``precision.four_over_six``).
-GEMM modifiers: a rotation (had16, had32, rht16, rht16_resample) or any
+GEMM modifiers: a rotation (had16, had32, rht16, rht16_resample, rht16_te, rht128, rht128_resample) or any
 operand modifier, applied to both operands. ``fp8`` alone means TransformerEngine's hybrid: E4M3
 for ``x`` and ``w``, E5M2 for ``dy``.
 """
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 from precision.enums import AmaxAlgo, FourOverSix, Rounding, ScaleRule, Scaling
 from precision.formats import FORMATS, format_names
-from precision.rotation import ROTATIONS
+from precision.rotation import ROTATIONS, rotation_size
 
 __all__ = ["PRESETS", "Gemm", "GemmRecipe", "LinearPrecision", "OperandFormat", "PartialPrecision", "SpecError",
            "preset", "register_preset"]
@@ -109,8 +109,8 @@ class OperandFormat:
     fmt: str = "bf16"
     """A registered format name (``precision.formats.FORMATS``)."""
     rounding: Rounding = Rounding.NEAREST
-    """``nearest``, ``stochastic`` (formats whose ``supports_sr``) or ``ms_eden`` (NVFP4, under a
-    random rotation ``rht16*`` of the GEMM: ``precision.eden``)."""
+    """``nearest``, ``stochastic`` (formats whose ``supports_sr``), ``ms_eden`` / ``ms_eden128`` (NVFP4,
+    under a random rotation ``rht16*`` / ``rht128*`` of the GEMM: ``precision.eden``)."""
     scale_rule: ScaleRule = ScaleRule.FLOOR
     """MX formats only: ``floor`` (OCP), ``rceil``, or ``quest`` (MXFP4 under a rotation: the scale
     from the block's standard deviation, Quartet's forward -- ``precision.quest``)."""
@@ -161,7 +161,7 @@ class OperandFormat:
         if self.block2d and not spec.tile:
             raise SpecError(f"{self.fmt}: 2-D block scaling (2d) does not apply; valid with: "
                             f"{', '.join(format_names(lambda f: f.tile))}")
-        if self.four_over_six != FourOverSix.NONE and self.rounding == Rounding.MS_EDEN:
+        if self.four_over_six != FourOverSix.NONE and self.rounding.eden_group:
             raise SpecError(f"{self.fmt}: 4over6 and eden both set the block scale; give one of them")
         if self.four_over_six != FourOverSix.NONE and not spec.four_over_six:
             raise SpecError(f"{self.fmt}: 4over6 (a choice between block scales mapping the amax to 4 or 6) "
@@ -198,15 +198,22 @@ class OperandFormat:
         return self.format.kind == Scaling.NONE
 
     @property
-    def reference_only(self) -> str | None:
-        """Why only the reference quantizer (``precision.quantize``) implements this operand's
-        settings -- one line the fused and Triton dispatchers hand on -- or None when they do too."""
+    def control(self) -> str | None:
+        """The FP4 error control this operand uses (``4over6``, ``eden``, ``eden128``, ``quest``), or None."""
         if self.four_over_six != FourOverSix.NONE:
-            return f"{self}: 4over6 runs in the reference quantizer only (precision.four_over_six)"
-        if self.rounding == Rounding.MS_EDEN:
-            return f"{self}: ms_eden runs in the reference quantizer only (precision.eden)"
-        if self.scale_rule == ScaleRule.QUEST:
-            return f"{self}: the quest scale rule runs in the reference quantizer only (precision.quest)"
+            return "4over6"
+        if self.rounding.eden_group:
+            return self.rounding.modifier
+        return "quest" if self.scale_rule == ScaleRule.QUEST else None
+
+    @property
+    def triton_missing(self) -> str | None:
+        """Why the Triton quantizer (``kernels.triton_quant``) has no kernel for this operand's
+        settings -- one line its dispatchers hand on (``auto`` then runs the reference) -- or None.
+        The reference and the fused (``kernels.fused``) quantizers implement every setting."""
+        if self.control:
+            return (f"{self}: the Triton quantizer has no {self.control} kernel "
+                    "(the reference and fused quantizers have)")
         return None
 
     @property
@@ -258,10 +265,13 @@ class GemmRecipe:
         if any(op.scale_rule == ScaleRule.QUEST for op in (self.a, self.b)) and self.rotation == "none":
             raise SpecError(f"quest fits a Gaussian to Hadamard-rotated blocks: add a rotation to the GEMM "
                             f"({', '.join(ROTATIONS[1:])}; Quartet uses had32)")
-        if any(op.rounding == Rounding.MS_EDEN for op in (self.a, self.b)) and not self.rotation.startswith("rht"):
-            raise SpecError(f"eden (MS-EDEN) is unbiased over a random rotation of both operands: add one of "
-                            f"{', '.join(r for r in ROTATIONS if r.startswith('rht'))} to the GEMM "
-                            f"(got {self.rotation})")
+        for op in (self.a, self.b):
+            group = op.rounding.eden_group
+            if group and not (self.rotation.startswith("rht") and rotation_size(self.rotation) == group):
+                valid = [r for r in ROTATIONS if r.startswith("rht") and rotation_size(r) == group]
+                raise SpecError(f"{op.rounding.modifier} (MS-EDEN over {group}-element groups) is unbiased over a "
+                                f"random {group}-point rotation of both operands: add one of {', '.join(valid)} "
+                                f"to the GEMM (got {self.rotation})")
 
     def operand(self, name: str, gemm: Gemm) -> OperandFormat:
         """The format of operand ``name`` ('x', 'w' or 'dy') in ``gemm``."""

@@ -9,6 +9,10 @@ spread over the group before quantization.
   This is the MXFP4 pretraining study's fix for Wgrad (arXiv 2605.09825).
 * ``rht16``: ``Q = diag(s)·H16`` with random signs ``s`` fixed per layer (from a seed).
 * ``rht16_resample``: new random signs on every call, drawn from a seeded generator.
+* ``rht128`` / ``rht128_resample``: the same with 128-point groups -- Quartet II's randomized
+  Hadamard (its backward rotates 128 elements at a time), the group of ``nvfp4/eden128``
+  (``precision.eden``). The product needs whole groups: both operands are zero-padded along the
+  contraction axis to a multiple of 128 (``kernels.operand.pad_and_rotation``).
 * ``rht16_te``: ``Q = diag(s)·H16`` with TransformerEngine's fixed sign vector (:data:`TE_SIGNS`,
   the constant its NVFP4 recipe applies to both Wgrad operands): the same signs in every layer
   and every step, so a row vector ``x`` becomes ``x·diag(s)·H16`` as in TE's reference.
@@ -22,7 +26,7 @@ import torch
 
 __all__ = ["ROTATIONS", "TE_SIGNS", "fixed_signs", "hadamard_matrix", "random_signs", "rotate", "rotation_size"]
 
-ROTATIONS = ("none", "had16", "had32", "rht16", "rht16_resample", "rht16_te")
+ROTATIONS = ("none", "had16", "had32", "rht16", "rht16_resample", "rht16_te", "rht128", "rht128_resample")
 # TransformerEngine's NVFP4 Wgrad sign vector (its ``get_wgrad_sign_vector``; as a bit mask with
 # bit i set where s_i = -1: 0xD7E8)
 TE_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
@@ -31,7 +35,8 @@ TE_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 def rotation_size(rotation: str) -> int:
     if rotation not in ROTATIONS:
         raise ValueError(f"unknown rotation {rotation!r}; valid: {', '.join(ROTATIONS)}")
-    return {"none": 1, "had16": 16, "had32": 32, "rht16": 16, "rht16_resample": 16, "rht16_te": 16}[rotation]
+    return {"none": 1, "had16": 16, "had32": 32, "rht16": 16, "rht16_resample": 16, "rht16_te": 16,
+            "rht128": 128, "rht128_resample": 128}[rotation]
 
 
 def fixed_signs(rotation: str, device=None) -> torch.Tensor | None:

@@ -70,9 +70,9 @@ def assert_same(ref, out):
 
 
 ALL_CASES = [(f, axis, str(rule)) for f in ALL_FORMATS for axis in (0, 1) for rule in FORMATS[f].scale_rules]
-# scale rules only the reference quantizer implements (quest): the kernels refuse them, the dispatch
-# sends them to the reference (test_reference_only_rules_refused below)
-CASES = [c for c in ALL_CASES if not OperandFormat(c[0], scale_rule=c[2]).reference_only]
+# scale rules without a Triton kernel (quest): the kernels refuse them, the dispatch sends them to
+# the reference (test_reference_only_rules_refused below)
+CASES = [c for c in ALL_CASES if not OperandFormat(c[0], scale_rule=c[2]).triton_missing]
 REFERENCE_ONLY = [c for c in ALL_CASES if c not in CASES]
 
 
@@ -90,7 +90,7 @@ def test_reference_only_rules_refused(fmt, axis, rule):
     scale; the quantizer dispatch gives it the reference's bits."""
     x = data()
     op = OperandFormat(fmt, scale_rule=rule)
-    with pytest.raises(ValueError, match="reference quantizer only"):
+    with pytest.raises(ValueError, match=f"the Triton quantizer has no {rule} kernel"):
         quantize_triton(x, op, axis=axis, dequantize=True)
     out = kernels.quantize(x, op, axis=axis, backend="auto")
     ref = ref_quantize(x, fmt, axis=axis, scale_rule=rule)

@@ -23,7 +23,7 @@ from precision.recipe import Gemm
 from precision.state import LayerQuantState
 
 SPECS = [p for name in ROLLOUT_PRESETS for p in (name, f"{name}+had16")]
-BITS = {"bf16": 16, "fp8": 8, "mxfp4": 4.25, "nvfp4": 4.5, "mxfp4_w4a16": 4.25}
+BITS = {"bf16": 16, "fp8": 8, "mxfp4": 4.25, "nvfp4": 4.5, "mxfp4_w4a16": 4.25, "nvfp4_4over6": 4.5}
 
 
 def _w_x():
@@ -51,12 +51,38 @@ def test_rollout_weight_codes_are_the_trainers_bit_for_bit(spec):
     assert torch.equal(y_rollout, y_trainer)
 
 
+def test_error_controls_in_a_rollout_plan():
+    """The forward controls are rollout recipes (4/6 on NVFP4 weights and activations, QuEST's
+    MXFP4 scale under had32: deterministic, so a token's numbers never depend on when it was
+    generated); MS-EDEN, a stochastic backward control, is refused in one line naming it."""
+    w, x = _w_x()
+    for spec in ("nvfp4_4over6", "linear=nvfp4/4over6(mae)@nvfp4/2d/4over6,kv=bf16",
+                 "linear=mxfp4/quest@mxfp4/quest+had32,kv=mxfp4"):
+        recipe = parse_rollout(spec).linear
+        state = LayerQuantState(seed=1, name="decoder.layers.0.mlp.linear_fc1")
+        packed = pack_weight(w, recipe, state)
+        with torch.no_grad():
+            y_trainer = policy_linear(x, w, LinearPrecision(fprop=recipe), state=state, backend="reference")
+            y_rollout = packed.fprop(x, None, state, "reference")
+        assert torch.equal(y_rollout, y_trainer), spec
+    plan = parse_rollout("nvfp4_4over6").linear
+    assert plan.a.four_over_six == "mse" and plan.b.four_over_six == "mse"
+    for spec, flag in (("linear=nvfp4/eden@nvfp4+rht16,kv=bf16", "--rollout-precision linear="),
+                       ("linear=nvfp4+eden128+rht128,kv=bf16", "--rollout-precision linear=")):
+        with pytest.raises(SpecError) as e:
+            parse_rollout(spec)
+        msg = str(e.value)
+        assert msg.startswith(flag) and "MS-EDEN (eden" in msg and "\n" not in msg, msg
+    with pytest.raises(SpecError, match="MS-EDEN \\(eden\\) is a backward control"):
+        resolve_rollout_plan("nvfp4", ["kind:mlp=nvfp4/eden@nvfp4/eden+rht16"], ["decoder.layers.0.mlp.linear_fc1"], 1, 32)
+
+
 @pytest.mark.parametrize("preset", sorted(ROLLOUT_PRESETS))
 def test_packed_storage_bits_per_weight(preset):
     w, _ = _w_x()
     w = w[:, :64]  # whole blocks: the storage is exactly the format's bits per element
     packed = pack_weight(w, parse_rollout(preset).linear, LayerQuantState())
-    tensor_scale_bytes = {"fp8": 4, "nvfp4": 4}.get(preset, 0)
+    tensor_scale_bytes = {"fp8": 4, "nvfp4": 4, "nvfp4_4over6": 4}.get(preset, 0)
     assert (packed.nbytes - tensor_scale_bytes) * 8 / w.numel() == BITS[preset]
     if packed.fmt in ("mxfp4", "nvfp4"):  # two codes per byte, low nibble = the even index
         c = packed.unpacked_codes()

@@ -208,8 +208,9 @@ def test_fused_and_triton_dispatch_fall_back_to_the_reference():
     op = OperandFormat("nvfp4", four_over_six="mse")
     values, _ = fake_quantize(x, op, impl="eager")
     assert torch.equal(values, quantize(x, op).dequantize())
-    assert "reference quantizer only" in triton_missing_reason(x, op)
-    assert OperandFormat("nvfp4").reference_only is None
+    assert triton_missing_reason(x, op) == "nvfp4/4over6: the Triton quantizer has no 4over6 kernel " \
+        "(the reference and fused quantizers have)"
+    assert OperandFormat("nvfp4").triton_missing is None
 
 
 @pytest.mark.parametrize("spec", ["nvfp4/4over6", "nvfp4/4over6+had16", "nvfp4/sr+4over6(mae)"])

@@ -22,8 +22,10 @@ F32 = np.float32
 E4M3 = ml_dtypes.float8_e4m3fn
 
 
-def oracle(x: np.ndarray, u_block: np.ndarray, amax: float):
-    """Blocks of 16 along the last axis of a 2-D float32 ``x``; returns (E2M1 values, scales)."""
+def oracle(x: np.ndarray, u_block: np.ndarray, amax: float, group: int = 16):
+    """Blocks of 16 along the last axis of a 2-D float32 ``x``, EDEN's factor over ``group``
+    elements (the authors' ``hadamard_dim``: the factor of a group scales each of its 16-blocks);
+    returns (E2M1 values, scales)."""
     override = (17 / 16) * 0.93
     val_max = F32(6.0 / override)
     amax = F32(amax)
@@ -36,9 +38,12 @@ def oracle(x: np.ndarray, u_block: np.ndarray, amax: float):
     q = np.where(a >= 5, 6, np.where(a >= 3.5, 4, np.where(a >= 2.5, 3, np.where(
         a >= 1.75, 2, np.where(a >= 1.25, 1.5, np.where(a >= 0.75, 1, np.where(a >= 0.25, 0.5, 0)))))))
     q = (q * np.where(v > 0, 1, -1)).astype(F32)
-    num = (v * v).sum(-1, dtype=F32)
-    den = (v * q).sum(-1, dtype=F32)
+    per = group // 16
+    vg, qg = v.reshape(x.shape[0], -1, group), q.reshape(x.shape[0], -1, group)
+    num = (vg * vg).sum(-1, dtype=F32)
+    den = (vg * qg).sum(-1, dtype=F32)
     corr = np.where(den == 0, F32(1.0), num / np.where(den == 0, F32(1.0), den)).astype(F32)
+    corr = np.repeat(corr, per, axis=-1)
     c = (s_b * corr).astype(F32)
     bits = c.astype(E4M3).view(np.uint8).astype(np.int32)
     val = lambda b: (b & 0xFF).astype(np.uint8).view(E4M3).astype(F32)  # noqa: E731
@@ -114,10 +119,18 @@ def test_spec_rules_and_refusals():
     lp = LinearPrecision.parse("base=nvfp4,dgrad=nvfp4+eden+rht16_resample,wgrad=nvfp4/eden@nvfp4/eden+rht16_te")
     assert lp.dgrad.a.rounding == "ms_eden" and str(lp.dgrad) == "nvfp4+eden+rht16_resample"
     assert LinearPrecision.parse(str(lp)) == lp
-    with pytest.raises(SpecError, match=r"^wgrad: eden \(MS-EDEN\) is unbiased over a random rotation"):
+    with pytest.raises(SpecError, match=r"^wgrad: eden \(MS-EDEN over 16-element groups\) is unbiased over a "
+                       r"random 16-point rotation of both operands: add one of rht16, rht16_resample, rht16_te"):
         parse_gemm("nvfp4+eden", Gemm.WGRAD)
-    with pytest.raises(SpecError, match=r"^wgrad: eden \(MS-EDEN\) .* \(got had16\)$"):
+    with pytest.raises(SpecError, match=r"^wgrad: eden \(MS-EDEN .* \(got had16\)$"):
         parse_gemm("nvfp4+eden+had16", Gemm.WGRAD)
+    with pytest.raises(SpecError, match=r"^dgrad: eden128 \(MS-EDEN over 128-element groups\) .*: add one of "
+                       r"rht128, rht128_resample to the GEMM \(got rht16_resample\)$"):
+        parse_gemm("nvfp4+eden128+rht16_resample", Gemm.DGRAD)
+    with pytest.raises(SpecError, match=r"\(got rht128\)$"):
+        parse_gemm("nvfp4+eden+rht128", Gemm.DGRAD)
+    lp128 = LinearPrecision.parse("base=nvfp4,dgrad=nvfp4+eden128+rht128_resample")
+    assert lp128.dgrad.a.rounding == "ms_eden128" and LinearPrecision.parse(str(lp128)) == lp128
     with pytest.raises(SpecError, match=r"mxfp4: ms_eden rounding is not supported; valid with: nvfp4"):
         parse_gemm("mxfp4+eden+rht16", Gemm.WGRAD)
     with pytest.raises(SpecError, match="4over6 and eden both set the block scale"):
@@ -142,3 +155,68 @@ def test_backward_gemms_run_it_through_the_operand_pipeline(gm):
     exact = {Gemm.DGRAD: dy @ w, Gemm.WGRAD: dy.t() @ x}[gm]
     assert (out - exact).norm() / exact.norm() < 0.2
     assert "no Triton kernel for ms_eden" in triton_missing_reason(a, recipe.a)
+
+
+def _sylvester(n: int) -> np.ndarray:
+    """H_n / sqrt(n) in float64, built here from its definition (H_2n = [[H, H], [H, -H]])."""
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(n)
+
+
+def test_rht128_is_the_randomized_128_point_hadamard():
+    """``rht128``: x -> x diag(s) H_128 on consecutive 128-groups (the authors' ``x @ (H diag(s))^T``
+    with H symmetric), against the matrix product in float64; orthogonal, so the product of two
+    rotated operands is unchanged."""
+    from precision.rotation import random_signs, rotation_size
+
+    assert rotation_size("rht128") == rotation_size("rht128_resample") == 128
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 256, generator=g)
+    s = random_signs(128, g)
+    ref = (x.double().numpy().reshape(6, 2, 128) * s.double().numpy()) @ _sylvester(128)
+    np.testing.assert_allclose(rotate(x, 1, 128, s).double().numpy(), ref.reshape(6, 256), rtol=0, atol=2e-6)
+    y = torch.randn(5, 256, generator=g)
+    torch.testing.assert_close(rotate(x, 1, 128, s) @ rotate(y, 1, 128, s).T, x @ y.T, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["randn", "student_t3", "rand01"])
+def test_eden128_equals_the_authors_quantizer(kind):
+    """``eden128``: EDEN's factor over each 128-group of the rotated tensor, every 16-block's scale
+    multiplied by its group's factor and rounded with its own uniform -- the authors' kernel with
+    ``hadamard_dim = 128``; its input is our 128-point rotation (held to the matrix above)."""
+    from precision.rotation import random_signs
+
+    g = torch.Generator().manual_seed(11)
+    for seed in range(3):
+        shape = (16, 256)
+        x = {"randn": lambda: torch.randn(shape, generator=g) * 10.0 ** (seed - 1),
+             "student_t3": lambda: _t3(shape, g),
+             "rand01": lambda: torch.randint(0, 2, shape, generator=g).float()}[kind]()
+        xr = rotate(x, 1, 128, random_signs(128, g))
+        key = SRKey(seed)
+        q = quantize(xr, OperandFormat("nvfp4", rounding="ms_eden128"), sr=key)
+        u_block = key.uniforms(xr.shape, xr.device)[:, ::16].numpy()
+        ref_q, ref_s, _ = oracle(xr.numpy(), u_block, float(xr.abs().max()), group=128)
+        assert np.array_equal(e2m1_decode(q.codes).numpy(), ref_q)
+        assert np.array_equal(q.scales.view(torch.float8_e4m3fn).float().numpy(), ref_s)
+        q16 = quantize(xr, OperandFormat("nvfp4", rounding="ms_eden"), sr=key)
+        assert torch.equal(q16.codes, q.codes)  # the codes do not depend on the group, the scales do
+        assert not torch.equal(q16.scales, q.scales)
+
+
+def test_eden128_in_the_backward_gemms():
+    """Dgrad and Wgrad under ``nvfp4+eden128+rht128_resample``: the emulated (fused) and the
+    reference backends give the same bits; operands that are not whole 128-groups are padded."""
+    from kernels.gemm import gemm
+    from precision.state import LayerQuantState
+
+    g = torch.Generator().manual_seed(0)
+    dy, w, x = torch.randn(40, 144, generator=g), torch.randn(144, 48, generator=g), torch.randn(40, 48, generator=g)
+    for gm, a, b in ((Gemm.DGRAD, dy, w), (Gemm.WGRAD, dy, x)):
+        recipe = parse_gemm("nvfp4+eden128+rht128_resample", gm)
+        out = gemm(gm, a, b, recipe, "emulated", state=LayerQuantState(3, "l"))
+        assert torch.equal(out, gemm(gm, a, b, recipe, "reference", state=LayerQuantState(3, "l")))
+        exact = {Gemm.DGRAD: dy @ w, Gemm.WGRAD: dy.t() @ x}[gm]
+        assert (out - exact).norm() / exact.norm() < 0.25

@@ -83,6 +83,18 @@ def _problems(name: str, gemm: Gemm, consumes: str, rotation: str) -> list[str]:
                 if not op.block2d or int(m2.group(1)) != get_format(op.fmt).block:
                     out.append(f"{gemm.value}: {operand} is not in 2-D {m2.group(1)}x{m2.group(2)} tiles")
                 checked.add("block2d")
+            elif m3 := re.fullmatch(r"4over6(?:\((\w+)\))?", note):  # the FP4 error controls
+                if op.four_over_six != (m3.group(1) or "mse"):
+                    out.append(f"{gemm.value}: {operand} has 4over6 {op.four_over_six}, the table says {note}")
+                checked.add("four_over_six")
+            elif note in ("eden", "eden128"):
+                if op.rounding.modifier != note:
+                    out.append(f"{gemm.value}: {operand} rounds {op.rounding}, the table says {note}")
+                checked.add("rounding")
+            elif note == "quest":
+                if op.scale_rule != "quest":
+                    out.append(f"{gemm.value}: {operand} has scale rule {op.scale_rule}, the table says quest")
+                checked.add("scale_rule")
             elif m1 := re.fullmatch(r"1-D (\d+)", note):
                 if op.block2d or get_format(op.fmt).block != int(m1.group(1)):
                     out.append(f"{gemm.value}: {operand} is not in 1-D blocks of {m1.group(1)}")
@@ -113,3 +125,13 @@ def test_the_check_catches_a_wrong_row():
     assert _problems("mxfp4_sr", Gemm.WGRAD, "dy mxfp4, x mxfp4 (SR)", "none") != []  # dy's SR unsaid
     assert _problems("mxfp4_sr", Gemm.WGRAD, "dy mxfp4 (SR), x mxfp4 (SR)", "none") == []
     assert _problems("hif8_w8a8", Gemm.FPROP, "x hif8, w hif8 delayed(max,64)", "none") != []
+
+
+def test_the_docs_preset_table_lists_every_preset():
+    """docs/precision.md's preset table has one row per registered preset, in the registry's order."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "precision.md").read_text()
+    table = text.split("| preset | fprop | dgrad | wgrad |", 1)[1].split("\n\n", 1)[0]
+    rows = re.findall(r"^\| `([a-z0-9_]+)` \|", table, flags=re.M)
+    assert rows == presets.names()
