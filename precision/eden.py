@@ -29,7 +29,8 @@ uniform. ``eden`` (rounding ``ms_eden``): 16-element groups under a 16-point ran
 (``rht16*``; the fouroversix training code runs the authors' kernel so). ``eden128``
 (``ms_eden128``): 128-element groups under a 128-point random rotation (``rht128*``) -- the
 Quartet II authors' setting (their backward rotates 128 elements at a time and computes the
-correction over the rotation group). Sums run in ``precision.blocks.pairwise_sum``'s fixed order
+correction over the rotation group; measured here, its bias is small but not zero: the group's
+factor mixes eight block scales -- docs/controls.md). Sums run in ``precision.blocks.pairwise_sum``'s fixed order
 (the fused quantizer repeats it bit for bit; the authors' ``tl.sum`` has its own). The one uniform a
 block's scale draws is the block's first element's SR uniform (``precision.srand``), so a run is
 reproducible from its seed and a TP shard draws what TP=1 draws.

@@ -218,9 +218,9 @@ def nvfp4_quartet2() -> LinearPrecision:
     Differences from the authors' training code: their Dgrad and Wgrad re-quantize Fprop's
     already-quantized ``w`` and ``x`` (here each backward GEMM quantizes the high-precision tensor
     under ``--qat-backward hp``; ``--qat-backward ste`` re-quantizes Fprop's as they do); their amax may be the previous step's (``delayed_amax``), here it is the
-    current tensor's. Evidence here (docs/controls.md; synthetic tensors, 2-core CPU): MS-EDEN's
-    bias is zero within its standard error where round-to-nearest under the same rotations is shown
-    biased, with about half SR's squared error (16-groups; ``tests/precision/test_ms_eden.py``). No
+    current tensor's. Evidence here (docs/controls.md; a synthetic Gaussian, 2-core CPU): ``eden128``
+    has 0.52x SR's squared error and a bias of -0.62e-3 +- 0.10e-3 (shown non-zero, 7x smaller
+    than round-to-nearest's under the same rotations; 16-groups' is zero within its s.e.). No
     training run of this preset has been made.
     """
     return _lp("nvfp4", "nvfp4+eden128+rht128_resample", "nvfp4+eden128+rht128_resample")
