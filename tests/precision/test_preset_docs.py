@@ -133,5 +133,5 @@ def test_the_docs_preset_table_lists_every_preset():
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "precision.md").read_text()
     table = text.split("| preset | fprop | dgrad | wgrad |", 1)[1].split("\n\n", 1)[0]
-    rows = re.findall(r"^\| `([a-z0-9_]+)` \|", table, flags=re.M)
+    rows = re.findall(r"^\| `([a-z0-9_]+)` \|", table, flags=re.MULTILINE)
     assert rows == presets.names()
