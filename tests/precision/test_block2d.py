@@ -121,5 +121,5 @@ def test_te_sign_vector():
 
 
 def test_unknown_modifier_lists_2d():
-    with pytest.raises(SpecError, match=r"unknown modifier '2D'; valid: sr, eden, prescale, 2d, "):
+    with pytest.raises(SpecError, match=r"unknown modifier '2D'; valid: sr, eden, eden128, prescale, 2d, "):
         LinearPrecision.parse("base=bf16,fprop=nvfp4@nvfp4/2D")

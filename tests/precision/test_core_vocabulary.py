@@ -54,7 +54,8 @@ def test_the_vocabularies_are_the_registry_names():
     import precision.formats as pf
 
     assert pf.Rounding is Rounding and pf.ScaleRule is ScaleRule and pf.AmaxAlgo is AmaxAlgo and pf.Scaling is Scaling
-    assert Rounding.values() == ("nearest", "stochastic", "ms_eden") and Rounding.modifiers() == ("sr", "eden")
+    assert Rounding.values() == ("nearest", "stochastic", "ms_eden", "ms_eden128")
+    assert Rounding.modifiers() == ("sr", "eden", "eden128")
     assert Rounding.from_modifier("sr") is Rounding.STOCHASTIC and Rounding.from_modifier("2d") is None
 
 
@@ -82,7 +83,7 @@ def test_rounding_enum_pickles_and_prints_as_its_string():
     r = pickle.loads(pickle.dumps(Rounding.STOCHASTIC))
     assert type(r) is str and r == "stochastic" and f"{Rounding.NEAREST}" == "nearest"
     assert Rounding.parse("stochastic", "x") is Rounding.STOCHASTIC
-    with pytest.raises(ValueError, match=r"^rounding: unknown 'up'; valid: nearest, stochastic, ms_eden$"):
+    with pytest.raises(ValueError, match=r"^rounding: unknown 'up'; valid: nearest, stochastic, ms_eden, ms_eden128$"):
         Rounding.parse("up", "rounding")
 
 
