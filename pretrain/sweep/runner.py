@@ -131,11 +131,15 @@ def run_command(out: Path, run: Run, nproc: int, extra: list[str]) -> list[str]:
     d = run_dir(out, run)
     ckpt = d / "checkpoints"
     own = run_args(run, [])
+    resume = (ckpt / "latest_checkpointed_iteration.txt").exists()
+    if resume and "--ckpt-step" in own:  # --ckpt-step picks the starting checkpoint's iteration, not the run's own
+        i = own.index("--ckpt-step")
+        own = own[:i] + own[i + 2:]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            str(ROOT / "launch" / SCRIPTS[run.script]), *own,
            "--tensorboard-dir", str(d / "tensorboard"), "--save", str(ckpt), *extra]
-    if (ckpt / "latest_checkpointed_iteration.txt").exists():
-        cmd += ["--load", str(ckpt)]  # a restarted run resumes where it stopped
+    if resume:
+        cmd += ["--load", str(ckpt)]  # a restarted run resumes where it stopped, at its latest iteration
     return cmd
 
 

@@ -196,3 +196,21 @@ def test_bad_rl_claims_are_one_line_errors(tmp_path, claims, message):
     with pytest.raises(sweep.SweepError, match=message) as e:
         _sweep_file(tmp_path, RL_SWEEP + claims + "\n")
     assert "\n" not in str(e.value)
+
+
+def test_a_restarted_run_resumes_its_own_checkpoint_without_the_starting_ckpt_step(tmp_path):
+    """A run with --ckpt-step (the starting policy's iteration) that saved its own checkpoint restarts
+    from its own latest iteration: --ckpt-step is dropped with --load pointing at the run's directory
+    (kept, it names an iteration the run's directory does not have and the restart is refused)."""
+    from pretrain.sweep.runner import run_command, run_dir
+
+    runs = _sweep_file(tmp_path, RL_SWEEP.replace("  precision: wgrad_hadamard\n",
+                                                  "  precision: wgrad_hadamard\n  load: start\n  ckpt-step: 2000\n"))
+    out = tmp_path / "out"
+    fresh = run_command(out, runs[0], 1, [])
+    assert fresh[fresh.index("--ckpt-step") + 1] == "2000" and fresh[fresh.index("--load") + 1] == "start"
+    ckpt = run_dir(out, runs[0]) / "checkpoints"
+    ckpt.mkdir(parents=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("100")
+    again = run_command(out, runs[0], 1, [])
+    assert "--ckpt-step" not in again and again[-2:] == ["--load", str(ckpt)]
