@@ -68,7 +68,8 @@ def run_sweep(args: argparse.Namespace, extra: list[str]) -> int:
                          f"{run_dir(out, run)} to run it again")
     chosen = runs if args.run_index is None else runs[args.run_index:args.run_index + 1]
     if not args.collect:  # the runs still to run (a finished run is not started again)
-        validate_runs(out, [r for r in chosen if r in _todo(out, runs, args.retry_diverged)[0]], nproc, extra)
+        pending = _todo(out, runs, args.retry_diverged)[0]
+        validate_runs(out, [r for r in chosen if r in pending], nproc, extra)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps({"sweep": sweep, "extra": extra,
                                                 "runs": [r.__dict__ for r in runs]}, indent=1))
