@@ -45,7 +45,8 @@ from pathlib import Path
 from pretrain.evaluation.extra_tokens import log_ratio
 from pretrain.evaluation.stats import ALPHA, holm_adjust, paired_interval, tost_p_value
 
-__all__ = ["CLAIM_METRICS", "DIRECTIONS", "RL_CLAIM_METRICS", "START", "ClaimResult", "claims_table", "evaluate_claims", "study_table"]
+__all__ = ["CLAIM_METRICS", "DIRECTIONS", "RL_CLAIM_METRICS", "START", "ClaimResult", "claims_table",
+           "evaluate_claims", "reported_mean", "study_table"]
 
 # metric -> (what a seed's value is, whether it is a % tested on log(1 + x))
 CLAIM_METRICS = {"val_loss": ("final validation loss gap", False),
@@ -166,6 +167,12 @@ def _per_seed_rl(rows: list[dict], test: dict) -> dict[int, float]:
     return out
 
 
+def reported_mean(metric: str, mean: float) -> float:
+    """A claim's mean in its reader's sign: ``label - against`` for RL accuracy (and the gain itself),
+    where the tests work on "higher is worse for the first label"; every other metric is already so."""
+    return -mean if metric in RL_CLAIM_METRICS and math.isfinite(mean) else mean
+
+
 def _shown_mean(metric: str, mean: float) -> str:
     """A claim's mean as its reader expects it: a % for extra tokens/steps, ``label - against`` (or the
     gain) for RL accuracy, the raw gap otherwise."""
@@ -174,7 +181,7 @@ def _shown_mean(metric: str, mean: float) -> str:
     if CLAIM_METRICS[metric][1] and math.isfinite(mean):
         return f"{100 * math.expm1(mean):+.2f} %"
     if metric in RL_CLAIM_METRICS:
-        return f"{-mean:+.4f}" + (" gain" if metric == "gain" else " acc")
+        return f"{reported_mean(metric, mean):+.4f}" + (" gain" if metric == "gain" else " acc")
     return f"{mean:+.4f}"
 
 

@@ -127,10 +127,11 @@ def note_first_table(out: Path, rows: list[dict]) -> None:
 
 def write_claims(out: Path, rows: list[dict], descent: list[int] | None) -> None:
     """The study's declared claims (``pretrain.sweep.claims``) from the ``claims:`` section of the sweep
-    file recorded in ``sweep.json``: ``claims.csv`` and a first section of results.md."""
+    file recorded in ``sweep.json``: ``claims.csv`` and a first section of results.md. The csv's ``mean``
+    is the table's: ``label - against`` (the gain for ``gain``; log(1 + x) for a % metric)."""
     import json
 
-    from pretrain.sweep.claims import FIRST_LOOK, claims_table, evaluate_claims
+    from pretrain.sweep.claims import FIRST_LOOK, claims_table, evaluate_claims, reported_mean
 
     info = out / "sweep.json"
     claims = json.loads(info.read_text()).get("sweep", {}).get("claims") if info.is_file() else None
@@ -143,7 +144,7 @@ def write_claims(out: Path, rows: list[dict], descent: list[int] | None) -> None
                     "seeds", "mean", "p", "p_holm", "verdict"])
         for r in results:
             w.writerow([claims["study"], r.id, r.new_run, *r.contrast, r.metric, r.direction, r.margin,
-                        " ".join(map(str, r.seeds)), r.mean, r.p, r.p_holm, r.verdict])
+                        " ".join(map(str, r.seeds)), reported_mean(r.metric, r.mean), r.p, r.p_holm, r.verdict])
     md = (out / "results.md").read_text().split("\n", 2)
     first = json.loads((out / FIRST_LOOK).read_text()) if (out / FIRST_LOOK).is_file() else None
     rest = md[2].replace("| verdict (Holm over", "| exploratory verdict (Holm over").replace(

@@ -172,10 +172,13 @@ def test_an_rl_sweeps_declared_claims_against_scipy(tmp_path):
     gains = [f32(a) - f32(start) for a in final["bf16"]]
     p_gain = sps.ttest_1samp(gains, 0.10, alternative="greater").pvalue
     assert float(rows["bf16_learns"]["p"]) == pytest.approx(p_gain, rel=1e-4)
+    # the csv's mean reads as the table's: the gain itself, and label - against for the gap
+    assert float(rows["bf16_learns"]["mean"]) == pytest.approx(np.mean(gains), abs=1e-6)
     gaps = [f32(a) - f32(b) for a, b in zip(final["fp4_tis"], final["bf16"])]
     tost = max(sps.ttest_1samp(gaps, -0.03, alternative="greater").pvalue,
                sps.ttest_1samp(gaps, 0.03, alternative="less").pvalue)
     assert float(rows["fp4_matches"]["p"]) == pytest.approx(tost, rel=1e-4)
+    assert float(rows["fp4_matches"]["mean"]) == pytest.approx(np.mean(gaps), abs=1e-6)
     holm = sorted([p_gain, tost])
     assert float(rows["fp4_matches"]["p_holm"]) == pytest.approx(
         max(min(1.0, 2 * holm[0]), holm[1]) if tost == holm[1] else min(1.0, 2 * tost), rel=1e-4)
