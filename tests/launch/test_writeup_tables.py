@@ -157,3 +157,57 @@ def test_moe_precision_write_up_regenerates_from_its_per_seed_values_and_claims(
         line = next((x for x in text.splitlines() if x.startswith(cells[0])), "")
         assert line.endswith(cells[1]), f"claim row of {first['claim']} does not match its tested values:\n{line}"
     _assert_headline(text)
+
+
+# ---------------------------------------------------------------- fp4_rollout.md (true replicates)
+def test_fp4_rollout_replicate_claims_regenerate_from_their_per_replicate_values():
+    """The declared claims of fp4_rollout_h256_rep.yaml, recomputed with scipy from the committed
+    per-replicate accuracies: TOST at the declared ±0.03 on the paired final-accuracy gap, a one-sided
+    t-test of the BF16 arm's gain, Holm over the 2; the write-up's claims table and every figure of its
+    results must follow from them."""
+    import numpy as np
+    from scipy import stats as sps
+
+    text = (SWEEPS / "fp4_rollout.md").read_text()
+    rows = _csv("fp4_rollout_h256_rep_per_seed.csv")
+    by = {(r["treatment"], int(r["replicate"])): r for r in rows}
+    reps = sorted({int(r["replicate"]) for r in rows})
+    col = lambda arm, key: np.array([float(by[arm, r][key]) for r in reps])  # noqa: E731
+    start = col("bf16", "initial_accuracy")
+    assert (start == col("nvfp4_tis", "initial_accuracy")).all(), "both arms of a replicate share one start"
+    gap = col("nvfp4_tis", "final_accuracy") - col("bf16", "final_accuracy")
+    gain = col("bf16", "final_accuracy") - start
+    p_tost = max(sps.ttest_1samp(gap, -0.03, alternative="greater").pvalue,
+                 sps.ttest_1samp(gap, 0.03, alternative="less").pvalue)
+    p_gain = sps.ttest_1samp(gain, 0.0, alternative="greater").pvalue
+    holm = dict(zip(("tost", "gain"), stats.holm_adjust([p_tost, p_gain])))
+    verdict = lambda p: "supported" if p < 0.05 else "not supported"  # noqa: E731
+    seeds = ",".join(map(str, reps))
+    expected = [
+        f"| nvfp4_tis_matches_bf16 | nvfp4_tis vs bf16 | final_accuracy | equivalent (margin 0.03) | {seeds} | "
+        f"{gap.mean():+.4f} acc | {p_tost:.3g} | {holm['tost']:.3g} | {verdict(holm['tost'])} |",
+        f"| bf16_learns | bf16 vs start | gain | better | {seeds} | {gain.mean():+.4f} gain | {p_gain:.3g} | "
+        f"{holm['gain']:.3g} | {verdict(holm['gain'])} |"]
+    for row in expected:
+        assert row in text, f"fp4_rollout.md lacks the regenerated claim row:\n{row}"
+    for r in reps:
+        b, n = by["bf16", r], by["nvfp4_tis", r]
+        row = (f"| {r} | {b['initial_accuracy']} | {b['final_accuracy']} | {n['final_accuracy']} | "
+               f"{float(n['final_accuracy']) - float(b['final_accuracy']):+.3f} |")
+        assert row in text, f"fp4_rollout.md lacks the regenerated replicate row:\n{row}"
+    # figures of the results: the values, their paired intervals, the p-values, the means of the telemetry
+    intervals = [stats.paired_interval(list(x)) for x in (
+        gap, gain, col("nvfp4_tis", "final_accuracy") - start,
+        col("nvfp4_tis", "accuracy_under_rollout_plan") - col("nvfp4_tis", "final_accuracy"),
+        col("nvfp4_tis", "reward_auc") - col("bf16", "reward_auc"))]
+    allowed = {f"{float(r[k]):.3f}" for r in rows for k in ("initial_accuracy", "final_accuracy")}
+    allowed |= {f"{x:+.3f}".lstrip("+") for x in gap}
+    for iv in intervals:
+        allowed |= {f"{v:+.3f}".lstrip("+") for v in (iv.mean, iv.lo, iv.hi)} | {f"{iv.half_width:.3f}"}
+    allowed |= {f"{col('nvfp4_tis', k).mean():.3f}" for k in ("mean_k3_kl", "raw_ess")}
+    allowed |= {"0.487"}  # the start's accuracy on all 1,000 problems, from the section above the results
+    results = _section(text, "### Results (all 8 runs", "## Hidden 128")
+    missing = _figures(results, 3) - allowed
+    assert not missing, f"figures in fp4_rollout.md's replicate results that its values do not give: {missing}"
+    assert f"{p_tost:.3g}" in text.split("\n\n")[1] and f"{gap.mean():+.3f} ± {intervals[0].half_width:.3f}" in text
+    _assert_headline(text)
