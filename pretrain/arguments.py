@@ -375,6 +375,23 @@ def _check_tokenizer(model: str | None, tokenizer_type: str) -> None:
         raise ConfigError(f"--tokenizer-model: no such file: {model} (a sentencepiece .model)")
 
 
+def _check_save_holds_no_other_run(args) -> None:
+    """A run never overwrites another run's checkpoints: a --save directory that already holds some
+    resumes them (--load equal to --save) or is refused, instead of a fresh run saving over them."""
+    tracker = os.path.join(args.save, TRACKER) if args.save is not None else None
+    if tracker is None or not os.path.isfile(tracker):
+        return
+    if args.load is not None and os.path.abspath(args.load) == os.path.abspath(args.save):
+        return
+    with open(tracker) as f:
+        latest = f.read().strip()
+    started = f"--load {args.load} starts from another checkpoint" if args.load is not None else "no --load"
+    raise ConfigError(
+        f"--save {args.save} already holds a run's checkpoints (latest iteration {latest}) and {started}: this "
+        f"run would overwrite them; add --load {args.save} to resume that run, or give an empty --save directory"
+    )
+
+
 def _check_checkpoints(args) -> None:
     if args.load is not None and not os.path.isdir(args.load):
         same_as_save = args.save is not None and os.path.abspath(args.load) == os.path.abspath(args.save)
@@ -392,6 +409,7 @@ def _check_checkpoints(args) -> None:
     for flag, path in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir)):
         if path is not None:
             _check_writable_dir(flag, path)
+    _check_save_holds_no_other_run(args)
     if msg := LoggingConfig.wandb_problem(args):
         raise ConfigError(msg)
     if args.skip_nonfinite_steps and not args.check_for_nan_in_loss_and_grad:

@@ -119,7 +119,7 @@ def commands(out: str, vocab: int, width: int = 128, moe: bool = False) -> list[
          f"--tokenizer-model {tok} --train-tokenizer {vocab} --append-eod"),
         (f"OMP_NUM_THREADS=1 python launch/pretrain.py {r.flags()} --data-path {out}/sft_text_document "
          f"--tokenizer-model {tok} --split 98,2,0 --save {os.path.join(out, r.save_dir)} "
-         f"--save-interval {r.save_interval}"),
+         f"--load {os.path.join(out, r.save_dir)} --save-interval {r.save_interval}"),
     ]
 
 

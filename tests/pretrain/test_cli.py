@@ -198,6 +198,22 @@ def test_load_equal_to_save_may_not_exist_yet(tmp_path):
     validate_args(args, world_size=1, cuda=False)  # the resume-if-present idiom of job scripts
 
 
+def test_a_save_directory_holding_another_runs_checkpoints_is_refused(tmp_path, capsys, monkeypatch):
+    """A fresh run (no --load, or --load elsewhere) into a --save that holds checkpoints would overwrite
+    them at its first save: refused in one line that says how to resume; --load equal to --save resumes."""
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "iter_0001500").mkdir(parents=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("1500")
+    line = refuse(BASE + ["--save", str(ckpt)], capsys, 1, monkeypatch)
+    assert (f"--save {ckpt} already holds a run's checkpoints (latest iteration 1500) and no --load: this run "
+            f"would overwrite them; add --load {ckpt} to resume that run, or give an empty --save directory") in line
+    other = tmp_path / "start"
+    other.mkdir()
+    line = refuse(BASE + ["--save", str(ckpt), "--load", str(other)], capsys, 1, monkeypatch)
+    assert f"and --load {other} starts from another checkpoint: this run would overwrite them" in line
+    validate_args(parse_args(BASE + ["--save", str(ckpt), "--load", str(ckpt)]), world_size=1, cuda=False)
+
+
 # === the entry point as a process ===
 
 
