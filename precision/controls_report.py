@@ -12,8 +12,23 @@ GEMM's rotation (the values the GEMM effectively multiplies; SQNR does not depen
   a negative bias); for controls that draw (SR uniforms, resampled rotation signs) the mean over
   ``--draws`` draws with its standard error, for the others the one fixed value.
 
-Rows: NVFP4 nearest, SR, had16, rht16 + SR, 4over6, 4over6 + had16, MS-EDEN (rht16_resample);
-MXFP4 nearest, SR, had16, had32, QuEST (had32). Pure PyTorch on the reference quantizers, CPU.
+Rows: NVFP4 nearest, SR, had16, rht16 + SR, 4over6, 4over6 + had16, MS-EDEN (rht16_resample),
+rht128 + SR, MS-EDEN over 128-groups (rht128_resample); MXFP4 nearest, SR, had16, had32, QuEST
+(had32). Pure PyTorch on the reference quantizers, CPU.
+
+With ``--checkpoint DIR`` (a training checkpoint directory: the ``--save`` / ``--load`` directory of a
+pretrain run) the same rows are measured on the checkpoint's own operands: the model is built from
+the checkpoint (``--pretrained-checkpoint DIR``: shape and tokenizer from it), and one training-mode
+forward and backward on its first global batch, with no operand rounded (``--precision fp32``),
+records every policy linear's ``x`` and ``dy`` and its ``w`` (the output layer excluded, as its
+logits are edited in place by the loss). Pretrain flags after ``--`` choose the batch (e.g.
+``--fixed-train-set 16 --micro-batch-size 16 --global-batch-size 16 --seq-length 128``). Each
+operand's row pools its tensors -- SQNR as the sum of signal over the sum of noise, the bias as
+``sum <x, x_hat - x> / sum |x|^2`` per draw -- over the tensors whose contraction length the
+control's block and rotation divide; the ``tensors`` column says how many of them that is::
+
+    python -m precision.controls_report                                     # synthetic tensors
+    python -m precision.controls_report --dist none --checkpoint CKPT -- --fixed-train-set 16 ...
 """
 
 from __future__ import annotations
@@ -45,7 +60,12 @@ class Control:
     @property
     def draws(self) -> bool:
         """Whether the result depends on a seed (SR uniforms or random rotation signs)."""
-        return self.op.rounding.stochastic or self.rotation == "rht16_resample"
+        return self.op.rounding.stochastic or self.rotation.endswith("_resample")
+
+    @property
+    def multiple(self) -> int:
+        """The contraction length must be a multiple of this (the block and the rotation)."""
+        return math.lcm(self.op.format.block, rotation_size(self.rotation))
 
 
 CONTROLS = (
@@ -56,6 +76,8 @@ CONTROLS = (
     Control("nvfp4 4over6", OperandFormat("nvfp4", four_over_six="mse")),
     Control("nvfp4 4over6 had16", OperandFormat("nvfp4", four_over_six="mse"), "had16"),
     Control("nvfp4 eden rht16_resample", OperandFormat("nvfp4", rounding="ms_eden"), "rht16_resample"),
+    Control("nvfp4 sr rht128_resample", OperandFormat("nvfp4", rounding="stochastic"), "rht128_resample"),
+    Control("nvfp4 eden128 rht128_resample", OperandFormat("nvfp4", rounding="ms_eden128"), "rht128_resample"),
     Control("mxfp4 nearest", OperandFormat("mxfp4")),
     Control("mxfp4 sr", OperandFormat("mxfp4", rounding="stochastic")),
     Control("mxfp4 had16", OperandFormat("mxfp4"), "had16"),
@@ -100,47 +122,181 @@ def quantize_back(x: torch.Tensor, axis: int, c: Control, seed: int) -> tuple[to
     return back, xr
 
 
-def _block_max_rel_err(x: torch.Tensor, xq: torch.Tensor, axis: int, block: int) -> float:
+def _block_max_err(x: torch.Tensor, xq: torch.Tensor, axis: int, block: int) -> tuple[float, int]:
+    """(sum, count) of the relative error on each non-zero block's largest element."""
     xb = x.movedim(axis, -1).reshape(*x.movedim(axis, -1).shape[:-1], -1, block)
     qb = xq.movedim(axis, -1).reshape(xb.shape)
     idx = xb.abs().argmax(dim=-1, keepdim=True)
     top, qtop = xb.gather(-1, idx), qb.gather(-1, idx)
     ok = top != 0
-    return float(((top - qtop).abs()[ok] / top.abs()[ok]).mean())
+    return float(((top - qtop).abs()[ok] / top.abs()[ok]).double().sum()), int(ok.sum())
+
+
+@dataclass
+class Parts:
+    """What one tensor contributes to a pooled row (``combine``)."""
+
+    signal: float  # sum x^2
+    noise: float  # sum (x - x_hat)^2, draw 0
+    rel: torch.Tensor  # |x - x_hat| / |x| over non-zero x, draw 0 (float64)
+    block_max: tuple[float, int]  # (sum, count) over blocks, draw 0, in the quantizer's frame
+    proj: list[float]  # <x, x_hat - x> per draw
+
+
+def measure_parts(x: torch.Tensor, axis: int, c: Control, draws: int = 8) -> Parts:
+    xq, xr = quantize_back(x, axis, c, 0)
+    err = xq - x
+    nz = x != 0
+    seen = quantize(xr, c.op, axis=axis, sr=SRKey(0) if c.op.rounding.stochastic else None).dequantize()
+    proj = [float((x.double() * err.double()).sum())]
+    for s in range(1, draws if c.draws else 1):
+        proj.append(float((x.double() * (quantize_back(x, axis, c, s)[0] - x).double()).sum()))
+    return Parts(float(x.double().square().sum()), float(err.double().square().sum()),
+                 (err.abs()[nz] / x.abs()[nz]).double(), _block_max_err(xr, seen, axis, c.op.format.block), proj)
+
+
+def combine(parts: list[Parts]) -> dict[str, float]:
+    """One row from the tensors' parts: pooled SQNR, relative-error percentiles over all elements (a
+    fixed subsample of 2^20 beyond that), mean block-maximum error, and the bias per draw as the
+    pooled projection, its mean over draws and standard error (0 for a fixed control)."""
+    signal, noise = sum(p.signal for p in parts), sum(p.noise for p in parts)
+    rel = torch.cat([p.rel for p in parts])
+    if rel.numel() > 1 << 20:
+        rel = rel[torch.randperm(rel.numel(), generator=torch.Generator().manual_seed(0))[:1 << 20]]
+    qs = torch.quantile(rel, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
+    bm = sum(p.block_max[0] for p in parts) / max(sum(p.block_max[1] for p in parts), 1)
+    t = torch.tensor([sum(col) / signal for col in zip(*(p.proj for p in parts))], dtype=torch.float64)
+    return {"sqnr_db": 10 * math.log10(signal / max(noise, 1e-300)), "rel_p50": qs[0], "rel_p90": qs[1],
+            "rel_p99": qs[2], "rel_block_max": bm, "bias": float(t.mean()),
+            "bias_se": float(t.std() / math.sqrt(len(t))) if len(t) > 1 else 0.0}
 
 
 def measure(x: torch.Tensor, axis: int, c: Control, draws: int = 8) -> dict[str, float]:
-    xq, xr = quantize_back(x, axis, c, 0)
-    err = x - xq
-    sqnr = 10 * math.log10(float(x.square().sum()) / max(float(err.square().sum()), 1e-300))
-    nz = x != 0
-    rel = (err.abs()[nz] / x.abs()[nz]).double()
-    qs = torch.quantile(rel[torch.randperm(rel.numel(), generator=torch.Generator().manual_seed(0))[:1 << 20]],
-                        torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
-    out = {"sqnr_db": sqnr, "rel_p50": qs[0], "rel_p90": qs[1], "rel_p99": qs[2],
-           "rel_block_max": _block_max_rel_err(xr, quantize(xr, c.op, axis=axis, sr=SRKey(0)
-                                                            if c.op.rounding.stochastic else None).dequantize(),
-                                               axis, c.op.format.block)}
-    proj = [float((x * -err).sum()) / float(x.square().sum())]  # err = x - x_hat
-    for s in range(1, draws if c.draws else 1):
-        e = quantize_back(x, axis, c, s)[0] - x
-        proj.append(float((x * e).sum()) / float(x.square().sum()))
-    t = torch.tensor(proj, dtype=torch.float64)
-    out["bias"], out["bias_se"] = float(t.mean()), float(t.std() / math.sqrt(len(proj))) if len(proj) > 1 else 0.0
-    return out
+    """One tensor's row (``combine`` of its ``measure_parts``)."""
+    return combine([measure_parts(x, axis, c, draws)])
+
+
+HEADER = ["| operand | control | SQNR dB | rel. err p50 | p90 | p99 | block max | bias (x 1e-3, +- s.e.) |",
+          "|---|---|---|---|---|---|---|---|"]
+
+
+def _row(role: str, c: Control, m: dict[str, float], extra: str = "") -> str:
+    bias = f"{1e3 * m['bias']:+.2f}" + (f" +- {1e3 * m['bias_se']:.2f}" if c.draws else " (fixed)")
+    return (f"| {role} | {c.name} | {m['sqnr_db']:.2f} | {m['rel_p50']:.4f} | {m['rel_p90']:.4f} "
+            f"| {m['rel_p99']:.3f} | {m['rel_block_max']:.4f} | {bias} |{extra}")
 
 
 def table(dist: str, draws: int) -> str:
-    rows = [f"#### {dist}", "",
-            "| operand | control | SQNR dB | rel. err p50 | p90 | p99 | block max | bias (x 1e-3, +- s.e.) |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = [f"#### {dist}", "", *HEADER]
     for role, (shape, axis) in OPERANDS.items():
         x = sample(dist, shape, {"x": 1, "w": 2, "dy": 3}[role])
         for c in CONTROLS:
-            m = measure(x, axis, c, draws)
-            bias = f"{1e3 * m['bias']:+.2f}" + (f" +- {1e3 * m['bias_se']:.2f}" if c.draws else " (fixed)")
-            rows.append(f"| {role} | {c.name} | {m['sqnr_db']:.2f} | {m['rel_p50']:.4f} | {m['rel_p90']:.4f} "
-                        f"| {m['rel_p99']:.3f} | {m['rel_block_max']:.4f} | {bias} |")
+            rows.append(_row(role, c, measure(x, axis, c, draws)) if shape[axis] % c.multiple == 0
+                        else f"| {role} | {c.name} | " + " | ".join(["n/a"] * 6) + " |")
+    return "\n".join(rows)
+
+
+# ================================================================================================
+# Checkpoint operands: x, w, dy of every policy linear, one forward/backward, nothing rounded
+# ================================================================================================
+
+
+class CheckpointArgError(ValueError):
+    """A ``--checkpoint`` (or the pretrain flags with it) that cannot be used; one line."""
+
+
+def checkpoint_operands(ckpt: str, flags: list[str]) -> tuple[dict[str, list[tuple[str, torch.Tensor]]], str]:
+    """``({"x"|"w"|"dy": [(layer, tensor)]}, description)`` of the checkpoint ``ckpt``: every policy
+    linear's ``x`` [tokens, in], ``w`` [out, in] and ``dy`` [tokens, out] (output layer excluded)
+    from one training-mode forward and backward on the first global batch, no operand rounded."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")  # no TE / Apex: expected
+    from pretrain.checkpointing import TRACKER, CheckpointError, read_tracker
+
+    if not os.path.isdir(ckpt):
+        raise CheckpointArgError(f"--checkpoint {ckpt}: no such directory (give a pretrain run's --save directory)")
+    if not os.path.isfile(os.path.join(ckpt, TRACKER)):
+        raise CheckpointArgError(f"--checkpoint {ckpt}: not a training checkpoint directory (no {TRACKER}; "
+                                 f"give a pretrain run's --save directory)")
+    try:
+        iteration = read_tracker(ckpt)
+    except CheckpointError as e:
+        raise CheckpointArgError(f"--checkpoint {ckpt}: {e}") from None
+    for f in ("--load", "--pretrained-checkpoint", "--precision", "--precision-rule"):
+        if f in flags:
+            raise CheckpointArgError(f"pretrain flags after '--': drop {f} (the report loads --checkpoint "
+                                     f"and records the operands with nothing rounded)")
+    # megatron-core (through model and pretrain): not loaded for --help or the synthetic tables
+    from model.gpt import policy_linears
+    from pretrain import runtime
+    from pretrain.arguments import ConfigError, parse_run_config
+    from pretrain.data import batches
+    from pretrain.engine import batch_to_device
+    from pretrain.pretrained import PretrainedError
+    from pretrain.train import setup
+
+    runtime.filter_expected_warnings()
+    if "--train-iters" not in flags:  # required by pretrain's validation; nothing is trained here
+        flags = [*flags, "--train-iters", "1"]
+    try:
+        run = parse_run_config([*flags, "--pretrained-checkpoint", ckpt, "--precision", "fp32"], 1, False)
+        trainer = setup(run)
+    except (ConfigError, PretrainedError, CheckpointError) as e:
+        raise CheckpointArgError(str(e)) from None
+    model = trainer.model
+    got: dict[str, list[tuple[str, torch.Tensor]]] = {"x": [], "w": [], "dy": []}
+    hooks = []
+
+    def capture(name):
+        def hook(mod, inp, out):
+            x = inp[0].detach().float()
+            got["x"].append((name, x.reshape(-1, x.shape[-1]).clone()))
+            y = out[0] if isinstance(out, tuple) else out
+            y.register_hook(lambda dy: got["dy"].append((name, dy.detach().float().reshape(-1, dy.shape[-1]).clone())))
+        return hook
+
+    for name, m in policy_linears(model):
+        if name == "output_layer":  # its logits are edited in place by the vocab-parallel loss
+            continue
+        got["w"].append((name, m.weight.detach().float().clone()))
+        hooks.append(m.register_forward_hook(capture(name)))
+    model.train()
+    mb, tokens_seen, losses = run.training.micro_batch_size, 0, []
+    stream = batches(trainer.train_ds, trainer.consumed_samples, mb)
+    for _ in range(run.training.global_batch_size // mb):  # the whole global batch, micro-batch by micro-batch
+        tokens, labels, pos, mask = batch_to_device(next(stream), trainer.device)
+        per_token = model(tokens, pos, None, labels=labels).float()
+        ((per_token * mask).sum() / mask.sum()).backward()
+        tokens_seen += int(tokens.numel())
+        losses.append(float((per_token.detach() * mask).sum() / mask.sum()))
+    for h in hooks:
+        h.remove()
+    for k in ("x", "dy"):  # one entry per layer: the micro-batches' rows stacked
+        by: dict[str, list[torch.Tensor]] = {}
+        for name, t in got[k]:
+            by.setdefault(name, []).append(t)
+        got[k] = [(name, torch.cat(ts)) for name, ts in by.items()]
+    desc = (f"{ckpt} at iteration {iteration}: {len(got['w'])} linears, {tokens_seen} tokens "
+            f"(loss {sum(losses) / len(losses):.3f})")
+    return got, desc
+
+
+# operand -> its contraction axis in the captured layout ([tokens, in], [out, in], [tokens, out])
+CHECKPOINT_AXES = {"x": 1, "w": 1, "dy": 0}
+
+
+def checkpoint_table(operands: dict[str, list[tuple[str, torch.Tensor]]], draws: int) -> str:
+    rows = ["#### checkpoint", "", HEADER[0] + " tensors |", HEADER[1] + "---|"]
+    for role, axis in CHECKPOINT_AXES.items():
+        tensors = operands[role]
+        for c in CONTROLS:
+            fit = [t for _, t in tensors if t.shape[axis] % c.multiple == 0]
+            if not fit:
+                rows.append(f"| {role} | {c.name} | " + " | ".join(["n/a"] * 6) + f" | 0 of {len(tensors)} |")
+                continue
+            m = combine([measure_parts(t, axis, c, draws) for t in fit])
+            rows.append(_row(role, c, m, f" {len(fit)} of {len(tensors)} |"))
     return "\n".join(rows)
 
 
@@ -150,20 +306,47 @@ def machine() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m precision.controls_report", description=__doc__.splitlines()[0])
-    p.add_argument("--dist", choices=("gaussian", "student_t3", "both"), default="both")
+    argv = sys.argv[1:] if argv is None else argv
+    ours, flags = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    p = argparse.ArgumentParser(prog="python -m precision.controls_report", description=__doc__.splitlines()[0],
+                                usage="%(prog)s [--dist D] [--draws N] [--checkpoint DIR [-- PRETRAIN FLAGS]]")
+    p.add_argument("--dist", choices=("gaussian", "student_t3", "both", "none"), default="both",
+                   help="synthetic tables (none: only the checkpoint's)")
     p.add_argument("--draws", type=int, default=8, help="draws of the seed for the bias column (>= 2)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    args = p.parse_args(argv)
+    p.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="also measure a training checkpoint's own x, w, dy (a pretrain run's --save directory); "
+                        "pretrain flags after '--' choose the batch")
+    args = p.parse_args(ours)
     if args.draws < 2:
         p.error(f"--draws {args.draws}: the bias needs at least 2 draws")
+    if flags and not args.checkpoint:
+        p.error("pretrain flags after '--' need --checkpoint DIR")
+    if args.dist == "none" and not args.checkpoint:
+        p.error("--dist none: nothing to measure without --checkpoint DIR")
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.time()
-    dists = ("gaussian", "student_t3") if args.dist == "both" else (args.dist,)
-    print("\n\n".join(table(d, args.draws) for d in dists))
-    print(f"\nShapes: " + ", ".join(f"{r} {list(s)} along axis {a}" for r, (s, a) in OPERANDS.items())
-          + f"; bias over {args.draws} draws. Machine: {machine()}; {time.time() - t0:.0f} s.")
+    operands = None
+    if args.checkpoint:  # refused before the synthetic tables take minutes
+        try:
+            operands, desc = checkpoint_operands(args.checkpoint, flags)
+        except CheckpointArgError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    dists = {"both": ("gaussian", "student_t3"), "none": ()}.get(args.dist, (args.dist,))
+    tables = [table(d, args.draws) for d in dists]
+    if dists:
+        tables[-1] += ("\n\nShapes: " + ", ".join(f"{r} {list(s)} along axis {a}" for r, (s, a) in OPERANDS.items())
+                       + f"; bias over {args.draws} draws.")
+    if operands is not None:
+        shapes = {r: sorted({tuple(t.shape) for _, t in ts}) for r, ts in operands.items()}
+        tables.append(checkpoint_table(operands, args.draws) + f"\n\nCheckpoint {desc}; x along in-features, "
+                      "w along in-features, dy along tokens; shapes " + "; ".join(
+                          f"{r} " + ", ".join(str(list(s)) for s in ss) for r, ss in shapes.items())
+                      + f"; bias over {args.draws} draws.")
+    print("\n\n".join(tables))
+    print(f"\nMachine: {machine()}; {time.time() - t0:.0f} s.")
     return 0
 
 
