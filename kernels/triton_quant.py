@@ -55,12 +55,17 @@ import math
 import os
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from precision.eden import EDEN_SCALE_MAX, VAL_MAX
+from precision.enums import FourOverSix
 from precision.formats import FORMATS, Rounding, ScaleRule, Scaling, format_names
 from precision.quantize import operand_format
+from precision.quest import EPS as QUEST_EPS
+from precision.quest import QUEST_SCALE
 from precision.recipe import OperandFormat
 from precision.rotation import hadamard_matrix, rotation_size
 from precision.srand import SRKey
@@ -81,6 +86,11 @@ _MODE = {Scaling.BLOCK: MODE_MX, Scaling.TWO_LEVEL: MODE_NVFP4, Scaling.TENSOR: 
 # ELEM constexpr: how the element codes non-finite values (finite-only; E4M3 NaN; E5M2 Inf and NaN)
 _NONFINITE = {"none": 0, "nan": 1, "inf_nan": 2}
 FP32_MAX = tl.constexpr(torch.finfo(torch.float32).max)  # a constexpr: visible inside @jit
+# the controls' float32 constants, exactly as the reference's FP32 arithmetic sees them
+EDEN_VAL_MAX = tl.constexpr(float(np.float32(VAL_MAX)))  # a block amax maps here (6 / ((17/16) * 0.93))
+EDEN_SCALE_MAX_F32 = tl.constexpr(float(np.float32(EDEN_SCALE_MAX)))  # 255.99
+QUEST_SCALE_F32 = tl.constexpr(float(np.float32(QUEST_SCALE)))  # 2.92247856 / 6
+QUEST_EPS_F32 = tl.constexpr(float(np.float32(QUEST_EPS)))  # 1e-8
 
 
 def interpreting() -> bool:
@@ -206,6 +216,173 @@ def _hadamard(a, TILE_R: tl.constexpr, TK: tl.constexpr, ROT: tl.constexpr, LOG_
     return a
 
 
+@triton.jit
+def _pairwise(t, TILE_R: tl.constexpr, G: tl.constexpr, N: tl.constexpr):
+    """``[TILE_R, G, N]`` (N a power of two <= 256) summed over its last axis in
+    ``precision.blocks.pairwise_sum``'s order: the halves ``t[..., :N/2] + t[..., N/2:]`` added
+    element-wise until one is left -> ``[TILE_R, G]``."""
+    for s in tl.static_range(8):  # half-width N >> (s + 1): a constexpr per unrolled stage
+        if (N >> s) > 1:
+            t = tl.reshape(t, [TILE_R, G, 2, N >> (s + 1)])
+            lo, hi = tl.split(tl.permute(t, (0, 1, 3, 2)))
+            t = lo + hi
+    return tl.reshape(t, [TILE_R, G])
+
+
+@triton.jit
+def _e4m3_rne(s):
+    """float32 s >= 0 (or NaN) cast to E4M3 as torch's cast does: nearest-even, saturating at 448
+    (+Inf too), NaN kept."""
+    r = _round_grid(s, s, -6, 8, 3, 448.0, False)
+    return tl.where(s == s, r, s)
+
+
+@triton.jit
+def _e4m3_value(b):
+    """The value of E4M3 byte ``b`` in [0, 0x7E] (positive, finite)."""
+    e = b >> 3
+    m = (b & 7).to(tl.float32)
+    return tl.where(e == 0, m * 0.001953125, (m + 8.0) * _pow2(e - 10))  # subnormal: m * 2^-9
+
+
+@triton.jit
+def _sr_e4m3(c, u):
+    """``precision.eden._sr_e4m3``: positive float32 ``c`` rounded stochastically onto E4M3 between
+    the neighbours of its (saturating) nearest-even cast -- up with probability
+    ``(c - down) / (up - down)`` against ``u`` -- with the reference's edges: the neighbour past
+    448 (byte 0x7F) and below 0 (0xFF) are NaN, so ``c`` above 448 stays 448; NaN stays NaN."""
+    cur = _e4m3_rne(c)
+    b = _grid_code(cur, -6, 3, 7, 512.0)
+    nan = float("nan")
+    nxt = tl.where(b >= 0x7E, nan, _e4m3_value(tl.minimum(b + 1, 0x7E)))
+    prev = tl.where(b <= 0, nan, _e4m3_value(tl.maximum(b - 1, 0)))
+    above = cur > c
+    up = tl.where(above, cur, nxt)
+    down = tl.where(above, prev, cur)
+    p_up = tl.math.div_rn(c - down, up - down)
+    out = tl.where(u < p_up, up, down)
+    return tl.where(c == c, out, c)
+
+
+@triton.jit
+def _e2m1_away(v):
+    """|v| rounded to the nearest E2M1 value, midpoints away from zero, saturating at 6 (NaN -> 6):
+    ``precision.eden.rtn_e2m1_away``'s magnitude (``bucketize(right=True)`` over the midpoints)."""
+    a = tl.abs(v)
+    m = tl.where(a >= 5.0, 6.0, tl.where(a >= 3.5, 4.0, tl.where(a >= 2.5, 3.0, tl.where(a >= 1.75, 2.0,
+        tl.where(a >= 1.25, 1.5, tl.where(a >= 0.75, 1.0, tl.where(a >= 0.25, 0.5, 0.0)))))))
+    return tl.where(a == a, m, 6.0)
+
+
+@triton.jit
+def _e2m1_toward_zero(a):
+    """|v| = ``a`` rounded to the nearest E2M1 value, midpoints towards zero, beyond 5 -> 6:
+    ``precision.quest.rtn_e2m1_toward_zero``'s magnitude (``bucketize(right=False)``)."""
+    return tl.where(a > 5.0, 6.0, tl.where(a > 3.5, 4.0, tl.where(a > 2.5, 3.0, tl.where(a > 1.75, 2.0,
+        tl.where(a > 1.25, 1.5, tl.where(a > 0.75, 1.0, tl.where(a > 0.25, 0.5, 0.0)))))))
+
+
+# ====================================================================== the FP4 error controls
+# Each takes one tile's blocks ``xb [TILE_R, NB, BLOCK]`` (non-finite elements already zeroed),
+# ``bad [TILE_R, NB]`` (the block held NaN/Inf: zeroed whole here, as the reference zeroes it,
+# before any sum that spans blocks; the caller overwrites its outputs), the input's sign bits
+# ``sb`` and the SR uniforms ``ub`` (block layout), and returns ``(scale [TILE_R, NB], E2M1 codes,
+# signed element values)``; the dequantized element is the element value times the scale.
+@triton.jit
+def _signed(qm, neg):
+    """E2M1 code and signed value of the grid magnitude ``qm`` with sign bit ``neg``."""
+    return _grid_code(qm, 0, 1, 1, 2.0) | (neg << 3), tl.where(neg == 1, -qm, qm)
+
+
+@triton.jit
+def _fos_candidate(x, ub, s_hp, a_t, g_dec, ERR: tl.constexpr, SR: tl.constexpr, TILE_R: tl.constexpr,
+                   NB: tl.constexpr, BLOCK: tl.constexpr):
+    """One 4/6 candidate (``precision.four_over_six``): the E4M3 scale of ``s_hp``, the rounded
+    magnitudes and the block error of the authors' dequantization ``((q * s) * amax) / (6 * 256)``."""
+    s = _e4m3_rne(tl.minimum(s_hp, 448.0))
+    s_enc = tl.minimum(tl.math.div_rn(tl.zeros_like(s) + 1.0, g_dec * s), FP32_MAX)
+    v = tl.minimum(tl.maximum(x * s_enc[:, :, None], -6.0), 6.0)
+    qm = _round_grid(v, ub, 0, 2, 1, 6.0, SR)
+    qm = tl.where((s == 0.0)[:, :, None], 0.0, qm)  # a zero scale stores zeros
+    qv = tl.where(_signbit(x) == 1, -qm, qm)
+    d = tl.math.div_rn((qv * s[:, :, None]) * a_t, tl.zeros_like(qv) + 1536.0)
+    diff = d - x
+    if ERR == 0:
+        err = _pairwise(diff * diff, TILE_R, NB, BLOCK)
+    elif ERR == 1:
+        err = _pairwise(tl.abs(diff), TILE_R, NB, BLOCK)
+    else:
+        err = tl.max(tl.abs(diff), axis=2)
+    return s, qm, err
+
+
+@triton.jit
+def _four_over_six(xb, bad, sb, ub, a_t, g_enc, g_dec, ERR: tl.constexpr, SR: tl.constexpr,
+                   TILE_R: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
+    """NVFP4 4/6: per block the candidate mapping the amax to 4 (scale x 1.5) where its error is
+    smaller than the one mapping it to 6 (a tie keeps 6); both round with the same uniforms."""
+    x = tl.where(bad[:, :, None], 0.0, xb)
+    amax = tl.max(tl.abs(x), axis=2)
+    s6_hp = tl.math.div_rn(amax, tl.zeros_like(amax) + 6.0) * g_enc
+    s6, q6, e6 = _fos_candidate(x, ub, s6_hp, a_t, g_dec, ERR, SR, TILE_R, NB, BLOCK)
+    s4, q4, e4 = _fos_candidate(x, ub, s6_hp * 1.5, a_t, g_dec, ERR, SR, TILE_R, NB, BLOCK)
+    four = e4 < e6
+    code, qv = _signed(tl.where(four[:, :, None], q4, q6), sb)
+    return tl.where(four, s4, s6), code, qv
+
+
+@triton.jit
+def _ms_eden(xb, bad, sb, ub, s_dec, TILE_R: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+             GROUP: tl.constexpr):
+    """MS-EDEN (``precision.eden``): the E4M3 block scale mapping the block amax to VAL_MAX, elements
+    to nearest (midpoints away from zero), EDEN's factor ``sum(v*v) / sum(v*q)`` over each GROUP of
+    elements (16: the block; 128: eight blocks) and the corrected scale rounded stochastically with
+    the block's first element's uniform."""
+    x = tl.where(bad[:, :, None], 0.0, xb)
+    amax = tl.max(tl.abs(x), axis=2)
+    s_b = _e4m3_rne(tl.math.div_rn(tl.math.div_rn(amax, tl.zeros_like(amax) + EDEN_VAL_MAX),
+                                   tl.zeros_like(amax) + s_dec))
+    s_b = tl.where(s_b == 0.0, 1.0, s_b)
+    v = tl.math.div_rn(x, tl.zeros_like(x) + (s_b * s_dec)[:, :, None])
+    qm = _e2m1_away(v)
+    q = tl.where(_signbit(v) == 1, -qm, qm)
+    NG: tl.constexpr = NB * BLOCK // GROUP
+    num = _pairwise(tl.reshape(v * v, [TILE_R, NG, GROUP]), TILE_R, NG, GROUP)
+    den = _pairwise(tl.reshape(v * q, [TILE_R, NG, GROUP]), TILE_R, NG, GROUP)
+    corr = tl.where(den == 0.0, 1.0, tl.math.div_rn(num, tl.where(den == 0.0, 1.0, den)))
+    corr = tl.reshape(tl.broadcast_to(corr[:, :, None], [TILE_R, NG, GROUP // BLOCK]), [TILE_R, NB])
+    lane = tl.arange(0, BLOCK)[None, None, :]
+    u0 = tl.max(tl.where(lane == 0, ub, -1.0), axis=2)  # the block's first element's uniform
+    # the code's sign: the input's (a zero keeps it, any other value has it) -- except where v is
+    # NaN (a zero block under a tensor amax so small that s_dec underflows to 0: s_b = e4m3(0/0)),
+    # whose +6 takes torch's positive NaN scale's sign; its scale is NaN, so it decodes to NaN anyway
+    code, qv = _signed(qm, tl.where(v == v, sb, 0))
+    return _sr_e4m3(s_b * corr, u0), code, qv
+
+
+@triton.jit
+def _quest(xb, bad, sb, ub, SR: tl.constexpr, TILE_R: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
+    """QuEST (``precision.quest``): the E8M0 exponent ``floor(log2(QUEST_SCALE * std + EPS))`` of
+    the block's standard deviation (moments in the pairwise order, the variance clamped at 0),
+    elements to nearest (midpoints towards zero, beyond 5 -> 6) or stochastically. Returns the
+    scale byte (int32) in place of the scale."""
+    x = tl.where(bad[:, :, None], 0.0, xb)
+    n = tl.zeros([TILE_R, NB], dtype=tl.float32) + BLOCK
+    mean_sq = tl.math.div_rn(_pairwise(x * x, TILE_R, NB, BLOCK), n)
+    mean = tl.math.div_rn(_pairwise(x, TILE_R, NB, BLOCK), n)
+    var = mean_sq - mean * mean
+    var = tl.where(var < 0.0, 0.0, var)  # torch.clamp(min=0): NaN stays NaN
+    e = _expfloor(tl.sqrt_rn(var) * QUEST_SCALE_F32 + QUEST_EPS_F32)
+    e = tl.minimum(tl.maximum(e, -127), 127)
+    v = x * _pow2(-e)[:, :, None]  # exact: a power of two
+    if SR:
+        qm = _round_grid(v, ub, 0, 2, 1, 6.0, True)
+    else:
+        qm = _e2m1_toward_zero(tl.abs(v))
+    code, qv = _signed(qm, sb)
+    return e + 127, code, qv
+
+
 # ====================================================================== the kernels
 @triton.jit
 def _load_tile(x_ptr, signs_ptr, R, N, INNER, sx_o, sx_i, sx_k, TILE_R: tl.constexpr, TK: tl.constexpr,
@@ -256,8 +433,10 @@ def _quant_kernel(
     RCEIL: tl.constexpr, SR: tl.constexpr, U_GIVEN: tl.constexpr, KEYED: tl.constexpr, NAT: tl.constexpr,
     PRESCALE: tl.constexpr, TARGET: tl.constexpr, MARGIN: tl.constexpr, AMAX_OUT: tl.constexpr,
     WRITE_CODES: tl.constexpr, WRITE_DQ: tl.constexpr, PACK: tl.constexpr, BF16_FORM: tl.constexpr,
+    CTRL: tl.constexpr, ERR: tl.constexpr, GROUP: tl.constexpr,
 ):
-    """MODE 0: MX, 1: NVFP4, 2: per-tensor FP8.
+    """MODE 0: MX, 1: NVFP4, 2: per-tensor FP8. CTRL: the FP4 error control (``_CTRL``: 0 none,
+    1 4over6 with error measure ERR, 2 MS-EDEN over GROUP-element groups, 3 QuEST).
 
     Tensor-level numbers (MODE 1, 2) are computed here from the amax at ``gs_ptr`` (float32: the
     amax pass's result, or a given delayed / TP-reduced amax), with the reference's expressions, and
@@ -276,7 +455,7 @@ def _quant_kernel(
                  aux_ptr, ts_ptr, N, INNER, NPAD, NBLK, C, sc_o, sc_i, sc_k, ss_o, ss_i, ss_k, sd_o, sd_i, sd_k, su_o, su_i, su_k,
                  prescale, MODE, BLOCK, NB, TILE_R, ELEM, EMIN, EMAX, MBITS, BIAS, MAXN, SUBSCALE, SIGN_SHIFT,
                  RCEIL, SR, U_GIVEN, KEYED, NAT, PRESCALE, TARGET, MARGIN, AMAX_OUT, WRITE_CODES, WRITE_DQ, PACK,
-                 BF16_FORM)
+                 BF16_FORM, CTRL, ERR, GROUP)
 
 
 @triton.jit
@@ -291,6 +470,7 @@ def _quant_store(
     RCEIL: tl.constexpr, SR: tl.constexpr, U_GIVEN: tl.constexpr, KEYED: tl.constexpr, NAT: tl.constexpr,
     PRESCALE: tl.constexpr, TARGET: tl.constexpr, MARGIN: tl.constexpr, AMAX_OUT: tl.constexpr,
     WRITE_CODES: tl.constexpr, WRITE_DQ: tl.constexpr, PACK: tl.constexpr, BF16_FORM: tl.constexpr,
+    CTRL: tl.constexpr, ERR: tl.constexpr, GROUP: tl.constexpr,
 ):
     """Quantize one loaded ``[TILE_R, NB*BLOCK]`` tile (blocks along axis 1) and store its codes,
     scales and dequantized / BF16 values: the body of :func:`_quant_kernel`, shared with the
@@ -351,7 +531,39 @@ def _quant_store(
         xb = tl.where(fb, xb, 0.0)  # non-finite blocks are dropped whole; keep the arithmetic finite
         amax = tl.max(tl.abs(xb), axis=2)
         ef = _expfloor(amax)
-        if MODE == 0:
+        if MODE == 0 and CTRL == 3:
+            # ---- QuEST MXFP4: the E8M0 scale from the block's standard deviation ------
+            sbyte, code, qv = _quest(xb, bad, sb, ub, SR, TILE_R, NB, BLOCK)
+            code = tl.where(bad[:, :, None], 0, code)
+            dq = qv * _pow2(sbyte - 127)[:, :, None]
+            dq = tl.where(bad[:, :, None], float("nan"), dq)
+            sbyte = tl.where(bad, 255, sbyte)
+        elif MODE == 1 and CTRL > 0:
+            # ---- NVFP4 4/6 or MS-EDEN: their own tensor scale, block scales and elements -----
+            a = tl.load(gs_ptr)
+            if CTRL == 1:  # g_enc = min(6*256 / amax, FP32_MAX), 1 for amax 0 (fouroversix_tensor_scale)
+                g_enc = tl.minimum(tl.math.div_rn(tl.zeros_like(a) + 1536.0, a), FP32_MAX)
+                g_enc = tl.where(a == 0.0, 1.0, g_enc)
+                g_dec = tl.math.div_rn(tl.zeros_like(g_enc) + 1.0, g_enc)
+                s, code, qv = _four_over_six(xb, bad, sb, ub, a, g_enc, g_dec, ERR, SR, TILE_R, NB, BLOCK)
+            else:  # s_dec = amax / 255.99 / VAL_MAX (1 for amax 0); tensor scale min(1 / s_dec, FP32_MAX)
+                s_dec = tl.math.div_rn(tl.math.div_rn(a, tl.zeros_like(a) + EDEN_SCALE_MAX_F32),
+                                       tl.zeros_like(a) + EDEN_VAL_MAX)
+                s_dec = tl.where(a == 0.0, 1.0, s_dec)
+                g_enc = tl.minimum(tl.math.div_rn(tl.zeros_like(s_dec) + 1.0, s_dec), FP32_MAX)
+                g_dec = tl.math.div_rn(tl.zeros_like(g_enc) + 1.0, g_enc)
+                s, code, qv = _ms_eden(xb, bad, sb, ub, s_dec, TILE_R, NB, BLOCK, GROUP)
+            first = (pid_r == 0) & (pid_k == 0)
+            tl.store(ts_ptr, g_enc, mask=first)
+            tl.store(ts_ptr + 1, g_dec, mask=first)
+            code = tl.where(bad[:, :, None], 0, code)
+            if BF16_FORM:  # g_dec goes to the GEMM output
+                dq = qv * s[:, :, None]
+            else:
+                dq = qv * (s * g_dec)[:, :, None]
+            dq = tl.where(bad[:, :, None], float("nan"), dq)
+            sbyte = tl.where(bad | (s != s), 0x7F, _grid_code(s, -6, 3, 7, 512.0))
+        elif MODE == 0:
             # ---- MX: E8M0 scale byte (FLOOR or RCEIL), elements x / 2^(s-127) -------
             if RCEIL:
                 r = tl.math.div_rn(amax, tl.zeros_like(amax) + MAXN)
@@ -633,7 +845,8 @@ def quantize_triton(
     R = outer * inner
 
     block = spec.block if spec.blocked else 64
-    tk = max(block, rot, 2)
+    ctrl, err, group = _control(op)
+    tk = max(block, rot, group, 2)  # an EDEN group lies inside one tile (GROUP is 16 but for eden128)
     nb = tk // block
     npad = -(-n // block) * block if spec.blocked else n
     nblk = -(-n // block) if spec.blocked else 0
@@ -671,7 +884,8 @@ def quantize_triton(
                     KEYED=uniforms is None and key is not None, NAT=nat, PRESCALE=prescale != 1.0,
                     TARGET=float(spec.scale_target) if per_tensor else 1.0,
                     MARGIN=2.0**margin if per_tensor else 1.0, AMAX_OUT=amax_out,
-                    WRITE_CODES=codes, WRITE_DQ=dequantize or bf16_form, PACK=pack, BF16_FORM=bf16_form, **launch)
+                    WRITE_CODES=codes, WRITE_DQ=dequantize or bf16_form, PACK=pack, BF16_FORM=bf16_form,
+                    CTRL=ctrl, ERR=err, GROUP=group, **launch)
         if _capture is not None:  # cast_transpose_triton launches both layouts' arguments in one kernel
             _capture.append((args, meta))
         else:
@@ -746,6 +960,16 @@ def quantize_triton(
     return res
 
 
+_CTRL = {None: 0, "4over6": 1, "eden": 2, "eden128": 2, "quest": 3}  # OperandFormat.control -> CTRL
+_ERR = {FourOverSix.MSE: 0, FourOverSix.MAE: 1, FourOverSix.ABS_MAX: 2}
+
+
+def _control(op: OperandFormat) -> tuple[int, int, int]:
+    """The kernel's ``(CTRL, ERR, GROUP)`` for an operand format (see :func:`_quant_kernel`)."""
+    ctrl = _CTRL[op.control]
+    return ctrl, _ERR.get(op.four_over_six, 0), op.rounding.eden_group or 16
+
+
 def _amax_tensor(amax, dev) -> torch.Tensor:
     """A given amax as a float32 tensor on ``dev`` whose first element the kernel reads."""
     if isinstance(amax, torch.Tensor):
@@ -758,7 +982,7 @@ def _amax_tensor(amax, dev) -> torch.Tensor:
 _LAYOUT_ARGS = slice(2, 15), slice(18, 21), slice(24, 37)
 _LAYOUT_META = ("MODE", "BLOCK", "NB", "TILE_R", "ELEM", "EMIN", "EMAX", "MBITS", "BIAS", "MAXN", "SUBSCALE",
                 "SIGN_SHIFT", "RCEIL", "SR", "U_GIVEN", "KEYED", "NAT", "PRESCALE", "TARGET", "MARGIN", "AMAX_OUT",
-                "WRITE_CODES", "WRITE_DQ", "PACK", "BF16_FORM")
+                "WRITE_CODES", "WRITE_DQ", "PACK", "BF16_FORM", "CTRL", "ERR", "GROUP")
 
 
 @triton.jit(do_not_specialize=[f"{p}_{k}" for p in "ab" for k in ("ka", "kb", "row", "col", "gcols")])
@@ -783,6 +1007,8 @@ def _cast_transpose_kernel(
     B_NAT: tl.constexpr, B_PRESCALE: tl.constexpr, B_TARGET: tl.constexpr, B_MARGIN: tl.constexpr,
     B_AMAX_OUT: tl.constexpr, B_WRITE_CODES: tl.constexpr, B_WRITE_DQ: tl.constexpr,
     B_PACK: tl.constexpr, B_BF16_FORM: tl.constexpr,
+    A_CTRL: tl.constexpr, A_ERR: tl.constexpr, A_GROUP: tl.constexpr,
+    B_CTRL: tl.constexpr, B_ERR: tl.constexpr, B_GROUP: tl.constexpr,
 ):
     """One read of a ``[BT, BH]`` tile of the 2-D ``x [T, H]``, quantized twice from the same
     registers: layout A with blocks along axis 1 (rows t, block axis h), layout B with blocks along
@@ -803,7 +1029,7 @@ def _cast_transpose_kernel(
                  A_MODE, A_BLOCK, A_NB, A_TILE_R, A_ELEM, A_EMIN, A_EMAX, A_MBITS, A_BIAS, A_MAXN, A_SUBSCALE,
                  A_SIGN_SHIFT, A_RCEIL, A_SR, A_U_GIVEN, A_KEYED, A_NAT, A_PRESCALE, A_TARGET, A_MARGIN,
                  A_AMAX_OUT, A_WRITE_CODES, A_WRITE_DQ,
-                 A_PACK, A_BF16_FORM)
+                 A_PACK, A_BF16_FORM, A_CTRL, A_ERR, A_GROUP)
     # === B: blocks along t (the transposed tile) -- rows r = h (o = 0, i = h), k = t
     _quant_store(tl.trans(x), h1[:, None], tl.zeros([BH, 1], dtype=tl.int64), h1[:, None], t1[None, :], h_ok,
                  tl.trans(valid), pid_h, pid_t, tl.num_programs(0),
@@ -812,7 +1038,7 @@ def _cast_transpose_kernel(
                  B_MODE, B_BLOCK, B_NB, B_TILE_R, B_ELEM, B_EMIN, B_EMAX, B_MBITS, B_BIAS, B_MAXN, B_SUBSCALE,
                  B_SIGN_SHIFT, B_RCEIL, B_SR, B_U_GIVEN, B_KEYED, B_NAT, B_PRESCALE, B_TARGET, B_MARGIN,
                  B_AMAX_OUT, B_WRITE_CODES, B_WRITE_DQ,
-                 B_PACK, B_BF16_FORM)
+                 B_PACK, B_BF16_FORM, B_CTRL, B_ERR, B_GROUP)
 
 
 _CT_TILE = 64  # cast-transpose tile: [64 tokens, 64 features], whole MX (32) and NVFP4 (16) blocks both ways
@@ -843,6 +1069,10 @@ def cast_transpose_triton(
     """
     if x.dim() != 2:
         raise ValueError(f"cast_transpose: x must be 2-D [T, H], got shape {tuple(x.shape)}")
+    for op in (operand_format(f) for f in (fmt_row, fmt_col)):
+        if op.rounding.eden_group > _CT_TILE:
+            raise ValueError(f"cast_transpose: {op}: the EDEN group ({op.rounding.eden_group} elements) is wider than "
+                             f"the {_CT_TILE}-element tile; quantize each layout with quantize_triton")
     specs = [operand_format(f).format for f in (fmt_row, fmt_col)]
     blocks_ = [sp.block if sp.blocked else _CT_TILE for sp in specs]
     tile = _CT_TILE  # = the per-tensor kernels' tile width: their clip-count grids match this one's

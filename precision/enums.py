@@ -95,10 +95,10 @@ class Rounding(_StrEnum):
     # MS-EDEN (Quartet II; NVFP4 only, ``precision.eden``): elements round to nearest (midpoints
     # away from zero), the block scale takes EDEN's correction and is rounded stochastically --
     # one uniform per block; unbiased over the GEMM's random rotation (rht16*)
-    MS_EDEN = ("ms_eden", "eden", True, False, False, _round_half_away)
+    MS_EDEN = ("ms_eden", "eden", True, False, True, _round_half_away)
     # the same with EDEN's correction over 128-element groups under a 128-point random rotation
     # (rht128*): Quartet II's setting
-    MS_EDEN128 = ("ms_eden128", "eden128", True, False, False, _round_half_away)
+    MS_EDEN128 = ("ms_eden128", "eden128", True, False, True, _round_half_away)
 
     def __new__(cls, value, modifier, stochastic, nearest_even, triton, step_fn):
         obj = str.__new__(cls, value)

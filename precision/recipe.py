@@ -210,10 +210,11 @@ class OperandFormat:
     def triton_missing(self) -> str | None:
         """Why the Triton quantizer (``kernels.triton_quant``) has no kernel for this operand's
         settings -- one line its dispatchers hand on (``auto`` then runs the reference) -- or None.
-        The reference and the fused (``kernels.fused``) quantizers implement every setting."""
-        if self.control:
-            return (f"{self}: the Triton quantizer has no {self.control} kernel "
-                    "(the reference and fused quantizers have)")
+        It has every rounding, scale rule and FP4 error control on 1-D blocks; 2-D weight tiles are
+        the reference's (the operand pipeline quantizes a ``/2d`` weight with it once per step)."""
+        if self.block2d:
+            return (f"{self}: the Triton quantizer has no 2-D tile kernel (the reference quantizer has; "
+                    "the operand pipeline quantizes 2-D weights with it)")
         return None
 
     @property

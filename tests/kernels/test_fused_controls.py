@@ -1,11 +1,11 @@
-"""The FP4 error controls in the fused quantizer (``kernels.fused``) and their Triton refusal.
+"""The FP4 error controls in the fused quantizer (``kernels.fused``) and the dispatch around them.
 
 Four-over-six, MS-EDEN (16- and 128-groups) and QuEST run as one compiled expression in the fused
 quantizer, rotation and tensor amax included; each is held bit for bit to the reference quantizer
 (``precision.quantize`` after ``precision.rotation.rotate``), eagerly on every case and compiled on
-two (compilation is the slow part). The Triton quantizer has no kernel for them:
-refused in one line naming the control and the backend, while ``kernels.quantize(backend="auto")``
-and the operand pipeline give the reference's bits.
+two (compilation is the slow part). The Triton quantizer has them on 1-D blocks (bit for bit:
+``test_triton_controls.py``) and refuses 2-D tiles in one line; ``kernels.quantize(backend="auto")``
+runs it on CUDA only and gives the reference's bits elsewhere.
 """
 
 from __future__ import annotations
@@ -95,14 +95,16 @@ def test_an_sr_generator_gets_the_references_draws():
 
 
 @pytest.mark.parametrize("label,op,rotation", CONTROLS[:1] + CONTROLS[5:8], ids=[c[0] for c in CONTROLS[:1] + CONTROLS[5:8]])
-def test_triton_refuses_in_one_line_and_auto_gives_the_reference(label, op, rotation):
+def test_auto_on_a_cpu_gives_the_reference(label, op, rotation):
     x = torch.randn(16, 128)
-    why = triton_missing_reason(x, op)
-    assert why is not None and "\n" not in why
-    if op.rounding.triton:  # (MS-EDEN's rounding is refused first, by name)
-        assert why == f"{op}: the Triton quantizer has no {op.control} kernel (the reference and fused quantizers have)"
-    else:
-        assert f"no Triton kernel for {op.rounding} rounding" in why
+    assert op.triton_missing is None and op.rounding.triton  # a Triton kernel (used on CUDA)
     out = kernels.quantize(x, op, backend="auto", sr=SRKey(1))  # CPU: the reference
     ref = quantize(x, op, sr=SRKey(1))
     assert torch.equal(out.codes, ref.codes) and torch.equal(out.scales, ref.scales)
+
+
+
+def test_triton_refuses_2d_tiles_in_one_line():
+    op = next(o for name, o, r in CONTROLS if o.block2d)
+    why = triton_missing_reason(torch.randn(32, 32), op)
+    assert why == op.triton_missing and "\n" not in why and "no 2-D tile kernel" in why

@@ -70,10 +70,9 @@ def assert_same(ref, out):
 
 
 ALL_CASES = [(f, axis, str(rule)) for f in ALL_FORMATS for axis in (0, 1) for rule in FORMATS[f].scale_rules]
-# scale rules without a Triton kernel (quest): the kernels refuse them, the dispatch sends them to
-# the reference (test_reference_only_rules_refused below)
+# every scale rule has a kernel (quest here without its rotation; the FP4 error controls under their
+# rotations: test_triton_controls.py); 2-D weight tiles are refused (test_2d_tiles_refused below)
 CASES = [c for c in ALL_CASES if not OperandFormat(c[0], scale_rule=c[2]).triton_missing]
-REFERENCE_ONLY = [c for c in ALL_CASES if c not in CASES]
 
 
 @pytest.mark.parametrize("fmt,axis,rule", CASES)
@@ -84,22 +83,15 @@ def test_nearest_bit_exact(fmt, axis, rule):
     assert_same(ref, out)
 
 
-@pytest.mark.parametrize("fmt,axis,rule", REFERENCE_ONLY)
-def test_reference_only_rules_refused(fmt, axis, rule):
-    """A scale rule without a kernel is refused in one line, never quantized with another rule's
-    scale; the quantizer dispatch gives it the reference's bits."""
-    x = data()
-    op = OperandFormat(fmt, scale_rule=rule)
-    with pytest.raises(ValueError, match=f"the Triton quantizer has no {rule} kernel"):
-        quantize_triton(x, op, axis=axis, dequantize=True)
-    out = kernels.quantize(x, op, axis=axis, backend="auto")
-    ref = ref_quantize(x, fmt, axis=axis, scale_rule=rule)
-    assert torch.equal(ref.codes.cpu(), out.codes.cpu()) and torch.equal(ref.scales.cpu(), out.scales.cpu())
-    if fmt.startswith("fp8"):
-        assert torch.equal(ref.amax.cpu(), out.amax.cpu())
-        assert int(ref.num_clipped) == int(out.num_clipped)
-    if fmt == "nvfp4":
-        assert torch.equal(ref.tensor_scale.cpu(), out.tensor_scale.cpu())
+@pytest.mark.parametrize("fmt", [f for f in ALL_FORMATS if FORMATS[f].tile])
+def test_2d_tiles_refused(fmt):
+    """2-D weight tiles have no kernel: refused in one line, never quantized as 1-D blocks (the
+    operand pipeline quantizes a /2d weight with the reference once per step)."""
+    op = OperandFormat(fmt, block2d=True)
+    assert CASES == ALL_CASES and op.triton_missing
+    with pytest.raises(ValueError, match=f"^triton quantizer: {fmt}/2d: the Triton quantizer has no 2-D tile kernel"):
+        quantize_triton(data(), op, axis=1, dequantize=True)
+    assert kernels.quantizer.triton_missing_reason(data(), op) == op.triton_missing
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8_e5m2"])

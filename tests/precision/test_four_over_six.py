@@ -200,17 +200,19 @@ def test_spec_grammar_round_trip_and_refusals():
         OperandFormat("nvfp4", four_over_six="l2")
 
 
-def test_fused_and_triton_dispatch_fall_back_to_the_reference():
+def test_fused_and_triton_dispatch():
+    """The fused quantizer equals the reference; the Triton quantizer has 1-D 4/6 (bit for bit:
+    tests/kernels/test_triton_controls.py) and refuses 2-D tiles in one line."""
     from kernels.fused import fake_quantize
-    from kernels.quantizer import triton_missing_reason
 
     x = torch.randn(16, 64)
     op = OperandFormat("nvfp4", four_over_six="mse")
     values, _ = fake_quantize(x, op, impl="eager")
     assert torch.equal(values, quantize(x, op).dequantize())
-    assert triton_missing_reason(x, op) == "nvfp4/4over6: the Triton quantizer has no 4over6 kernel " \
-        "(the reference and fused quantizers have)"
-    assert OperandFormat("nvfp4").triton_missing is None
+    assert op.triton_missing is None and OperandFormat("nvfp4").triton_missing is None
+    assert OperandFormat("nvfp4", block2d=True, four_over_six="mse").triton_missing == (
+        "nvfp4/2d/4over6: the Triton quantizer has no 2-D tile kernel (the reference quantizer has; "
+        "the operand pipeline quantizes 2-D weights with it)")
 
 
 @pytest.mark.parametrize("spec", ["nvfp4/4over6", "nvfp4/4over6+had16", "nvfp4/sr+4over6(mae)"])
