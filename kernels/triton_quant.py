@@ -44,8 +44,19 @@ specification ``precision.rotation.rotate``: the signs (exact), the top-bit-firs
 butterflies ``(a, b) -> (a + b, a - b)`` (pairs ``(i, i + n/2)`` first), then one multiplication by
 ``fl(1/sqrt(n))``. Every step is one IEEE float32 operation in the same order on CPU, in the
 interpreter and on a GPU (no FMA: see above), so fused quantization equals
-``quantize(rotate(x))`` bit for bit for ``had16``, ``had32`` and ``rht16`` alike, and the hardware
-GEMM backends take their rotated operands from this kernel (``kernels.operand``).
+``quantize(rotate(x))`` bit for bit for ``had16``, ``had32``, ``rht16`` and ``rht128`` alike, and the
+hardware GEMM backends take their rotated operands from this kernel (``kernels.operand``).
+
+The FP4 error controls (``OperandFormat.control``; docs/controls.md) run in the same pass, after the
+rotation, each the reference's expression on the tile's blocks (``_four_over_six``, ``_ms_eden``,
+``_quest``): NVFP4 four-over-six (two candidate block scales, the smaller block error kept, a tie
+keeping 6; nearest or SR with one uniform for both), MS-EDEN over 16- or 128-element groups (a group
+lies inside one tile: the tile is at least the group wide; the scale rounded stochastically with
+the block's first element's uniform) and QuEST MXFP4 scales (nearest or SR). Block sums run in
+``precision.blocks.pairwise_sum``'s order (``_pairwise``: halves added element-wise), E4M3 casts
+saturate as torch's does, square roots are ``sqrt_rn``: bit-exact to the reference
+(``tests/kernels/test_triton_controls.py``). 2-D weight tiles (``/2d``) have no kernel here and are
+refused in one line (``OperandFormat.triton_missing``).
 """
 
 from __future__ import annotations
