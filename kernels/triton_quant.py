@@ -786,8 +786,11 @@ def quantize_triton(
     tensor's own. ``sr``, stochastic rounding's uniforms: a ``precision.srand.SRKey`` (the
     counter-based uniforms, generated in-kernel, bit-identical to the reference's
     ``quantize(..., sr=)``); a float32 tensor of uniforms drawn in the reference's ``generator``
-    order (bit-identical to it); a ``torch.Generator``, or None for torch's default one (one seed
-    drawn from it for ``tl.rand``: reproducible, its own stream).
+    order (bit-identical to it; block formats: one per element of ``x.movedim(axis, -1)`` padded to
+    whole blocks -- MS-EDEN's scale takes each block's first, as ``precision.eden.ms_eden_quantize``
+    does with ``u=``, not the per-block draws of its ``generator``); a ``torch.Generator``, or None
+    for torch's default one (one seed drawn from it for ``tl.rand``: reproducible, its own stream).
+    MS-EDEN (``ms_eden`` / ``ms_eden128``) draws from ``sr`` as stochastic rounding does.
 
     ``rotation``: a ``precision.rotation.ROTATIONS`` name, as a ``GemmRecipe`` holds it (``signs``:
     the +-1 vector, required for ``rht*``). ``codes``/``dequantize``: which outputs to write.
