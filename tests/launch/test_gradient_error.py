@@ -1,16 +1,19 @@
 """``launch/gradient_error.py``: the bias estimator against synthetic data with a known mean, and a
-smoke run on a tiny checkpoint in which a real MXFP4 error is told from BF16's."""
+smoke run on a tiny checkpoint in which a real MXFP4 error is told from BF16's (and an FP4 error
+control as a Wgrad recipe from both), and the FP4 controls report on that checkpoint's operands."""
 
 from __future__ import annotations
 
-import math
 import json
+import math
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from tests.pretrain._launch import REPO, TINY, run_pretrain
+from tests.pretrain._launch import REPO, TINY, env, run_pretrain
 
 SCRIPT = str(REPO / "launch" / "gradient_error.py")
 
@@ -85,7 +88,8 @@ def test_gradient_error_smoke(tmp_path, data_cache):
     ckpt = tmp_path / "ckpt"
     common = [*TINY, "--data-cache-dir", str(data_cache), "--train-iters", "2"]
     run_pretrain([*common, "--precision", "fp32", "--save", str(ckpt), "--save-interval", "2"], nproc=0)
-    out = run_pretrain(["--precisions", "bf16", "mxfp4", "--batches", "4", "--groups", "2",
+    eden = "base=bf16,wgrad=nvfp4+eden+rht16_resample"  # an FP4 error control as a Wgrad recipe
+    out = run_pretrain(["--precisions", "bf16", "mxfp4", eden, "--batches", "4", "--groups", "2",
                         "--json", str(tmp_path / "f.json"), "--",
                         *common, "--load", str(ckpt)], nproc=0, script=SCRIPT).stdout
     assert "gradient error at iteration 2" in out
@@ -93,14 +97,32 @@ def test_gradient_error_smoke(tmp_path, data_cache):
     assert set(rows) == {"bf16", "mxfp4"}
     # one step's error relative to the mean gradient: MXFP4 (2^-2 steps) far above BF16 (2^-9)
     assert 0 < rows["bf16"] < 0.05 < rows["mxfp4"], out
+    # MS-EDEN on Wgrad only (Fprop, Dgrad BF16): an FP4 error, below plain MXFP4's on all three GEMMs
+    eden_row = next(line for line in out.splitlines() if line.startswith(f"| {eden} |")).split(" | ")
+    assert rows["bf16"] < float(eden_row[2]) < rows["mxfp4"], out
     assert "| precision | embedding |" in out
     assert "<G, E[e]> / abs(G)^2 (s.e.) | break-even steps (tokens in total) | drift ratio at 2 steps |" in out
     mx = next(line for line in out.splitlines() if line.startswith("| mxfp4 |")).split(" | ")
     assert re.fullmatch(r"[+-][0-9.]+ \([0-9.na]+\)", mx[5]) and re.fullmatch(r"[0-9.]+", mx[7].rstrip(" |")), mx
     fig = json.loads((tmp_path / "f.json").read_text())  # the same figures as the table, unrounded
-    assert fig["iteration"] == 2 and set(fig["precisions"]) == {"bf16", "mxfp4"}
+    assert fig["iteration"] == 2 and set(fig["precisions"]) == {"bf16", "mxfp4", eden}
     assert f"{fig['precisions']['mxfp4']['step_error']:.4f}" == mx[2].strip()
     assert f"{fig['precisions']['mxfp4']['projection']:+.4f}" == mx[5].split(" (")[0]
+    # the FP4 controls report on the same checkpoint's own x, w, dy (python -m precision.controls_report)
+    rep = subprocess.run([sys.executable, "-m", "precision.controls_report", "--dist", "none", "--draws", "2",
+                          "--checkpoint", str(ckpt), "--", "--data-cache-dir", str(data_cache), "--seq-length", "64",
+                          "--micro-batch-size", "2", "--global-batch-size", "4"],
+                         cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    assert rep.returncode == 0, rep.stderr[-3000:]
+    assert f"Checkpoint {ckpt} at iteration 2: 8 linears, 256 tokens" in rep.stdout
+    sqnr = {(m[1], m[2]): float(m[3]) for m in re.finditer(r"^\| (x|w|dy) \| ([\w ]+) \| ([0-9.]+) \|", rep.stdout,
+                                                          re.MULTILINE)}
+    from precision.controls_report import CONTROLS
+
+    assert len(sqnr) == 3 * len(CONTROLS) and ("dy", "nvfp4 eden128 rht128_resample") in sqnr, rep.stdout
+    for role in ("x", "w", "dy"):  # the ranks the synthetic tensors show hold on a model's own operands
+        assert sqnr[(role, "nvfp4 4over6")] > sqnr[(role, "nvfp4 nearest")] > sqnr[(role, "nvfp4 sr")]
+        assert sqnr[(role, "nvfp4 eden rht16_resample")] > sqnr[(role, "nvfp4 sr rht16_resample")] + 2.0
 
 
 def test_gradient_error_needs_load(tmp_path):

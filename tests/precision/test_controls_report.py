@@ -1,5 +1,7 @@
 """``python -m precision.controls_report``: runs, and its numbers say what the controls promise."""
 
+import math
+
 import pytest
 import torch
 
@@ -47,3 +49,42 @@ def test_bias_is_the_projection_of_x_hat_minus_x():
     assert m["mxfp4 quest had32"]["bias"] < -0.02
     eden = m["nvfp4 eden rht16_resample"]
     assert abs(eden["bias"]) < 4 * eden["bias_se"] + 1e-4
+
+
+def test_checkpoint_table_pools_the_tensors_a_control_divides():
+    """A row pools its operand's tensors (SQNR: summed signal over summed noise, computed here from
+    the quantizer directly) over those whose contraction length the block and rotation divide."""
+    from precision.quantize import quantize
+
+    a, b = cr.sample("student_t3", (32, 64), 5), cr.sample("gaussian", (32, 256), 6)
+    out = cr.checkpoint_table({"x": [("a", a), ("b", b)], "w": [("a", a)], "dy": [("a", a.T.contiguous())]}, 2)
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in out.splitlines() if line.startswith("| ")}
+    signal = noise = 0.0
+    for t in (a, b):
+        q = quantize(t, cr.OperandFormat("nvfp4"), axis=1).dequantize()
+        signal, noise = signal + float(t.double().square().sum()), noise + float((t - q).double().square().sum())
+    nearest = rows[("x", "nvfp4 nearest")].split("|")
+    assert float(nearest[3]) == pytest.approx(10 * math.log10(signal / noise), abs=0.006)
+    assert nearest[-2].strip() == "2 of 2"
+    # eden128 needs 128 along the contraction: only b (256) for x, none of w's 64
+    eden128 = rows[("x", "nvfp4 eden128 rht128_resample")].split("|")
+    c = next(c for c in cr.CONTROLS if c.name == "nvfp4 eden128 rht128_resample")
+    assert eden128[-2].strip() == "1 of 2" and float(eden128[3]) == pytest.approx(cr.measure(b, 1, c, 2)["sqnr_db"],
+                                                                                 abs=0.006)
+    assert rows[("w", "nvfp4 eden128 rht128_resample")].count("n/a") == 6 and "0 of 1" in out
+    assert "| dy | nvfp4 4over6 |" in out  # dy along tokens (axis 0): a.T is [64, 32], 64 tokens
+
+
+def test_a_bad_checkpoint_is_refused_in_one_line(tmp_path, capsys):
+    assert cr.main(["--dist", "none", "--checkpoint", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --checkpoint {tmp_path / 'nope'}: no such directory") and "\n" not in err
+    assert cr.main(["--dist", "none", "--checkpoint", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not a training checkpoint directory (no latest_checkpointed_iteration.txt" in err and "\n" not in err
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
+    assert cr.main(["--dist", "none", "--checkpoint", str(tmp_path), "--", "--precision", "bf16"]) == 2
+    assert "drop --precision" in capsys.readouterr().err
+    for argv in (["--dist", "none"], ["--", "--seq-length", "64"]):
+        with pytest.raises(SystemExit):
+            cr.main(argv)
