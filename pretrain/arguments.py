@@ -376,8 +376,9 @@ def _check_tokenizer(model: str | None, tokenizer_type: str) -> None:
 
 
 def _check_save_holds_no_other_run(args) -> None:
-    """A run never overwrites another run's checkpoints: a --save directory that already holds some
-    resumes them (--load equal to --save) or is refused, instead of a fresh run saving over them."""
+    """A pretraining run never overwrites another run's checkpoints: a --save directory that already
+    holds some resumes them (--load equal to --save) or is refused, instead of a fresh run saving over
+    them. (An RL run resumes from its --save by design, ``pretrain.rl.checkpoint``: not checked there.)"""
     tracker = os.path.join(args.save, TRACKER) if args.save is not None else None
     if tracker is None or not os.path.isfile(tracker):
         return
@@ -409,7 +410,6 @@ def _check_checkpoints(args) -> None:
     for flag, path in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir)):
         if path is not None:
             _check_writable_dir(flag, path)
-    _check_save_holds_no_other_run(args)
     if msg := LoggingConfig.wandb_problem(args):
         raise ConfigError(msg)
     if args.skip_nonfinite_steps and not args.check_for_nan_in_loss_and_grad:
@@ -614,4 +614,9 @@ def validate_and_freeze(args: argparse.Namespace, world_size: int, cuda: bool) -
 def parse_run_config(argv: list[str] | None, world_size: int, cuda: bool) -> RunConfig:
     """Parse, validate and freeze: the run's :class:`pretrain.config.RunConfig` (:class:`ConfigError`
     on bad input, one line)."""
-    return validate_and_freeze(parse_args_or_raise(argv), world_size, cuda)[1]
+    args, run = validate_and_freeze(parse_args_or_raise(argv), world_size, cuda)
+    try:
+        _check_save_holds_no_other_run(args)
+    except ConfigError as e:
+        raise ConfigError(with_origins(str(e), args)) from None
+    return run

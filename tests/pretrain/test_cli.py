@@ -211,7 +211,9 @@ def test_a_save_directory_holding_another_runs_checkpoints_is_refused(tmp_path, 
     other.mkdir()
     line = refuse(BASE + ["--save", str(ckpt), "--load", str(other)], capsys, 1, monkeypatch)
     assert f"and --load {other} starts from another checkpoint: this run would overwrite them" in line
-    validate_args(parse_args(BASE + ["--save", str(ckpt), "--load", str(ckpt)]), world_size=1, cuda=False)
+    from pretrain.arguments import parse_run_config
+
+    assert parse_run_config(BASE + ["--save", str(ckpt), "--load", str(ckpt)], 1, False).checkpoint.load == str(ckpt)
 
 
 # === the entry point as a process ===
