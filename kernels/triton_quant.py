@@ -55,8 +55,11 @@ lies inside one tile: the tile is at least the group wide; the scale rounded sto
 the block's first element's uniform) and QuEST MXFP4 scales (nearest or SR). Block sums run in
 ``precision.blocks.pairwise_sum``'s order (``_pairwise``: halves added element-wise), E4M3 casts
 saturate as torch's does, square roots are ``sqrt_rn``: bit-exact to the reference
-(``tests/kernels/test_triton_controls.py``). 2-D weight tiles (``/2d``) have no kernel here and are
-refused in one line (``OperandFormat.triton_missing``).
+(``tests/kernels/test_triton_controls.py``).
+
+2-D weight tiles (``/2d``, a 2-D ``x``): the tile's rows hold whole ``tile x tile`` squares (NVFP4
+16, MX 32); each square's amax -- NaN/Inf making the whole square non-finite -- scales all its
+blocks, and 4/6 sums its error over the square (``_square_sum``), whichever axis the blocks run along.
 """
 
 from __future__ import annotations
@@ -241,6 +244,29 @@ def _pairwise(t, TILE_R: tl.constexpr, G: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
+def _square_max(t, TILE_R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr):
+    """2-D tiles: ``[TILE_R, NB]`` per-row block values -> each ``T x T`` square's maximum, for
+    each of its T rows (the tile's rows are whole squares)."""
+    m = tl.max(tl.reshape(t, [TILE_R // T, T, NB]), axis=1)
+    return tl.reshape(tl.broadcast_to(m[:, None, :], [TILE_R // T, T, NB]), [TILE_R, NB])
+
+
+@triton.jit
+def _square_sum(t, TILE_R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr, TWO_D: tl.constexpr):
+    """2-D tiles: ``[TILE_R, NB, T]`` -> each square's sum over its T*T elements in
+    ``_pairwise``'s order of the square read row-major in the tensor's own ``[rows, cols]`` layout
+    (``precision.four_over_six._tiles``), for each of its T rows. TWO_D 1: the tile's rows are the
+    tensor's rows (blocks along axis 1); 2: its columns (blocks along axis 0)."""
+    t4 = tl.reshape(t, [TILE_R // T, T, NB, T])
+    if TWO_D == 1:
+        t4 = tl.permute(t4, (0, 2, 1, 3))  # [square, block, row, col]
+    else:
+        t4 = tl.permute(t4, (0, 2, 3, 1))  # the tile's k runs along the tensor's rows
+    m = _pairwise(tl.reshape(t4, [TILE_R // T, NB, T * T]), TILE_R // T, NB, T * T)
+    return tl.reshape(tl.broadcast_to(m[:, None, :], [TILE_R // T, T, NB]), [TILE_R, NB])
+
+
+@triton.jit
 def _e4m3_rne(s):
     """float32 s >= 0 (or NaN) cast to E4M3 as torch's cast does: nearest-even, saturating at 448
     (+Inf too), NaN kept."""
@@ -307,7 +333,7 @@ def _signed(qm, neg):
 
 @triton.jit
 def _fos_candidate(x, ub, s_hp, a_t, g_dec, ERR: tl.constexpr, SR: tl.constexpr, TILE_R: tl.constexpr,
-                   NB: tl.constexpr, BLOCK: tl.constexpr):
+                   NB: tl.constexpr, BLOCK: tl.constexpr, TWO_D: tl.constexpr):
     """One 4/6 candidate (``precision.four_over_six``): the E4M3 scale of ``s_hp``, the rounded
     magnitudes and the block error of the authors' dequantization ``((q * s) * amax) / (6 * 256)``."""
     s = _e4m3_rne(tl.minimum(s_hp, 448.0))
@@ -318,25 +344,35 @@ def _fos_candidate(x, ub, s_hp, a_t, g_dec, ERR: tl.constexpr, SR: tl.constexpr,
     qv = tl.where(_signbit(x) == 1, -qm, qm)
     d = tl.math.div_rn((qv * s[:, :, None]) * a_t, tl.zeros_like(qv) + 1536.0)
     diff = d - x
-    if ERR == 0:
-        err = _pairwise(diff * diff, TILE_R, NB, BLOCK)
-    elif ERR == 1:
-        err = _pairwise(tl.abs(diff), TILE_R, NB, BLOCK)
-    else:
+    if ERR == 2:
         err = tl.max(tl.abs(diff), axis=2)
+        if TWO_D > 0:
+            err = _square_max(err, TILE_R, NB, BLOCK)
+    else:
+        if ERR == 0:
+            e = diff * diff
+        else:
+            e = tl.abs(diff)
+        if TWO_D > 0:
+            err = _square_sum(e, TILE_R, NB, BLOCK, TWO_D)
+        else:
+            err = _pairwise(e, TILE_R, NB, BLOCK)
     return s, qm, err
 
 
 @triton.jit
 def _four_over_six(xb, bad, sb, ub, a_t, g_enc, g_dec, ERR: tl.constexpr, SR: tl.constexpr,
-                   TILE_R: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
-    """NVFP4 4/6: per block the candidate mapping the amax to 4 (scale x 1.5) where its error is
-    smaller than the one mapping it to 6 (a tie keeps 6); both round with the same uniforms."""
+                   TILE_R: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr, TWO_D: tl.constexpr):
+    """NVFP4 4/6: per block (2-D: per 16x16 square, its amax and its summed error) the candidate
+    mapping the amax to 4 (scale x 1.5) where its error is smaller than the one mapping it to 6 (a
+    tie keeps 6); both round with the same uniforms."""
     x = tl.where(bad[:, :, None], 0.0, xb)
     amax = tl.max(tl.abs(x), axis=2)
+    if TWO_D > 0:
+        amax = _square_max(amax, TILE_R, NB, BLOCK)
     s6_hp = tl.math.div_rn(amax, tl.zeros_like(amax) + 6.0) * g_enc
-    s6, q6, e6 = _fos_candidate(x, ub, s6_hp, a_t, g_dec, ERR, SR, TILE_R, NB, BLOCK)
-    s4, q4, e4 = _fos_candidate(x, ub, s6_hp * 1.5, a_t, g_dec, ERR, SR, TILE_R, NB, BLOCK)
+    s6, q6, e6 = _fos_candidate(x, ub, s6_hp, a_t, g_dec, ERR, SR, TILE_R, NB, BLOCK, TWO_D)
+    s4, q4, e4 = _fos_candidate(x, ub, s6_hp * 1.5, a_t, g_dec, ERR, SR, TILE_R, NB, BLOCK, TWO_D)
     four = e4 < e6
     code, qv = _signed(tl.where(four[:, :, None], q4, q6), sb)
     return tl.where(four, s4, s6), code, qv
@@ -444,10 +480,11 @@ def _quant_kernel(
     RCEIL: tl.constexpr, SR: tl.constexpr, U_GIVEN: tl.constexpr, KEYED: tl.constexpr, NAT: tl.constexpr,
     PRESCALE: tl.constexpr, TARGET: tl.constexpr, MARGIN: tl.constexpr, AMAX_OUT: tl.constexpr,
     WRITE_CODES: tl.constexpr, WRITE_DQ: tl.constexpr, PACK: tl.constexpr, BF16_FORM: tl.constexpr,
-    CTRL: tl.constexpr, ERR: tl.constexpr, GROUP: tl.constexpr,
+    CTRL: tl.constexpr, ERR: tl.constexpr, GROUP: tl.constexpr, TWO_D: tl.constexpr,
 ):
     """MODE 0: MX, 1: NVFP4, 2: per-tensor FP8. CTRL: the FP4 error control (``_CTRL``: 0 none,
-    1 4over6 with error measure ERR, 2 MS-EDEN over GROUP-element groups, 3 QuEST).
+    1 4over6 with error measure ERR, 2 MS-EDEN over GROUP-element groups, 3 QuEST). TWO_D: 2-D
+    weight tiles of BLOCK x BLOCK (0: 1-D blocks; see :func:`_square_sum`).
 
     Tensor-level numbers (MODE 1, 2) are computed here from the amax at ``gs_ptr`` (float32: the
     amax pass's result, or a given delayed / TP-reduced amax), with the reference's expressions, and
@@ -466,7 +503,7 @@ def _quant_kernel(
                  aux_ptr, ts_ptr, N, INNER, NPAD, NBLK, C, sc_o, sc_i, sc_k, ss_o, ss_i, ss_k, sd_o, sd_i, sd_k, su_o, su_i, su_k,
                  prescale, MODE, BLOCK, NB, TILE_R, ELEM, EMIN, EMAX, MBITS, BIAS, MAXN, SUBSCALE, SIGN_SHIFT,
                  RCEIL, SR, U_GIVEN, KEYED, NAT, PRESCALE, TARGET, MARGIN, AMAX_OUT, WRITE_CODES, WRITE_DQ, PACK,
-                 BF16_FORM, CTRL, ERR, GROUP)
+                 BF16_FORM, CTRL, ERR, GROUP, TWO_D)
 
 
 @triton.jit
@@ -481,7 +518,7 @@ def _quant_store(
     RCEIL: tl.constexpr, SR: tl.constexpr, U_GIVEN: tl.constexpr, KEYED: tl.constexpr, NAT: tl.constexpr,
     PRESCALE: tl.constexpr, TARGET: tl.constexpr, MARGIN: tl.constexpr, AMAX_OUT: tl.constexpr,
     WRITE_CODES: tl.constexpr, WRITE_DQ: tl.constexpr, PACK: tl.constexpr, BF16_FORM: tl.constexpr,
-    CTRL: tl.constexpr, ERR: tl.constexpr, GROUP: tl.constexpr,
+    CTRL: tl.constexpr, ERR: tl.constexpr, GROUP: tl.constexpr, TWO_D: tl.constexpr,
 ):
     """Quantize one loaded ``[TILE_R, NB*BLOCK]`` tile (blocks along axis 1) and store its codes,
     scales and dequantized / BF16 values: the body of :func:`_quant_kernel`, shared with the
@@ -541,6 +578,9 @@ def _quant_store(
         bad = tl.max((fb == 0).to(tl.int32), axis=2) > 0             # [TILE_R, NB]
         xb = tl.where(fb, xb, 0.0)  # non-finite blocks are dropped whole; keep the arithmetic finite
         amax = tl.max(tl.abs(xb), axis=2)
+        if TWO_D > 0:  # 2-D weight tiles: each square's amax and non-finiteness, for each of its rows
+            bad = _square_max(bad.to(tl.int32), TILE_R, NB, BLOCK) > 0
+            amax = _square_max(tl.where(bad, 0.0, amax), TILE_R, NB, BLOCK)
         ef = _expfloor(amax)
         if MODE == 0 and CTRL == 3:
             # ---- QuEST MXFP4: the E8M0 scale from the block's standard deviation ------
@@ -556,7 +596,7 @@ def _quant_store(
                 g_enc = tl.minimum(tl.math.div_rn(tl.zeros_like(a) + 1536.0, a), FP32_MAX)
                 g_enc = tl.where(a == 0.0, 1.0, g_enc)
                 g_dec = tl.math.div_rn(tl.zeros_like(g_enc) + 1.0, g_enc)
-                s, code, qv = _four_over_six(xb, bad, sb, ub, a, g_enc, g_dec, ERR, SR, TILE_R, NB, BLOCK)
+                s, code, qv = _four_over_six(xb, bad, sb, ub, a, g_enc, g_dec, ERR, SR, TILE_R, NB, BLOCK, TWO_D)
             else:  # s_dec = amax / 255.99 / VAL_MAX (1 for amax 0); tensor scale min(1 / s_dec, FP32_MAX)
                 s_dec = tl.math.div_rn(tl.math.div_rn(a, tl.zeros_like(a) + EDEN_SCALE_MAX_F32),
                                        tl.zeros_like(a) + EDEN_VAL_MAX)
@@ -867,6 +907,18 @@ def quantize_triton(
     # GPU: a fixed tile; interpreter: few, large programs (each is a numpy pass)
     cpu_tile = max(16, min(256, triton.next_power_of_2(R)))
     tile_r = tile_rows or (_TILE_R_GPU if dev.type == "cuda" else cpu_tile)
+    two_d = 0
+    if op.block2d:  # 2-D weight tiles: the tile's rows hold whole squares
+        if x.dim() != 2:
+            raise ValueError(f"{op}: 2-D block scaling takes a 2-D tensor (a weight [out, in]), "
+                             f"got shape {tuple(x.shape)}")
+        if op.four_over_six != FourOverSix.NONE and stochastic:
+            raise ValueError(f"{op}: 4over6 with 2-D tiles rounds to nearest (one quantized weight serves "
+                             "Fprop and Dgrad)")
+        tile_r = max(tile_r, spec.tile)
+        if tile_r % spec.tile:
+            raise ValueError(f"tile_rows: {tile_r} is not a multiple of {op}'s {spec.tile}x{spec.tile} tile")
+        two_d = 1 if axis == 1 else 2
     grid = (triton.cdiv(R, tile_r), triton.cdiv(n, tk))
 
     elem = spec.element
@@ -899,7 +951,7 @@ def quantize_triton(
                     TARGET=float(spec.scale_target) if per_tensor else 1.0,
                     MARGIN=2.0**margin if per_tensor else 1.0, AMAX_OUT=amax_out,
                     WRITE_CODES=codes, WRITE_DQ=dequantize or bf16_form, PACK=pack, BF16_FORM=bf16_form,
-                    CTRL=ctrl, ERR=err, GROUP=group, **launch)
+                    CTRL=ctrl, ERR=err, GROUP=group, TWO_D=two_d, **launch)
         if _capture is not None:  # cast_transpose_triton launches both layouts' arguments in one kernel
             _capture.append((args, meta))
         else:
@@ -996,7 +1048,7 @@ def _amax_tensor(amax, dev) -> torch.Tensor:
 _LAYOUT_ARGS = slice(2, 15), slice(18, 21), slice(24, 37)
 _LAYOUT_META = ("MODE", "BLOCK", "NB", "TILE_R", "ELEM", "EMIN", "EMAX", "MBITS", "BIAS", "MAXN", "SUBSCALE",
                 "SIGN_SHIFT", "RCEIL", "SR", "U_GIVEN", "KEYED", "NAT", "PRESCALE", "TARGET", "MARGIN", "AMAX_OUT",
-                "WRITE_CODES", "WRITE_DQ", "PACK", "BF16_FORM", "CTRL", "ERR", "GROUP")
+                "WRITE_CODES", "WRITE_DQ", "PACK", "BF16_FORM", "CTRL", "ERR", "GROUP", "TWO_D")
 
 
 @triton.jit(do_not_specialize=[f"{p}_{k}" for p in "ab" for k in ("ka", "kb", "row", "col", "gcols")])
@@ -1021,8 +1073,8 @@ def _cast_transpose_kernel(
     B_NAT: tl.constexpr, B_PRESCALE: tl.constexpr, B_TARGET: tl.constexpr, B_MARGIN: tl.constexpr,
     B_AMAX_OUT: tl.constexpr, B_WRITE_CODES: tl.constexpr, B_WRITE_DQ: tl.constexpr,
     B_PACK: tl.constexpr, B_BF16_FORM: tl.constexpr,
-    A_CTRL: tl.constexpr, A_ERR: tl.constexpr, A_GROUP: tl.constexpr,
-    B_CTRL: tl.constexpr, B_ERR: tl.constexpr, B_GROUP: tl.constexpr,
+    A_CTRL: tl.constexpr, A_ERR: tl.constexpr, A_GROUP: tl.constexpr, A_TWO_D: tl.constexpr,
+    B_CTRL: tl.constexpr, B_ERR: tl.constexpr, B_GROUP: tl.constexpr, B_TWO_D: tl.constexpr,
 ):
     """One read of a ``[BT, BH]`` tile of the 2-D ``x [T, H]``, quantized twice from the same
     registers: layout A with blocks along axis 1 (rows t, block axis h), layout B with blocks along
@@ -1043,7 +1095,7 @@ def _cast_transpose_kernel(
                  A_MODE, A_BLOCK, A_NB, A_TILE_R, A_ELEM, A_EMIN, A_EMAX, A_MBITS, A_BIAS, A_MAXN, A_SUBSCALE,
                  A_SIGN_SHIFT, A_RCEIL, A_SR, A_U_GIVEN, A_KEYED, A_NAT, A_PRESCALE, A_TARGET, A_MARGIN,
                  A_AMAX_OUT, A_WRITE_CODES, A_WRITE_DQ,
-                 A_PACK, A_BF16_FORM, A_CTRL, A_ERR, A_GROUP)
+                 A_PACK, A_BF16_FORM, A_CTRL, A_ERR, A_GROUP, A_TWO_D)
     # === B: blocks along t (the transposed tile) -- rows r = h (o = 0, i = h), k = t
     _quant_store(tl.trans(x), h1[:, None], tl.zeros([BH, 1], dtype=tl.int64), h1[:, None], t1[None, :], h_ok,
                  tl.trans(valid), pid_h, pid_t, tl.num_programs(0),
@@ -1052,7 +1104,7 @@ def _cast_transpose_kernel(
                  B_MODE, B_BLOCK, B_NB, B_TILE_R, B_ELEM, B_EMIN, B_EMAX, B_MBITS, B_BIAS, B_MAXN, B_SUBSCALE,
                  B_SIGN_SHIFT, B_RCEIL, B_SR, B_U_GIVEN, B_KEYED, B_NAT, B_PRESCALE, B_TARGET, B_MARGIN,
                  B_AMAX_OUT, B_WRITE_CODES, B_WRITE_DQ,
-                 B_PACK, B_BF16_FORM, B_CTRL, B_ERR, B_GROUP)
+                 B_PACK, B_BF16_FORM, B_CTRL, B_ERR, B_GROUP, B_TWO_D)
 
 
 _CT_TILE = 64  # cast-transpose tile: [64 tokens, 64 features], whole MX (32) and NVFP4 (16) blocks both ways

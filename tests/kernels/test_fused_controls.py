@@ -3,9 +3,9 @@
 Four-over-six, MS-EDEN (16- and 128-groups) and QuEST run as one compiled expression in the fused
 quantizer, rotation and tensor amax included; each is held bit for bit to the reference quantizer
 (``precision.quantize`` after ``precision.rotation.rotate``), eagerly on every case and compiled on
-two (compilation is the slow part). The Triton quantizer has them on 1-D blocks (bit for bit:
-``test_triton_controls.py``) and refuses 2-D tiles in one line; ``kernels.quantize(backend="auto")``
-runs it on CUDA only and gives the reference's bits elsewhere.
+two (compilation is the slow part). The Triton quantizer has them too (bit for bit:
+``test_triton_controls.py``); ``kernels.quantize(backend="auto")`` runs it on CUDA only and gives the
+reference's bits elsewhere.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import torch
 
 import kernels
 from kernels.fused import compile_available, fake_quantize
-from kernels.quantizer import triton_missing_reason
 from precision.quantize import quantize
 from precision.recipe import OperandFormat
 from precision.rotation import random_signs, rotate, rotation_size
@@ -101,10 +100,3 @@ def test_auto_on_a_cpu_gives_the_reference(label, op, rotation):
     out = kernels.quantize(x, op, backend="auto", sr=SRKey(1))  # CPU: the reference
     ref = quantize(x, op, sr=SRKey(1))
     assert torch.equal(out.codes, ref.codes) and torch.equal(out.scales, ref.scales)
-
-
-
-def test_triton_refuses_2d_tiles_in_one_line():
-    op = next(o for name, o, r in CONTROLS if o.block2d)
-    why = triton_missing_reason(torch.randn(32, 32), op)
-    assert why == op.triton_missing and "\n" not in why and "no 2-D tile kernel" in why

@@ -4,9 +4,9 @@ Four-over-six (``mse``, ``mae``, ``abs_max``; nearest and SR), MS-EDEN over 16- 
 groups under ``rht16`` / ``rht128`` and QuEST (nearest and SR) under a Hadamard: codes, scale bytes,
 tensor scale and dequantized values of ``quantize_triton`` (rotation fused) against
 ``precision.quantize`` after ``precision.rotation.rotate``, with the SR key's counter-based uniforms,
-along either axis. Without CUDA they run in Triton's interpreter (``TRITON_INTERPRET=1``, set before
-triton is imported: tests/kernels/conftest.py), so shapes are a few tiles. 2-D weight tiles stay
-the reference's: refused in one line.
+along either axis, and 4/6 on 2-D weight tiles (``/2d``: a 16x16 square's amax and summed error).
+Without CUDA they run in Triton's interpreter (``TRITON_INTERPRET=1``, set before triton is
+imported: tests/kernels/conftest.py), so shapes are a few tiles.
 """
 
 import os
@@ -45,6 +45,9 @@ CONTROLS = [
     ("nvfp4/sr/4over6(mae)+had16", OperandFormat("nvfp4", rounding="stochastic", four_over_six="mae"), "had16",
      (32, 32)),
     ("nvfp4/4over6(abs_max)", OperandFormat("nvfp4", four_over_six="abs_max"), "none", (16, 48)),
+    ("nvfp4/2d/4over6", OperandFormat("nvfp4", block2d=True, four_over_six="mse"), "none", (40, 48)),
+    ("nvfp4/2d/4over6(abs_max)+had16", OperandFormat("nvfp4", block2d=True, four_over_six="abs_max"), "had16",
+     (32, 32)),
     ("nvfp4/eden+rht16", OperandFormat("nvfp4", rounding="ms_eden"), "rht16", (32, 32)),
     ("nvfp4/eden128+rht128", OperandFormat("nvfp4", rounding="ms_eden128"), "rht128", (128, 128)),
     ("mxfp4/quest+had32", OperandFormat("mxfp4", scale_rule="quest"), "had32", (32, 64)),
@@ -171,6 +174,11 @@ def test_contraction_last_packed_bf16_form_and_cast_transpose():
     assert torch.equal(row.codes.cpu(), quantize(x, op, axis=1).codes)
     ref_col = quantize(x, eden, axis=0, sr=SRKey(8))
     assert torch.equal(col.codes.cpu(), ref_col.codes.t()) and torch.equal(col.scales.cpu(), ref_col.scales.t())
+    tiles = OperandFormat("nvfp4", block2d=True, four_over_six="mse")  # 16x16 squares seen from both sides
+    row, col = cast_transpose_triton(x.to(DEV), tiles, tiles)
+    ref_col = quantize(x, tiles, axis=0)
+    assert torch.equal(row.codes.cpu(), quantize(x, tiles, axis=1).codes) and torch.equal(col.codes.cpu(), ref_col.codes.t())
+    assert torch.equal(col.scales.cpu(), ref_col.scales.t())
     with pytest.raises(ValueError, match="cast_transpose: nvfp4/eden128: the EDEN group"):
         cast_transpose_triton(x.to(DEV), op, OperandFormat("nvfp4", rounding="ms_eden128"))
 
@@ -185,8 +193,12 @@ def test_kernels_quantize_triton_backend():
     assert bits_equal(ref.dequantize(), out.dequantize().cpu())
 
 
-def test_2d_tiles_refused_in_one_line():
-    op = OperandFormat("nvfp4", block2d=True, four_over_six="mse")
-    with pytest.raises(ValueError, match=r"^triton quantizer: nvfp4/2d/4over6: the Triton quantizer has no 2-D "
-                                         r"tile kernel \(the reference quantizer has; [^\n]*\)$"):
-        quantize_triton(torch.randn(32, 32, device=DEV), op)
+def test_what_stays_refused_is_refused_in_one_line():
+    """4/6 on 2-D tiles rounds to nearest (as the reference refuses SR there); a 128-group is wider
+    than the cast-transpose's 64-element tile (the cast-transpose test above)."""
+    op = OperandFormat("nvfp4", block2d=True, rounding="stochastic", four_over_six="mse")
+    with pytest.raises(ValueError, match=r"^nvfp4/sr/2d/4over6: 4over6 with 2-D tiles rounds to nearest \(one quantized "
+                                         r"weight serves Fprop and Dgrad\)$"):
+        quantize_triton(torch.randn(32, 32, device=DEV), op, sr=SRKey(1))
+    with pytest.raises(ValueError, match="4over6 with 2-D tiles rounds to nearest"):
+        quantize(torch.randn(32, 32), op, sr=SRKey(1))

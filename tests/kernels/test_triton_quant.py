@@ -71,7 +71,7 @@ def assert_same(ref, out):
 
 ALL_CASES = [(f, axis, str(rule)) for f in ALL_FORMATS for axis in (0, 1) for rule in FORMATS[f].scale_rules]
 # every scale rule has a kernel (quest here without its rotation; the FP4 error controls under their
-# rotations: test_triton_controls.py); 2-D weight tiles are refused (test_2d_tiles_refused below)
+# rotations: test_triton_controls.py)
 CASES = [c for c in ALL_CASES if not OperandFormat(c[0], scale_rule=c[2]).triton_missing]
 
 
@@ -83,15 +83,18 @@ def test_nearest_bit_exact(fmt, axis, rule):
     assert_same(ref, out)
 
 
-@pytest.mark.parametrize("fmt", [f for f in ALL_FORMATS if FORMATS[f].tile])
-def test_2d_tiles_refused(fmt):
-    """2-D weight tiles have no kernel: refused in one line, never quantized as 1-D blocks (the
-    operand pipeline quantizes a /2d weight with the reference once per step)."""
-    op = OperandFormat(fmt, block2d=True)
-    assert CASES == ALL_CASES and op.triton_missing
-    with pytest.raises(ValueError, match=f"^triton quantizer: {fmt}/2d: the Triton quantizer has no 2-D tile kernel"):
-        quantize_triton(data(), op, axis=1, dequantize=True)
-    assert kernels.quantizer.triton_missing_reason(data(), op) == op.triton_missing
+@pytest.mark.parametrize("fmt,rule", [("nvfp4", "floor"), ("mxfp4", "floor"), ("mxfp8_e4m3", "rceil")])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_2d_tiles_bit_exact(fmt, rule, axis):
+    """2-D weight tiles (``/2d``): each square's amax (NaN/Inf: the whole square) scales all its
+    blocks, along either axis; partial edge squares (40 x 80 in 16- and 32-squares)."""
+    x = data(40, 80)
+    op = OperandFormat(fmt, scale_rule=rule, block2d=True)
+    assert CASES == ALL_CASES and op.triton_missing is None  # nothing is refused
+    assert_same(ref_quantize(x, op, axis=axis), quantize_triton(x, op, axis=axis, dequantize=True))
+    with pytest.raises(ValueError, match=rf"^{fmt}/2d.*: 2-D block scaling takes a 2-D tensor \(a weight \[out, in\]\), "
+                                         r"got shape \(2, 40, 80\)$"):
+        quantize_triton(torch.stack([x, x]), op, axis=-1)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8_e5m2"])

@@ -201,8 +201,8 @@ def test_spec_grammar_round_trip_and_refusals():
 
 
 def test_fused_and_triton_dispatch():
-    """The fused quantizer equals the reference; the Triton quantizer has 1-D 4/6 (bit for bit:
-    tests/kernels/test_triton_controls.py) and refuses 2-D tiles in one line."""
+    """The fused quantizer equals the reference; the Triton quantizer has 4/6 on 1-D blocks and 2-D
+    tiles (bit for bit: tests/kernels/test_triton_controls.py)."""
     from kernels.fused import fake_quantize
 
     x = torch.randn(16, 64)
@@ -210,9 +210,7 @@ def test_fused_and_triton_dispatch():
     values, _ = fake_quantize(x, op, impl="eager")
     assert torch.equal(values, quantize(x, op).dequantize())
     assert op.triton_missing is None and OperandFormat("nvfp4").triton_missing is None
-    assert OperandFormat("nvfp4", block2d=True, four_over_six="mse").triton_missing == (
-        "nvfp4/2d/4over6: the Triton quantizer has no 2-D tile kernel (the reference quantizer has; "
-        "the operand pipeline quantizes 2-D weights with it)")
+    assert OperandFormat("nvfp4", block2d=True, four_over_six="mse").triton_missing is None
 
 
 @pytest.mark.parametrize("spec", ["nvfp4/4over6", "nvfp4/4over6+had16", "nvfp4/sr+4over6(mae)"])
