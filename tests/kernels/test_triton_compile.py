@@ -3,7 +3,7 @@
 The interpreter (which the other tests use on CPU) accepts code the GPU compiler rejects, so this
 compiles representative variants ahead of time to PTX and cubins with triton's bundled ptxas, in a
 subprocess without TRITON_INTERPRET, and checks the PTX for what the numerics rely on: IEEE
-division (``div.rn.f32``, never ``div.full``) and no FMA contraction.
+division (``div.rn.f32``, never ``div.full``), IEEE square roots (QuEST) and no FMA contraction.
 """
 
 import os
@@ -55,7 +55,7 @@ for arch in (90, 100):
                  ROT_C=0.25 if rot == 16 else 0.17677669529663687, HAS_SIGNS=rot == 16, RCEIL=rceil, SR=sr,
                  U_GIVEN=ug, KEYED=keyed, NAT=nat, PRESCALE=pre, TARGET=ELEM[elem]["MAXN"] if mode == 2 else 1.0,
                  MARGIN=2.0 if mode == 2 else 1.0, AMAX_OUT=amax_out, WRITE_CODES=not bf16, WRITE_DQ=True,
-                 PACK=pack, BF16_FORM=bf16, **ELEM[elem])
+                 PACK=pack, BF16_FORM=bf16, CTRL=0, ERR=0, GROUP=16, TWO_D=0, **ELEM[elem])
         ptx = build(tq._quant_kernel, c, arch, {**PTRS, "dq_ptr": "*bf16"} if bf16 else PTRS).asm["ptx"]
         assert "div.full" not in ptx and "div.approx.f32" not in ptx, "approximate division"
         assert not re.search(r"fma\.rn\.f32", ptx), "FMA contraction"
@@ -69,7 +69,8 @@ for arch in (90, 100):
         ct.update({tag + k: v for k, v in dict(MODE=mode, BLOCK=block, NB=64 // block, TILE_R=64, RCEIL=rceil, SR=sr,
                    U_GIVEN=False, KEYED=sr, NAT=0 if tag == "A_" else 1, PRESCALE=False, TARGET=1.0, MARGIN=1.0,
                    AMAX_OUT=False, WRITE_CODES=False,
-                   WRITE_DQ=True, PACK=False, BF16_FORM=True, **ELEM[elem]).items()})
+                   WRITE_DQ=True, PACK=False, BF16_FORM=True, CTRL=0, ERR=0, GROUP=16, TWO_D=0,
+                   **ELEM[elem]).items()})
     ptrs = {n: t for n, t in (("x_ptr", "*bf16"), ("a_dq", "*bf16"), ("b_dq", "*bf16"), ("a_scales", "*u8"),
                               ("b_scales", "*u8"), ("a_codes", "*u8"), ("b_codes", "*u8"), ("a_srp", "*i64"),
                               ("b_srp", "*i64"), ("a_seed", "*i64"), ("b_seed", "*i64"), ("a_aux", "*i64"),
@@ -81,7 +82,21 @@ for arch in (90, 100):
     ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=ct), target=GPUTarget("cuda", arch, 32),
                          options={"enable_fp_fusion": False}).asm["ptx"]
     assert not re.search(r"fma\.rn\.f32", ptx), "FMA contraction"
-print("compiled", 2 * (len(VARIANTS) + 2))
+# the FP4 error controls on sm_90 (16-row tiles: a quicker compile, the same code): 4/6 on 2-D tiles
+# (blocks along axis 0), MS-EDEN under rht16 with keyed uniforms, QuEST with SR under had32
+CONTROLS = [dict(MODE=1, BLOCK=16, ROT=0, SR=False, CTRL=1, ERR=0, TWO_D=2),
+            dict(MODE=1, BLOCK=16, ROT=16, SR=True, CTRL=2, ERR=0, TWO_D=0),
+            dict(MODE=0, BLOCK=32, ROT=32, SR=True, CTRL=3, ERR=0, TWO_D=0)]
+for v in CONTROLS:
+    rot = v["ROT"]
+    c = dict(NB=1, TILE_R=16, LOG_ROT=rot.bit_length() - 1 if rot else 0, ROT_C=0.25 if rot == 16 else 0.17677669529663687,
+             HAS_SIGNS=rot == 16, RCEIL=False, U_GIVEN=False, KEYED=True, NAT=0, PRESCALE=False, TARGET=1.0, MARGIN=1.0,
+             AMAX_OUT=False, WRITE_CODES=True, WRITE_DQ=True, PACK=False, BF16_FORM=False, GROUP=16, **v, **ELEM["e2m1"])
+    ptx = build(tq._quant_kernel, c, 90).asm["ptx"]
+    assert "div.full" not in ptx and "div.approx.f32" not in ptx and "sqrt.approx" not in ptx, "approximate"
+    assert not re.search(r"fma\.rn\.f32", ptx), "FMA contraction"
+    assert ("sqrt.rn.f32" in ptx) == (v["CTRL"] == 3)  # QuEST's standard deviation: an IEEE square root
+print("compiled", 2 * (len(VARIANTS) + 2) + len(CONTROLS))
 '''
 
 
@@ -90,4 +105,4 @@ def test_kernels_compile_for_sm90_and_sm100():
     env["TRITON_DEFAULT_FP_FUSION"] = "0"
     r = run_scaled([sys.executable, "-c", SCRIPT], 600, capture_output=True, text=True, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "compiled 18" in r.stdout
+    assert "compiled 21" in r.stdout
