@@ -48,7 +48,8 @@ from precision.recipe import OperandFormat
 from precision.rotation import rotate, rotation_size
 from precision.srand import SRKey
 
-__all__ = ["CONTROLS", "Control", "measure", "main"]
+__all__ = ["CHECKPOINT_AXES", "CONTROLS", "CheckpointArgError", "Control", "Parts", "checkpoint_operands", "checkpoint_table",
+           "combine", "main", "measure", "measure_parts"]
 
 
 @dataclass(frozen=True)
