@@ -906,7 +906,10 @@ def quantize_triton(
     nblk = -(-n // block) if spec.blocked else 0
     # GPU: a fixed tile; interpreter: few, large programs (each is a numpy pass)
     cpu_tile = max(16, min(256, triton.next_power_of_2(R)))
-    tile_r = tile_rows or (_TILE_R_GPU if dev.type == "cuda" else cpu_tile)
+    gpu_tile = _TILE_R_GPU
+    if ctrl and tk > 32:  # eden128's 128-wide tile: 16 rows (its sm_90 PTX is a third of 64 rows' size)
+        gpu_tile = max(16, _TILE_R_GPU * 32 // tk)
+    tile_r = tile_rows or (gpu_tile if dev.type == "cuda" else cpu_tile)
     two_d = 0
     if op.block2d:  # 2-D weight tiles: the tile's rows hold whole squares
         if x.dim() != 2:
