@@ -152,9 +152,9 @@ INPUT_FLAGS = ("--precision", "--load", "--data-path", "--tokenizer-model", "--p
 def _absent_input(message: str, argv: list[str]) -> bool:
     """Whether ``message`` refuses an input of ``argv`` that does not exist here (one an earlier
     documented step makes): it names the absent path, or ``--load`` when that is the absent one."""
-    for flag in INPUT_FLAGS:
-        if flag in argv[:-1]:
-            path = argv[argv.index(flag) + 1]
+    for i, flag in enumerate(argv[:-1]):  # every occurrence: a sweep's runs each name their own input
+        if flag in INPUT_FLAGS:
+            path = argv[i + 1]
             if not Path(path).exists() and not (REPO / path).exists() and (path in message or flag in message):
                 return True
     return False
