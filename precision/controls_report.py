@@ -8,6 +8,8 @@ GEMM's rotation (the values the GEMM effectively multiplies; SQNR does not depen
 * the relative error ``|x - x_hat| / |x|`` over non-zero elements: median, 90th and 99th
   percentiles, and its mean over each block's largest element in the quantizer's frame (where
   E2M1's 4 -> 6 step bites: the error four-over-six aims at);
+* with ``--histogram``, the relative error's histogram: % of elements below 1/64, 1/64-1/16, 1/16-1/4,
+  1/4-1, exactly 1 (flushed to zero) and above 1;
 * ``bias``: ``<x, E[x_hat - x]> / |x|^2``, the gradient-error tool's projection (shrinkage shows as
   a negative bias); for controls that draw (SR uniforms, resampled rotation signs) the mean over
   ``--draws`` draws with its standard error, for the others the one fixed value.
@@ -34,6 +36,7 @@ control's block and rotation divide; the ``tensors`` column says how many of the
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import platform
@@ -162,6 +165,7 @@ def combine(parts: list[Parts]) -> dict[str, float]:
     pooled projection, its mean over draws and standard error (0 for a fixed control)."""
     signal, noise = sum(p.signal for p in parts), sum(p.noise for p in parts)
     rel = torch.cat([p.rel for p in parts])
+    hist = _histogram(rel)
     if rel.numel() > 1 << 20:
         rel = rel[torch.randperm(rel.numel(), generator=torch.Generator().manual_seed(0))[:1 << 20]]
     qs = torch.quantile(rel, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
@@ -169,7 +173,22 @@ def combine(parts: list[Parts]) -> dict[str, float]:
     t = torch.tensor([sum(col) / signal for col in zip(*(p.proj for p in parts))], dtype=torch.float64)
     return {"sqnr_db": 10 * math.log10(signal / max(noise, 1e-300)), "rel_p50": qs[0], "rel_p90": qs[1],
             "rel_p99": qs[2], "rel_block_max": bm, "bias": float(t.mean()),
-            "bias_se": float(t.std() / math.sqrt(len(t))) if len(t) > 1 else 0.0}
+            "bias_se": float(t.std() / math.sqrt(len(t))) if len(t) > 1 else 0.0, "hist": hist}
+
+
+# the relative-error histogram's bins: [0, 1/64), [1/64, 1/16), [1/16, 1/4), [1/4, 1), exactly 1
+# (flushed to zero, or rarely doubled), above 1 (an element that takes more than its own size in error)
+HIST_EDGES = (2.0**-6, 2.0**-4, 2.0**-2, 1.0)
+HIST_HEADER = ["| operand | control | < 1/64 | 1/64-1/16 | 1/16-1/4 | 1/4-1 | = 1 | > 1 |",
+               "|---|---|---|---|---|---|---|---|"]
+
+
+def _histogram(rel: torch.Tensor) -> list[float]:
+    """Fractions of ``rel`` in the ``HIST_EDGES`` bins (every element, no subsample)."""
+    n = max(rel.numel(), 1)
+    below = [float((rel < e).sum()) for e in HIST_EDGES]
+    counts = [below[0], *(b - a for a, b in itertools.pairwise(below)), float((rel == 1).sum()), float((rel > 1).sum())]
+    return [c / n for c in counts]
 
 
 def measure(x: torch.Tensor, axis: int, c: Control, draws: int = 8) -> dict[str, float]:
@@ -187,14 +206,25 @@ def _row(role: str, c: Control, m: dict[str, float], extra: str = "") -> str:
             f"| {m['rel_p99']:.3f} | {m['rel_block_max']:.4f} | {bias} |{extra}")
 
 
-def table(dist: str, draws: int) -> str:
-    rows = [f"#### {dist}", "", *HEADER]
+def _hist_row(role: str, c: Control, m: dict[str, float] | None) -> str:
+    cells = ["n/a"] * 6 if m is None else [f"{100 * f:.2f}" for f in m["hist"]]
+    return f"| {role} | {c.name} | " + " | ".join(cells) + " |"
+
+
+def _hist_table(title: str, measured: list[tuple[str, Control, dict | None]]) -> str:
+    return "\n".join([f"{title}: relative error |x - x_hat| / |x| over non-zero x, % of elements (draw 0)", "",
+                      *HIST_HEADER, *(_hist_row(*r) for r in measured)])
+
+
+def table(dist: str, draws: int, histogram: bool = False) -> str:
+    rows, measured = [f"#### {dist}", "", *HEADER], []
     for role, (shape, axis) in OPERANDS.items():
         x = sample(dist, shape, {"x": 1, "w": 2, "dy": 3}[role])
         for c in CONTROLS:
-            rows.append(_row(role, c, measure(x, axis, c, draws)) if shape[axis] % c.multiple == 0
-                        else f"| {role} | {c.name} | " + " | ".join(["n/a"] * 6) + " |")
-    return "\n".join(rows)
+            m = measure(x, axis, c, draws) if shape[axis] % c.multiple == 0 else None
+            measured.append((role, c, m))
+            rows.append(_row(role, c, m) if m else f"| {role} | {c.name} | " + " | ".join(["n/a"] * 6) + " |")
+    return "\n".join(rows) + (f"\n\n{_hist_table(dist, measured)}" if histogram else "")
 
 
 # ================================================================================================
@@ -287,18 +317,20 @@ def checkpoint_operands(ckpt: str, flags: list[str]) -> tuple[dict[str, list[tup
 CHECKPOINT_AXES = {"x": 1, "w": 1, "dy": 0}
 
 
-def checkpoint_table(operands: dict[str, list[tuple[str, torch.Tensor]]], draws: int) -> str:
-    rows = ["#### checkpoint", "", HEADER[0] + " tensors |", HEADER[1] + "---|"]
+def checkpoint_table(operands: dict[str, list[tuple[str, torch.Tensor]]], draws: int, histogram: bool = False) -> str:
+    rows, measured = ["#### checkpoint", "", HEADER[0] + " tensors |", HEADER[1] + "---|"], []
     for role, axis in CHECKPOINT_AXES.items():
         tensors = operands[role]
         for c in CONTROLS:
             fit = [t for _, t in tensors if t.shape[axis] % c.multiple == 0]
             if not fit:
+                measured.append((role, c, None))
                 rows.append(f"| {role} | {c.name} | " + " | ".join(["n/a"] * 6) + f" | 0 of {len(tensors)} |")
                 continue
             m = combine([measure_parts(t, axis, c, draws) for t in fit])
+            measured.append((role, c, m))
             rows.append(_row(role, c, m, f" {len(fit)} of {len(tensors)} |"))
-    return "\n".join(rows)
+    return "\n".join(rows) + (f"\n\n{_hist_table('checkpoint', measured)}" if histogram else "")
 
 
 def machine() -> str:
@@ -310,11 +342,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ours, flags = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     p = argparse.ArgumentParser(prog="python -m precision.controls_report", description=__doc__.splitlines()[0],
-                                usage="%(prog)s [--dist D] [--draws N] [--checkpoint DIR [-- PRETRAIN FLAGS]]")
+                                usage="%(prog)s [--dist D] [--draws N] [--histogram] [--checkpoint DIR [-- PRETRAIN FLAGS]]")
     p.add_argument("--dist", choices=("gaussian", "student_t3", "both", "none"), default="both",
                    help="synthetic tables (none: only the checkpoint's)")
     p.add_argument("--draws", type=int, default=8, help="draws of the seed for the bias column (>= 2)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--histogram", action="store_true",
+                   help="also print each table's relative-error histogram (%% of elements in 6 bins)")
     p.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="also measure a training checkpoint's own x, w, dy (a pretrain run's --save directory); "
                         "pretrain flags after '--' choose the batch")
@@ -336,13 +370,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
     dists = {"both": ("gaussian", "student_t3"), "none": ()}.get(args.dist, (args.dist,))
-    tables = [table(d, args.draws) for d in dists]
+    tables = [table(d, args.draws, args.histogram) for d in dists]
     if dists:
         tables[-1] += ("\n\nShapes: " + ", ".join(f"{r} {list(s)} along axis {a}" for r, (s, a) in OPERANDS.items())
                        + f"; bias over {args.draws} draws.")
     if operands is not None:
         shapes = {r: sorted({tuple(t.shape) for _, t in ts}) for r, ts in operands.items()}
-        tables.append(checkpoint_table(operands, args.draws) + f"\n\nCheckpoint {desc}; x along in-features, "
+        tables.append(checkpoint_table(operands, args.draws, args.histogram) + f"\n\nCheckpoint {desc}; x along in-features, "
                       "w along in-features, dy along tokens; shapes " + "; ".join(
                           f"{r} " + ", ".join(str(list(s)) for s in ss) for r, ss in shapes.items())
                       + f"; bias over {args.draws} draws.")

@@ -88,3 +88,28 @@ def test_a_bad_checkpoint_is_refused_in_one_line(tmp_path, capsys):
     for argv in (["--dist", "none"], ["--", "--seq-length", "64"]):
         with pytest.raises(SystemExit):
             cr.main(argv)
+
+
+def test_the_histogram_counts_every_element_in_its_bin():
+    # hand-made relative errors: one per bin, two exact (0), one flushed (1), one above 1
+    rel = torch.tensor([0.0, 0.0, 0.01, 0.02, 0.1, 0.5, 1.0, 3.0], dtype=torch.float64)
+    assert cr._histogram(rel) == pytest.approx([3 / 8, 1 / 8, 1 / 8, 1 / 8, 1 / 8, 1 / 8])
+    x = cr.sample("gaussian", (64, 64), 2)
+    m = cr.measure(x, 1, cr.CONTROLS[0], 2)
+    assert sum(m["hist"]) == pytest.approx(1.0)
+    # the median sits in the bin where the cumulative share passes one half
+    cum = [sum(m["hist"][: i + 1]) for i in range(6)]
+    edges = [0.0, *cr.HIST_EDGES]
+    i = next(i for i, c in enumerate(cum) if c >= 0.5)
+    assert edges[i] <= m["rel_p50"] <= (edges[i + 1] if i + 1 < len(edges) else math.inf)
+
+
+def test_main_prints_a_histogram_per_table(monkeypatch, capsys):
+    monkeypatch.setattr(cr, "OPERANDS", {"x": ((32, 64), 1)})
+    monkeypatch.setattr(cr, "CONTROLS", cr.CONTROLS[:2])
+    assert cr.main(["--dist", "student_t3", "--draws", "2", "--histogram"]) == 0
+    out = capsys.readouterr().out
+    assert cr.HIST_HEADER[0] in out
+    rows = [line for line in out.splitlines() if line.startswith("| x | nvfp4 ")]
+    assert len(rows) == 4  # the table and its histogram, two controls each
+    assert sum(float(v) for v in rows[2].split("|")[3:9]) == pytest.approx(100.0, abs=0.05)
