@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from precision.controls_report import CONTROLS, HIST_HEADER
 from tests.pretrain._launch import REPO, TINY, env, run_pretrain
 
 SCRIPT = str(REPO / "launch" / "gradient_error.py")
@@ -110,15 +111,15 @@ def test_gradient_error_smoke(tmp_path, data_cache):
     assert f"{fig['precisions']['mxfp4']['projection']:+.4f}" == mx[5].split(" (")[0]
     # the FP4 controls report on the same checkpoint's own x, w, dy (python -m precision.controls_report)
     rep = subprocess.run([sys.executable, "-m", "precision.controls_report", "--dist", "none", "--draws", "2",
-                          "--checkpoint", str(ckpt), "--", "--data-cache-dir", str(data_cache), "--seq-length", "64",
-                          "--micro-batch-size", "2", "--global-batch-size", "4"],
+                          "--histogram", "--checkpoint", str(ckpt), "--", "--data-cache-dir", str(data_cache),
+                          "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4"],
                          check=False, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
     assert rep.returncode == 0, rep.stderr[-3000:]
     assert f"Checkpoint {ckpt} at iteration 2: 8 linears, 256 tokens" in rep.stdout
-    sqnr = {(m[1], m[2]): float(m[3]) for m in re.finditer(r"^\| (x|w|dy) \| ([\w ]+) \| ([0-9.]+) \|", rep.stdout,
+    table = rep.stdout.split("checkpoint: relative error")[0]  # the SQNR table, before its histogram
+    sqnr = {(m[1], m[2]): float(m[3]) for m in re.finditer(r"^\| (x|w|dy) \| ([\w ]+) \| ([0-9.]+) \|", table,
                                                           re.MULTILINE)}
-    from precision.controls_report import CONTROLS
-
+    assert "checkpoint: relative error" in rep.stdout and HIST_HEADER[0] in rep.stdout
     assert len(sqnr) == 3 * len(CONTROLS) and ("dy", "nvfp4 eden128 rht128_resample") in sqnr, rep.stdout
     for role in ("x", "w", "dy"):  # the ranks the synthetic tensors show hold on a model's own operands
         assert sqnr[(role, "nvfp4 4over6")] > sqnr[(role, "nvfp4 nearest")] > sqnr[(role, "nvfp4 sr")]
