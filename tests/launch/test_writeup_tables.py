@@ -211,3 +211,41 @@ def test_fp4_rollout_replicate_claims_regenerate_from_their_per_replicate_values
     assert not missing, f"figures in fp4_rollout.md's replicate results that its values do not give: {missing}"
     assert f"{p_tost:.3g}" in text.split("\n\n")[1] and f"{gap.mean():+.3f} ± {intervals[0].half_width:.3f}" in text
     _assert_headline(text)
+
+
+# ---------------------------------------------------------------- wgrad_scale_cpu.md (interim look)
+def test_wgrad_scale_interim_slopes_regenerate_from_the_per_seed_values():
+    """The interim look's table (3 sizes): per-size means of the chained log token ratio and the
+    least-squares slope against log10 parameters recomputed with numpy, the regression interval with
+    scipy's t (n - 2 df), the seed bootstrap with pretrain.scale_study (its fixed seed); every cell of
+    the write-up's rows must be these."""
+    import numpy as np
+    import yaml
+
+    from pretrain.scale_study import Record, non_embedding_params, paired_effects, slope_over_sizes
+
+    text = (SWEEPS / "wgrad_scale_cpu.md").read_text()
+    rows = _csv("wgrad_scale_cpu_per_seed.csv")
+    sizes = list(dict.fromkeys(r["model_size"] for r in rows))
+    params = {s: non_embedding_params(yaml.safe_load((SWEEPS.parent / "models" / f"{s}.yaml").read_text()))
+              for s in sizes}
+    x = {(r["treatment"], r["model_size"], int(r["seed"])): float(r["extra_tokens_pct"]) for r in rows}
+    recs = [Record(s, t, seed, v) for (t, s, seed), v in x.items()]
+    section = _section(text, "### Interim look after part 2", "What this look says")
+    for a, b in (("wgrad_mxfp4", "wgrad_fp8"), ("wgrad_mxfp4", "wgrad_had16"), ("wgrad_mxfp4", "wgrad_sr")):
+        means = [np.mean([math.log1p(x[a, s, k] / 100) - math.log1p(x[b, s, k] / 100) for k in range(3)])
+                 for s in sizes]
+        lx = np.log10([params[s] for s in sizes])
+        slope, icpt = np.polyfit(lx, means, 1)
+        resid = np.array(means) - (slope * lx + icpt)
+        se = math.sqrt(resid @ resid / (len(sizes) - 2) / ((lx - lx.mean()) @ (lx - lx.mean())))
+        q = t.ppf(0.975, len(sizes) - 2)
+        boot = slope_over_sizes(paired_effects(recs, a, b), params).boot
+        cells = [f"| {a} vs {b} | {' / '.join(f'{100 * math.expm1(m):+.2f}' for m in means)} | {slope:+.4f} | "
+                 f"{boot[0]:+.4f}, {boot[1]:+.4f} | {slope - q * se:+.4f}, {slope + q * se:+.4f} |"]
+        lo, hi = min(boot[0], slope - q * se), max(boot[1], slope + q * se)
+        verdict = "grows with size" if lo > 0 else "shrinks with size" if hi < 0 else "no trend shown"
+        row = cells[0] + f" {verdict} |"
+        assert row in section, f"wgrad_scale_cpu.md lacks the regenerated interim row:\n{row}"
+    assert "not resolved" in text.split("\n\n")[1]
+    _assert_headline(text)
