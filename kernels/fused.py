@@ -211,7 +211,10 @@ def fake_quantize(
     if impl not in ("auto", "compiled", "eager"):
         raise ValueError(f"impl: unknown {impl!r}; valid: auto, compiled, eager")
     compiled = impl == "compiled" or (impl == "auto" and compile_available())
-    reference = op.control is not None and typed_rounding.stochastic and sr is None  # a generator's draws
+    # the FP4 error controls and 2-D weight tiles: the reference's own expression (the plain MX / NVFP4
+    # kernels below quantize 1-D blocks only)
+    whole = op.control is not None or op.block2d
+    reference = whole and typed_rounding.stochastic and sr is None  # a generator's draws
     if spec.kind == Scaling.NONE or spec.element is None or reference:  # fp32, bf16, hif8: the reference
         if rot_n > 1:
             x = rotate(x, axis, rot_n, signs)
@@ -227,7 +230,7 @@ def fake_quantize(
     def key_uniforms(shape, block):
         return _kernel("uniforms", compiled, shape=tuple(shape), axis=axis, block=block)(srp)
 
-    if op.control is not None:  # the FP4 error controls: the reference's expression, compiled
+    if whole:  # the FP4 error controls and 2-D tiles: the reference's expression, compiled
         # ``auto`` compiles them on CUDA only: on a (loaded 2-core) CPU their compiled kernels ran at
         # 0.8-2x the eager expression's speed and each new shape costs a compile of tens of seconds
         compiled = impl == "compiled" or (impl == "auto" and x.is_cuda and compile_available())

@@ -19,12 +19,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 
 import torch
 
-from precision.enums import Rounding
+from precision.enums import AmaxAlgo, Rounding
 from precision.formats import QuantizedTensor, Scaling, format_names
 from precision.quantize import quantize as reference_quantize
 from precision.quantize import quantize_call
@@ -83,7 +84,8 @@ def quantize(
 ) -> QuantizedTensor:
     """Quantize ``x`` to ``fmt`` with blocks along ``axis``; returns a ``precision.QuantizedTensor``.
 
-    ``fmt``: an ``OperandFormat`` (its format, rounding, scale rule and prescale are used), or a
+    ``fmt``: an ``OperandFormat`` (every setting but an amax history is used: rounding, scale rule,
+    prescale, 2-D tiles, margin, four-over-six), or a
     format name with the older keyword settings ``rounding`` / ``scale_rule`` / ``prescale`` /
     ``generator`` (``older``: read by the one adapter, ``precision.quantize.quantize_call``).
     ``amax`` and ``sr`` (an ``SRKey``, or a ``torch.Generator``) are as in ``precision.quantize``;
@@ -99,8 +101,9 @@ def quantize(
         raise TypeError(f"kernels.quantize: unknown argument(s) {', '.join(sorted(unknown))}; valid besides the "
                         "named ones: rounding, scale_rule, prescale, generator")
     op, sr = quantize_call(fmt, sr, **older)
-    op = OperandFormat(op.fmt, op.rounding, op.scale_rule, op.prescale,  # this entry point's settings
-                       four_over_six=op.four_over_six)
+    # one call has no amax history (``amax`` is given or the tensor's own); every other setting of the
+    # OperandFormat -- 2-D tiles, margin, four-over-six -- is kept (rebuilding it field by field dropped some)
+    op = dataclasses.replace(op, amax_algo=AmaxAlgo.CURRENT, amax_history_len=1)
     spec = op.format
     if backend not in QUANTIZE_BACKENDS:
         raise ValueError(f"quantize backend: unknown {backend!r}; valid: {', '.join(QUANTIZE_BACKENDS)}")

@@ -189,3 +189,23 @@ def test_both_public_quantizers_read_their_arguments_through_one_adapter():
         kernels.quantize(x, OperandFormat("mxfp4"), rounding="stochastic")
     with pytest.raises(TypeError, match=r"^kernels.quantize: unknown argument\(s\) roundng; valid besides"):
         kernels.quantize(x, "mxfp4", roundng="stochastic")
+
+
+@pytest.mark.parametrize("op", ["fp8_e4m3 margin 2", "nvfp4 /2d", "mxfp4 /2d", "nvfp4 /2d/4over6"])
+def test_kernels_quantize_keeps_every_setting_of_the_operand_format(op):
+    """``kernels.quantize`` gives ``precision.quantize``'s bits for an ``OperandFormat`` with 2-D weight
+    tiles or a margin (it used to rebuild the format without them and quantize 1-D blocks / at margin 0)."""
+    import kernels
+    from precision.enums import FourOverSix
+    from precision.quantize import quantize as precision_quantize
+    from precision.recipe import OperandFormat
+
+    fmt = {"fp8_e4m3 margin 2": OperandFormat("fp8_e4m3", margin=2),
+           "nvfp4 /2d": OperandFormat("nvfp4", block2d=True), "mxfp4 /2d": OperandFormat("mxfp4", block2d=True),
+           "nvfp4 /2d/4over6": OperandFormat("nvfp4", block2d=True, four_over_six=FourOverSix.MSE)}[op]
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(5))
+    a, b = kernels.quantize(w, fmt, backend="reference"), precision_quantize(w, fmt)
+    assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
+    assert torch.equal(a.dequantize(), b.dequantize())
+    plain = precision_quantize(w, OperandFormat(fmt.fmt))
+    assert not torch.equal(a.dequantize(), plain.dequantize())  # the setting changes the bits here

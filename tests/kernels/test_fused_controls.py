@@ -61,6 +61,23 @@ def test_fused_expression_equals_the_reference(label, op, rotation, axis):
     assert _bits_equal(out, ref)
 
 
+# 2-D weight tiles without a control (the plain MX / NVFP4 kernels quantize 1-D blocks: these go
+# through the same whole-tensor expression as the controls; before, they were quantized 1-D silently)
+PLAIN_2D = [("nvfp4/2d", OperandFormat("nvfp4", block2d=True)), ("mxfp4/2d", OperandFormat("mxfp4", block2d=True)),
+            ("mxfp8/2d", OperandFormat("mxfp8_e4m3", block2d=True)),
+            ("nvfp4/2d/sr", OperandFormat("nvfp4", block2d=True, rounding="stochastic"))]
+
+
+@pytest.mark.parametrize("label,op", PLAIN_2D, ids=[c[0] for c in PLAIN_2D])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_plain_2d_tiles_equal_the_reference(label, op, axis):
+    x, _, key, ref = _case(op, "none", axis)
+    out, _ = fake_quantize(x, op, axis=axis, sr=key, impl="eager")
+    assert _bits_equal(out, ref)
+    one_d = quantize(x, OperandFormat(op.fmt, rounding=op.rounding), axis=axis, sr=key).dequantize()
+    assert not _bits_equal(out, one_d)  # the tiles change the bits here
+
+
 @pytest.mark.skipif(not compile_available(), reason="torch.compile has no working backend here")
 @pytest.mark.parametrize("label", COMPILED)
 def test_compiled_equals_the_reference(label):
