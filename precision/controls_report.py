@@ -51,8 +51,8 @@ from precision.recipe import OperandFormat
 from precision.rotation import rotate, rotation_size
 from precision.srand import SRKey
 
-__all__ = ["CHECKPOINT_AXES", "CONTROLS", "CheckpointArgError", "Control", "Parts", "checkpoint_operands", "checkpoint_table",
-           "combine", "main", "measure", "measure_parts"]
+__all__ = ["CHECKPOINT_AXES", "CONTROLS", "HIST_EDGES", "HIST_HEADER", "CheckpointArgError", "Control", "Parts",
+           "checkpoint_operands", "checkpoint_table", "combine", "main", "measure", "measure_parts"]
 
 
 @dataclass(frozen=True)
@@ -317,7 +317,10 @@ def checkpoint_operands(ckpt: str, flags: list[str]) -> tuple[dict[str, list[tup
 CHECKPOINT_AXES = {"x": 1, "w": 1, "dy": 0}
 
 
-def checkpoint_table(operands: dict[str, list[tuple[str, torch.Tensor]]], draws: int, histogram: bool = False) -> str:
+def checkpoint_table(operands: dict[str, list[tuple[str, torch.Tensor]]], draws: int,
+                     histogram: bool = False) -> str:
+    """The checkpoint's table (and its histogram): each operand's tensors pooled per control, along
+    ``CHECKPOINT_AXES`` (Fprop's in-features for ``x`` and ``w``, Wgrad's tokens for ``dy``)."""
     rows, measured = ["#### checkpoint", "", HEADER[0] + " tensors |", HEADER[1] + "---|"], []
     for role, axis in CHECKPOINT_AXES.items():
         tensors = operands[role]
