@@ -36,7 +36,7 @@ from typing import NoReturn
 import yaml
 
 from model.kv_cache import KVFormat
-from pretrain.checkpoint_files import TRACKER, iter_dir_name
+from pretrain.checkpoint_files import TRACKER, iter_dir_name, overwrite_problem
 from pretrain.config import (  # noqa: F401 - re-exported: launchers, RL and the sweep import them from here
     GROUPS,
     LR_DECAY_STYLES,
@@ -375,24 +375,6 @@ def _check_tokenizer(model: str | None, tokenizer_type: str) -> None:
         raise ConfigError(f"--tokenizer-model: no such file: {model} (a sentencepiece .model)")
 
 
-def _check_save_holds_no_other_run(args) -> None:
-    """A pretraining run never overwrites another run's checkpoints: a --save directory that already
-    holds some resumes them (--load equal to --save) or is refused, instead of a fresh run saving over
-    them. (An RL run resumes from its --save by design, ``pretrain.rl.checkpoint``: not checked there.)"""
-    tracker = os.path.join(args.save, TRACKER) if args.save is not None else None
-    if tracker is None or not os.path.isfile(tracker):
-        return
-    if args.load is not None and os.path.abspath(args.load) == os.path.abspath(args.save):
-        return
-    with open(tracker) as f:
-        latest = f.read().strip()
-    started = f"--load {args.load} starts from another checkpoint" if args.load is not None else "no --load"
-    raise ConfigError(
-        f"--save {args.save} already holds a run's checkpoints (latest iteration {latest}) and {started}: this "
-        f"run would overwrite them; add --load {args.save} to resume that run, or give an empty --save directory"
-    )
-
-
 def _check_checkpoints(args) -> None:
     if args.load is not None and not os.path.isdir(args.load):
         same_as_save = args.save is not None and os.path.abspath(args.load) == os.path.abspath(args.save)
@@ -402,7 +384,6 @@ def _check_checkpoints(args) -> None:
                 f"earlier run; --load equal to --save may not exist yet)"
             )
     if args.finetune:
-
         if args.load is None:
             raise ConfigError("--finetune needs --load (the checkpoint whose weights to start from)")
         if not os.path.isfile(os.path.join(args.load, TRACKER)):
@@ -418,7 +399,6 @@ def _check_checkpoints(args) -> None:
     if args.save_retain is not None and args.save is None:
         raise ConfigError("--save-retain needs --save (the directory whose old checkpoints it deletes)")
     if args.ckpt_step is not None:
-
         if args.load is None:
             raise ConfigError("--ckpt-step needs --load (the directory holding that iteration)")
         step_dir = os.path.join(args.load, iter_dir_name(args.ckpt_step))
@@ -615,8 +595,6 @@ def parse_run_config(argv: list[str] | None, world_size: int, cuda: bool) -> Run
     """Parse, validate and freeze: the run's :class:`pretrain.config.RunConfig` (:class:`ConfigError`
     on bad input, one line)."""
     args, run = validate_and_freeze(parse_args_or_raise(argv), world_size, cuda)
-    try:
-        _check_save_holds_no_other_run(args)
-    except ConfigError as e:
-        raise ConfigError(with_origins(str(e), args)) from None
+    if msg := overwrite_problem(args.save, args.load):  # pretraining's: an RL run resumes from its --save
+        raise ConfigError(with_origins(msg, args))
     return run

@@ -44,6 +44,22 @@ class CheckpointSaveError(RuntimeError):
 def iter_dir_name(iteration: int | str) -> str:
     return "release" if iteration == "release" else f"iter_{iteration:07d}"
 
+def overwrite_problem(save: str | None, load: str | None) -> str | None:
+    """Why a pretraining run must not start (one line), or None: a run never overwrites another run's
+    checkpoints, so a --save directory that already holds some is resumed (--load equal to --save) or
+    refused, instead of a fresh run saving over them at its first save."""
+    tracker = os.path.join(save, TRACKER) if save is not None else None
+    if tracker is None or not os.path.isfile(tracker):
+        return None
+    if load is not None and os.path.abspath(load) == os.path.abspath(save):
+        return None
+    with open(tracker) as f:
+        latest = f.read().strip()
+    started = f"--load {load} starts from another checkpoint" if load is not None else "no --load"
+    return (f"--save {save} already holds a run's checkpoints (latest iteration {latest}) and {started}: this run "
+            f"would overwrite them; add --load {save} to resume that run, or give an empty --save directory")
+
+
 
 def rank_file(ckpt_dir: str, tp_rank: int, pp_rank: int | None = None) -> str:
     """Megatron's per-rank path: ``mp_rank_XX`` (TP rank), ``mp_rank_XX_YYY`` with pipeline

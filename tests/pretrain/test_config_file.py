@@ -3,6 +3,7 @@ nearest one, and a checkpoint's ``run_config.json`` loading back to the run's ow
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -93,14 +94,22 @@ def test_a_run_stops_at_its_duration_and_its_run_config_reproduces_it(tmp_path, 
                              "exit-duration-in-mins": 1.0e-6, "data-cache-path": str(data_cache),
                              "save": str(save), "eval_iters": 0})
     argv = ["--config", path, *TINY, "--gemm-backend", "reference"]  # eager: no compilation
+    original = parse_run_config(argv, 1, False)  # before the run: afterwards --save holds its checkpoint
     proc = run_pretrain(argv, nproc=0)
     assert "Megatron-LM flags --fp8-format hybrid --fp8-recipe tensorwise -> --precision fp8" in proc.stdout
     assert "--exit-duration-in-mins 1e-06: stopping after iteration 1" in proc.stdout, proc.stdout[-2000:]
     status = json.loads((save / "run_status.json").read_text())
     assert status["state"] == "stopped" and status["exit_status"] == 0 and status["iteration"] == 1
     saved = save / "iter_0000001" / "run_config.json"
-    original = parse_run_config(argv, 1, False)
     assert original.training.train_iters == 5 and original.precision.precision == "fp8"
-    assert parse_run_config(["--config", str(saved)], 1, False) == original
+    # reproduced into a new directory (as is, it would save over this run's checkpoint: refused below)
+    again = str(tmp_path / "again")
+    expected = dataclasses.replace(original, checkpoint=dataclasses.replace(original.checkpoint, save=again))
+    assert parse_run_config(["--config", str(saved), "--save", again], 1, False) == expected
+    # the same command again would save over that checkpoint: refused, and told how to resume
+    for cmd in (argv, ["--config", str(saved)]):
+        with pytest.raises(ConfigError, match=f"--save {save} .*already holds a run's checkpoints .*add --load {save} to"):
+            parse_run_config(cmd, 1, False)
     # a flag on the command line still wins over the checkpoint's
-    assert parse_run_config(["--config", str(saved), "--train-iters", "7"], 1, False).training.train_iters == 7
+    assert parse_run_config(["--config", str(saved), "--save", again, "--train-iters", "7"], 1,
+                            False).training.train_iters == 7

@@ -248,6 +248,7 @@ def test_the_moe_starting_policy_trains_and_the_study_loads_it(tmp_path, capsys)
 
     from launch.rl_task import main
     from pretrain.rl.arguments import parse_rl_args
+    from pretrain.rl.starting_policy import MOE_RECIPES
     from tests.pretrain._launch import env
 
     out = tmp_path / "data"
@@ -262,7 +263,10 @@ def test_the_moe_starting_policy_trains_and_the_study_loads_it(tmp_path, capsys)
         assert proc.returncode == 0, proc.stderr[-3000:]
     with open(os.path.join(REPO, "configs", "sweeps", "moe_rollout.yaml")) as f:
         sweep = yaml.safe_load(f)
-    flags = {**sweep["base"], "load": str(out / "sft_moe"), "task-replicate": "0"}
+    # the study starts at a checkpoint the full SFT saves (ckpt-step); this 2-iteration one saved iteration 2
+    r = MOE_RECIPES[128]
+    assert sweep["base"]["ckpt-step"] % r.save_interval == 0 and sweep["base"]["ckpt-step"] <= r.iters
+    flags = {**sweep["base"], "load": str(out / "sft_moe"), "ckpt-step": "2", "task-replicate": "0"}
     argv = [x for k, v in flags.items() for x in (f"--{k}", str(v))]
     run, cfg = parse_rl_args(argv, 1, False)
     m = run.model
