@@ -9,19 +9,15 @@ Without CUDA they run in Triton's interpreter (``TRITON_INTERPRET=1``, set befor
 imported: tests/kernels/conftest.py), so shapes are a few tiles.
 """
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest
-
-triton = pytest.importorskip("triton", reason="triton is not installed (pip install 'lowprec-pretrain[gpu]')")
+# isort: off
+from tests.kernels._triton import device  # first: skips the module where triton is not installed
+# isort: on
 
 import kernels
-from kernels.triton_quant import cast_transpose_triton, interpreter_problem, interpreting, quantize_triton
+from kernels.triton_quant import cast_transpose_triton, quantize_triton
 from precision.blocks import to_blocks
 from precision.eden import VAL_MAX
 from precision.elements import e2m1_decode
@@ -31,12 +27,7 @@ from precision.recipe import OperandFormat
 from precision.rotation import random_signs, rotate, rotation_size
 from precision.srand import SRKey
 
-if not torch.cuda.is_available() and not interpreting():
-    pytest.skip("no CUDA device and TRITON_INTERPRET is not 1", allow_module_level=True)
-if not torch.cuda.is_available() and interpreter_problem():
-    pytest.skip(interpreter_problem(), allow_module_level=True)
-
-DEV = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
+DEV = device()
 pytestmark = pytest.mark.gpu  # on a CUDA device the compiled kernels; without one the interpreter
 
 # (label, operand format, the GEMM's rotation, shape [rows, cols])

@@ -1,35 +1,26 @@
 """The fused Triton quantizers equal the CPU reference bit for bit.
 
 Without CUDA they run in Triton's interpreter: TRITON_INTERPRET=1 must be set before the kernels
-are decorated (``@triton.jit`` reads it then), so it is set here, at the top of the module, before
-``kernels.triton_quant`` is imported. With CUDA the same tests run the compiled kernels on the GPU
+are decorated (``@triton.jit`` reads it then), so tests/kernels/conftest.py sets it before triton is
+first imported (``tests.kernels._triton``: where the module runs, or its one-line skip). With CUDA the same tests run the compiled kernels on the GPU
 against the reference computed on the CPU. Shapes are small: the interpreter runs every program
 instance through numpy.
 """
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest
-
-triton = pytest.importorskip("triton", reason="triton is not installed (pip install 'lowprec-pretrain[gpu]')")
+# isort: off
+from tests.kernels._triton import device  # first: skips the module where triton is not installed
+# isort: on
 
 import kernels
 from kernels.fused import _sr_uniforms
-from kernels.triton_quant import interpreter_problem, interpreting, quantize_triton
+from kernels.triton_quant import quantize_triton
 from precision import FORMATS, OperandFormat, quantize
 from precision.rotation import random_signs, rotate
 
-if not torch.cuda.is_available() and not interpreting():
-    pytest.skip("no CUDA device and TRITON_INTERPRET is not 1", allow_module_level=True)
-if not torch.cuda.is_available() and interpreter_problem():
-    pytest.skip(interpreter_problem(), allow_module_level=True)
-
-DEV = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
+DEV = device()
 # pytest -m gpu selects these: on a CUDA device they check the compiled kernels; without one they
 # run in Triton's interpreter (tests/kernels/conftest.py), as every CPU run does
 pytestmark = pytest.mark.gpu
