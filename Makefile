@@ -32,7 +32,7 @@ pretrain: $(STAMP)
 	$(VENV)/bin/torchrun --nproc-per-node 2 launch/pretrain.py --model-size tiny \
 		--precision wgrad_hadamard --tensor-model-parallel-size 2 \
 		--train-iters 200 --eval-interval 50 --eval-iters 10 --log-interval 10 \
-		--save runs/tiny/checkpoints --save-interval 100 --tensorboard-dir runs/tiny/tensorboard
+		--save runs/tiny/checkpoints --load runs/tiny/checkpoints --save-interval 100 --tensorboard-dir runs/tiny/tensorboard
 
 bench: $(STAMP)
 	$(PY) launch/bench_quantize.py
