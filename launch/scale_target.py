@@ -54,41 +54,18 @@ def hif8(k: int):
 
 
 def checkpoint_operands(flags: list[str]) -> dict[str, list[torch.Tensor]]:
-    """``x``, ``w`` and ``dy`` of every policy linear, one forward/backward on the next global batch."""
-    # megatron-core (through model and pretrain): not loaded for --help
-    from model.gpt import policy_linears
+    """``x``, ``w`` and ``dy`` of every policy linear, one forward/backward on the next micro-batch."""
+    # megatron-core (through pretrain): not loaded for --help
     from pretrain.arguments import ConfigError, fail, parse_run_config
+    from pretrain.evaluation.operand_capture import capture_operands
     from pretrain.train import setup
 
     try:
         run = parse_run_config(flags + ["--precision", "bf16"], 1, False)
     except ConfigError as e:
         fail(str(e))
-    trainer = setup(run)
-    model = trainer.model
-    got: dict[str, list[torch.Tensor]] = {"x": [], "w": [], "dy": []}
-    hooks = []
-    def capture(mod, inp, out):
-        got["x"].append(inp[0].detach().float().clone())
-        y = out[0] if isinstance(out, tuple) else out
-        y.register_hook(lambda dy: got["dy"].append(dy.detach().float().clone()))
-
-    for name, m in policy_linears(model):
-        if name == "output_layer":  # its logits are edited in place by the vocab-parallel loss
-            continue
-        got["w"].append(m.weight.detach().float().clone())
-        hooks.append(m.register_forward_hook(capture))
-    from pretrain.data import batches  # (megatron-core, as above)
-    from pretrain.engine import batch_to_device
-
-    model.train()
-    tokens, labels, pos, mask = batch_to_device(next(batches(trainer.train_ds, trainer.consumed_samples,
-                                                  run.training.micro_batch_size)), trainer.device)
-    per_token = model(tokens, pos, None, labels=labels).float()
-    ((per_token * mask).sum() / mask.sum()).backward()
-    for h in hooks:
-        h.remove()
-    return got
+    got = capture_operands(setup(run), micro_batches=1)[0]
+    return {k: [t for _, t in v] for k, v in got.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -259,11 +259,9 @@ def checkpoint_operands(ckpt: str, flags: list[str]) -> tuple[dict[str, list[tup
             raise CheckpointArgError(f"pretrain flags after '--': drop {f} (the report loads --checkpoint "
                                      f"and records the operands with nothing rounded)")
     # megatron-core (through model and pretrain): not loaded for --help or the synthetic tables
-    from model.gpt import policy_linears
     from pretrain import runtime
     from pretrain.arguments import ConfigError, parse_run_config
-    from pretrain.data import batches
-    from pretrain.engine import batch_to_device
+    from pretrain.evaluation.operand_capture import capture_operands
     from pretrain.pretrained import PretrainedError
     from pretrain.train import setup
 
@@ -275,41 +273,9 @@ def checkpoint_operands(ckpt: str, flags: list[str]) -> tuple[dict[str, list[tup
         trainer = setup(run)
     except (ConfigError, PretrainedError, CheckpointError) as e:
         raise CheckpointArgError(str(e)) from None
-    model = trainer.model
-    got: dict[str, list[tuple[str, torch.Tensor]]] = {"x": [], "w": [], "dy": []}
-    hooks = []
-
-    def capture(name):
-        def hook(mod, inp, out):
-            x = inp[0].detach().float()
-            got["x"].append((name, x.reshape(-1, x.shape[-1]).clone()))
-            y = out[0] if isinstance(out, tuple) else out
-            y.register_hook(lambda dy: got["dy"].append((name, dy.detach().float().reshape(-1, dy.shape[-1]).clone())))
-        return hook
-
-    for name, m in policy_linears(model):
-        if name == "output_layer":  # its logits are edited in place by the vocab-parallel loss
-            continue
-        got["w"].append((name, m.weight.detach().float().clone()))
-        hooks.append(m.register_forward_hook(capture(name)))
-    model.train()
-    mb, tokens_seen, losses = run.training.micro_batch_size, 0, []
-    stream = batches(trainer.train_ds, trainer.consumed_samples, mb)
-    for _ in range(run.training.global_batch_size // mb):  # the whole global batch, micro-batch by micro-batch
-        tokens, labels, pos, mask = batch_to_device(next(stream), trainer.device)
-        per_token = model(tokens, pos, None, labels=labels).float()
-        ((per_token * mask).sum() / mask.sum()).backward()
-        tokens_seen += int(tokens.numel())
-        losses.append(float((per_token.detach() * mask).sum() / mask.sum()))
-    for h in hooks:
-        h.remove()
-    for k in ("x", "dy"):  # one entry per layer: the micro-batches' rows stacked
-        by: dict[str, list[torch.Tensor]] = {}
-        for name, t in got[k]:
-            by.setdefault(name, []).append(t)
-        got[k] = [(name, torch.cat(ts)) for name, ts in by.items()]
-    desc = (f"{ckpt} at iteration {iteration}: {len(got['w'])} linears, {tokens_seen} tokens "
-            f"(loss {sum(losses) / len(losses):.3f})")
+    # the whole global batch, micro-batch by micro-batch
+    got, tokens_seen, loss = capture_operands(trainer, run.training.global_batch_size // run.training.micro_batch_size)
+    desc = f"{ckpt} at iteration {iteration}: {len(got['w'])} linears, {tokens_seen} tokens (loss {loss:.3f})"
     return got, desc
 
 

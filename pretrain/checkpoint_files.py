@@ -44,6 +44,7 @@ class CheckpointSaveError(RuntimeError):
 def iter_dir_name(iteration: int | str) -> str:
     return "release" if iteration == "release" else f"iter_{iteration:07d}"
 
+
 def overwrite_problem(save: str | None, load: str | None) -> str | None:
     """Why a pretraining run must not start (one line), or None: a run never overwrites another run's
     checkpoints, so a --save directory that already holds some is resumed (--load equal to --save) or
@@ -58,7 +59,6 @@ def overwrite_problem(save: str | None, load: str | None) -> str | None:
     started = f"--load {load} starts from another checkpoint" if load is not None else "no --load"
     return (f"--save {save} already holds a run's checkpoints (latest iteration {latest}) and {started}: this run "
             f"would overwrite them; add --load {save} to resume that run, or give an empty --save directory")
-
 
 
 def rank_file(ckpt_dir: str, tp_rank: int, pp_rank: int | None = None) -> str:
