@@ -249,3 +249,62 @@ def test_wgrad_scale_interim_slopes_regenerate_from_the_per_seed_values():
         assert row in section, f"wgrad_scale_cpu.md lacks the regenerated interim row:\n{row}"
     assert "not resolved" in text.split("\n\n")[1]
     _assert_headline(text)
+
+
+# ---------------------------------------------------------------- moe_rollout.md (true replicates)
+def test_moe_rollout_claims_regenerate_from_their_per_replicate_values():
+    """The 4 declared claims of moe_rollout.yaml recomputed with scipy from the committed per-replicate
+    accuracies (one-sided t of the BF16 arm's gain against +0.10, one-sided t of the NVFP4 arm's
+    shortfall, TOST at ±0.03 for the two replay arms; Holm over the 4); the write-up's claims table, its
+    per-replicate table and the figures of its results section must follow from them."""
+    import numpy as np
+    from scipy import stats as sps
+
+    text = (SWEEPS / "moe_rollout.md").read_text()
+    rows = _csv("moe_rollout_per_seed.csv")
+    by = {(r["treatment"], int(r["replicate"])): r for r in rows}
+    arms = list(dict.fromkeys(r["treatment"] for r in rows))
+    reps = sorted({int(r["replicate"]) for r in rows})
+    assert arms == ["bf16", "nvfp4", "nvfp4_tis", "nvfp4_replay", "nvfp4_replay_tis"] and reps == [0, 1, 2, 3]
+    col = lambda arm, key: np.array([float(by[arm, r][key]) for r in reps])  # noqa: E731
+    start = col("bf16", "initial_accuracy")
+    for arm in arms:  # every arm of a replicate starts from the same policy on the same sample
+        assert (col(arm, "initial_accuracy") == start).all(), arm
+    final = {arm: col(arm, "final_accuracy") for arm in arms}
+    gain = final["bf16"] - start
+    tost = lambda d: max(sps.ttest_1samp(d, -0.03, alternative="greater").pvalue,  # noqa: E731
+                         sps.ttest_1samp(d, 0.03, alternative="less").pvalue)
+    p = {"bf16_learns": sps.ttest_1samp(gain, 0.10, alternative="greater").pvalue,
+         "nvfp4_behind": sps.ttest_1samp(final["nvfp4"] - final["bf16"], 0.0, alternative="less").pvalue,
+         "replay_equivalent": tost(final["nvfp4_replay"] - final["bf16"]),
+         "replay_tis_equivalent": tost(final["nvfp4_replay_tis"] - final["bf16"])}
+    holm = dict(zip(p, stats.holm_adjust(list(p.values()))))
+    means = {"bf16_learns": gain.mean(), "nvfp4_behind": (final["nvfp4"] - final["bf16"]).mean(),
+             "replay_equivalent": (final["nvfp4_replay"] - final["bf16"]).mean(),
+             "replay_tis_equivalent": (final["nvfp4_replay_tis"] - final["bf16"]).mean()}
+    verdict = lambda q: "supported" if q < 0.05 else "not supported"  # noqa: E731
+    claims = _section(text, "| claim | contrast |", "\n\n")
+    for cid in p:
+        unit = " gain" if cid == "bf16_learns" else " acc"
+        cells = f"| {means[cid]:+.4f}{unit} | {p[cid]:.3g} | {holm[cid]:.3g} | {verdict(holm[cid])} |"
+        line = next((x for x in claims.splitlines() if x.startswith(f"| {cid} |")), "")
+        assert line.endswith(cells), f"moe_rollout.md's claim row of {cid} does not match its values:\n{line}\n{cells}"
+    for r in reps:  # the per-replicate table: start, each arm's final accuracy
+        row = f"| {r} | {by['bf16', r]['initial_accuracy']} | " + " | ".join(by[a, r]["final_accuracy"] for a in arms) + " |"
+        assert row in text, f"moe_rollout.md lacks the regenerated replicate row:\n{row}"
+    results = _section(text, "### Results", "## What this size")
+    allowed = {f"{float(r[k]):.3f}" for r in rows for k in r if k.startswith(("acc_", "initial_", "final_", "rollout_"))
+               and r[k]}
+    for arm in arms:
+        for d in (final[arm] - final["bf16"], final[arm] - start, col(arm, "rollout_accuracy") - final[arm],
+                  col(arm, "k3_kl_no_replay") - col(arm, "k3_kl_replay")):
+            iv = stats.paired_interval(list(d))
+            allowed |= {f"{v:+.3f}".lstrip("+") for v in (iv.mean, iv.lo, iv.hi)} | {f"{iv.half_width:.3f}"}
+        for key in ("topk_mismatch", "topk_mismatch_first50", "topk_mismatch_last50", "router_prob_gap",
+                    "k3_kl_no_replay", "k3_kl_replay", "k3_kl", "raw_ess", "reward_auc"):
+            allowed.add(f"{col(arm, key).mean():.3f}")
+    allowed |= {f"{start.mean():.3f}", "0.247"}  # the start: over the 4 samples; on all 1,000 problems (above)
+    allowed |= {f"{q:.3g}" for q in (*p.values(), *holm.values())}  # the claims' p-values, as the table prints them
+    missing = _figures(results, 3) - allowed
+    assert not missing, f"figures in moe_rollout.md's results that its values do not give: {missing}"
+    _assert_headline(text)
