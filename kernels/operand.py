@@ -23,7 +23,7 @@ A weight is quantized once per optimizer step (as TransformerEngine keeps its FP
 micro-batches): every GEMM that consumes ``w`` unrotated, with nearest rounding and no telemetry
 this step, keeps its finished operand in the layer state's ``step_cache`` and the next micro-batch
 is served it (:func:`quantize_operand`). A weight in 2-D tiles (``/2d``, the ``nvfp4`` preset) is
-quantized once for both of its GEMMs: Dgrad gets Fprop's codes with the square scales laid along its
+quantized once for both of its GEMMs (by the Triton kernel on the hardware path, else the reference): Dgrad gets Fprop's codes with the square scales laid along its
 own contraction axis (:func:`_block2d_weight`, ``QuantizedTensor.along``). Both caches are keyed on
 the tensor's identity (storage, view, version counter) and end with the optimizer step
 (``LayerQuantState.end_step``): optimizers write parameters with ``p.data.copy_`` or through a flat
@@ -46,6 +46,7 @@ from kernels.bf16_operand import bf16_form
 from kernels.fused import fake_quantize
 from kernels.quantizer import triton_missing_reason
 from precision.enums import AmaxAlgo, Scaling
+from precision.formats import QuantizedTensor
 from precision.quantize import quantize as reference_quantize
 from precision.recipe import Gemm, GemmRecipe, OperandFormat
 from precision.rotation import fixed_signs, rotate, rotation_size
@@ -355,7 +356,7 @@ def _quantize_operand(t, axis, fmt, gemm, operand, state, call, *, impl, rotatio
         if rotation != "none":  # a rotation along this GEMM's contraction axis: this GEMM's own weight
             t = rotate(t, axis, rotation_size(rotation), signs)
         return _block2d_weight(t, axis, fmt, gemm, operand, state, needs_whole, codes, want_bf16,
-                               cacheable=not rotated)
+                               cacheable=not rotated, impl=impl)
 
     # === 2-3. whole-tensor amax; the amax the tensor-level scale comes from
     whole = whole_tensor_amax(t, state, operand) if needs_whole else None
@@ -401,9 +402,11 @@ def _quantize_operand(t, axis, fmt, gemm, operand, state, call, *, impl, rotatio
     return out
 
 
-def _block2d_weight(t, axis, fmt, gemm, operand, state, needs_whole, codes, want_bf16, cacheable) -> QuantizedOperand:
-    """A weight in 2-D tiles (``fmt.block2d``): quantized once per optimizer step (the eager
-    reference quantizer) and kept in the layer's ``step_cache`` with the tensor it came from, so the
+def _block2d_weight(t, axis, fmt, gemm, operand, state, needs_whole, codes, want_bf16, cacheable,
+                    impl="reference") -> QuantizedOperand:
+    """A weight in 2-D tiles (``fmt.block2d``): quantized once per optimizer step (the Triton kernel
+    where ``impl`` is ``triton`` and the rounding is deterministic, else the eager reference
+    quantizer: the same bits) and kept in the layer's ``step_cache`` with the tensor it came from, so the
     next GEMM that consumes the same tensor -- Dgrad after Fprop -- is served the same codes and
     square scales laid out along its own contraction axis (``QuantizedTensor.along``) instead of
     quantizing again. A rotated weight (a rotation on this GEMM) is this GEMM's own and is not kept.
@@ -415,7 +418,10 @@ def _block2d_weight(t, axis, fmt, gemm, operand, state, needs_whole, codes, want
         q = hit[2]
     else:
         amax = whole_tensor_amax(t, state, operand) if needs_whole else None
-        q = reference_quantize(t, fmt, axis=axis, amax=amax)
+        if impl == "triton" and not fmt.rounding.stochastic:
+            q = _block2d_triton(t, axis, fmt, amax)
+        else:
+            q = reference_quantize(t, fmt, axis=axis, amax=amax)
         if ident is not None and not state.frozen:
             state.step_cache[slot] = (t, ident, q)  # t kept alive: its storage cannot be reused
     q = q.along(axis)
@@ -432,6 +438,17 @@ def _block2d_weight(t, axis, fmt, gemm, operand, state, needs_whole, codes, want
     if codes and not want_bf16 and not state.collect_stats:
         out.values = None
     return out
+
+
+def _block2d_triton(t, axis, fmt, amax) -> QuantizedTensor:
+    """The Triton kernel's 2-D-tiled weight as the reference's ``QuantizedTensor`` (codes shaped like
+    ``t``, square scales repeated on their rows along ``axis``: the reference's layout, so that
+    ``along`` serves the other GEMM the same way)."""
+    from kernels.triton_quant import quantize_triton
+
+    r = quantize_triton(t, fmt, axis=axis, amax=amax, codes=True)
+    return QuantizedTensor(fmt.fmt, r.codes, r.scales, axis % t.dim(), tensor_scale=r.tensor_scale,
+                           prescale=r.prescale, block2d=True)
 
 
 def _quantize(t, axis, fmt, impl, codes, key, amax, rotation, signs, state, bf16=False) -> dict:

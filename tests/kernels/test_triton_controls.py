@@ -193,3 +193,38 @@ def test_what_stays_refused_is_refused_in_one_line():
         quantize_triton(torch.randn(32, 32, device=DEV), op, sr=SRKey(1))
     with pytest.raises(ValueError, match="4over6 with 2-D tiles rounds to nearest"):
         quantize(torch.randn(32, 32), op, sr=SRKey(1))
+
+
+@pytest.mark.parametrize("w_fmt", ["nvfp4/2d", "nvfp4/2d/4over6", "mxfp4/2d"])
+def test_operand_pipeline_quantizes_a_2d_weight_with_the_kernel(w_fmt, monkeypatch):
+    """A ``/2d`` weight in the hardware-GEMM operand path (``impl="triton"``) is quantized by the
+    Triton kernel, once for Fprop and Dgrad, with the reference pipeline's codes and scales on both
+    GEMMs (Dgrad's scales laid along its own axis from the same squares)."""
+    from kernels import operand, triton_quant
+    from precision.recipe import Gemm, parse_gemm
+    from precision.state import LayerQuantState
+
+    calls = {"n": 0}
+    orig = triton_quant.quantize_triton
+
+    def counted(*a, **k):
+        calls["n"] += 1
+        return orig(*a, **k)
+
+    monkeypatch.setattr(triton_quant, "quantize_triton", counted)
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(40, 48, generator=g) * torch.exp2(torch.randint(-3, 3, (40, 1), generator=g))).to(DEV)
+    x, dy = torch.randn(8, 48, generator=g).to(DEV), torch.randn(8, 40, generator=g).to(DEV)
+    a_fmt = w_fmt.split("/")[0]
+    fprop, dgrad = parse_gemm(f"{a_fmt}@{w_fmt}", Gemm.FPROP), parse_gemm(f"{a_fmt}@{w_fmt}", Gemm.DGRAD)
+    got, want = LayerQuantState(), LayerQuantState()
+    for gemm, recipe, act in ((Gemm.FPROP, fprop, x), (Gemm.DGRAD, dgrad, dy)):
+        before = calls["n"]
+        t = operand.gemm_operands(gemm, act, w, recipe, got, impl="triton", codes=True).b
+        weight_calls = calls["n"] - before - 1  # the activation's own call
+        r = operand.gemm_operands(gemm, act, w, recipe, want, impl="reference", codes=True).b
+        assert weight_calls == (1 if gemm is Gemm.FPROP else 0), (gemm, weight_calls)  # Dgrad reuses Fprop's
+        assert torch.equal(t.codes.view(torch.uint8), r.codes.view(torch.uint8)), (w_fmt, gemm)
+        assert torch.equal(t.scales.view(torch.uint8), r.scales.view(torch.uint8)), (w_fmt, gemm)
+        if r.tensor_scale is not None:
+            assert torch.equal(t.tensor_scale, r.tensor_scale)
