@@ -308,3 +308,56 @@ def test_moe_rollout_claims_regenerate_from_their_per_replicate_values():
     missing = _figures(results, 3) - allowed
     assert not missing, f"figures in moe_rollout.md's results that its values do not give: {missing}"
     _assert_headline(text)
+
+
+# ---------------------------------------------------------------- fp4_controls_cpu.md
+def test_fp4_controls_claims_and_descent_rows_regenerate_from_the_per_seed_values():
+    """The 6 declared claims of fp4_controls_cpu.yaml recomputed with scipy from the committed per-seed
+    log step ratios (one-sided t, TOST at log(1.003) for the equivalence, Holm over 6), and the descent
+    table's row of every claim's contrast and of every treatment against the baseline (geometric mean
+    of the per-seed extra steps with its back-transformed 95 % interval): both as the write-up prints
+    them."""
+    import numpy as np
+    import yaml
+    from scipy import stats as sps
+
+    text = (SWEEPS / "fp4_controls_cpu.md").read_text()
+    rows = _csv("fp4_controls_cpu_per_seed.csv")
+    tests = yaml.safe_load((SWEEPS / "fp4_controls_cpu.yaml").read_text())["claims"]["tests"]
+    ps, means, logs = [], [], {}
+    for c in tests:
+        v = np.array([float(r["log_ratio"]) for r in rows if (r["row"], r["name"]) == ("claim", c["id"])])
+        assert len(v) == 6, c["id"]
+        logs[c["id"]] = v
+        if c["direction"] == "equivalent":
+            m = math.log1p(c["margin"] / 100)
+            p = max(sps.ttest_1samp(v, -m, alternative="greater").pvalue, sps.ttest_1samp(v, m, alternative="less").pvalue)
+        else:
+            p = sps.ttest_1samp(v, 0.0, alternative="greater" if c["direction"] == "worse" else "less").pvalue
+        ps.append(p)
+        means.append(v.mean())
+    verdict = lambda q: "supported" if q < 0.05 else "not supported"  # noqa: E731
+    claims = _section(text[text.index("## 6."):], "| claim | contrast |", "\n\n")
+    for c, p, a, m in zip(tests, ps, stats.holm_adjust(ps), means):
+        cells = f"| {100 * math.expm1(m):+.2f} % | {p:.3g} | {a:.3g} | {verdict(a)} |"
+        line = next((x for x in claims.splitlines() if x.startswith(f"| {c['id']} |")), "")
+        assert line.endswith(cells), f"fp4_controls_cpu.md's claim row of {c['id']} does not match its values:\n{line}\n{cells}"
+
+    def extra(v) -> str:
+        iv = stats.paired_interval(list(v))
+        pct = lambda x: 100 * math.expm1(x)  # noqa: E731
+        return f"{pct(iv.mean):+.2f} [{pct(iv.lo):+.2f}, {pct(iv.hi):+.2f}] (6 seeds)"
+
+    descent = _section(text, "## 6.", "**What the result does not say.**")
+    for c in tests:  # the contrasts' rows, from the same per-seed values as the claims
+        a, b = c["contrast"]
+        label = a if b == "nvfp4" else f"{a} vs {b}"
+        line = next(x for x in descent.splitlines() if x.startswith(f"| {label} | 6 |"))
+        assert extra(logs[c["id"]]) in line, (label, line, extra(logs[c["id"]]))
+    for name in dict.fromkeys(r["name"] for r in rows if r["row"] == "treatment_vs_nvfp4"):
+        if name == "nvfp4":
+            continue
+        v = [math.log1p(float(r["extra_steps_pct"]) / 100) for r in rows if (r["row"], r["name"]) == ("treatment_vs_nvfp4", name)]
+        line = next(x for x in descent.splitlines() if x.startswith(f"| {name} | 6 |"))
+        assert extra(v) in line, (name, line, extra(v))
+    _assert_headline(text)
