@@ -23,8 +23,9 @@ A weight is quantized once per optimizer step (as TransformerEngine keeps its FP
 micro-batches): every GEMM that consumes ``w`` unrotated, with nearest rounding and no telemetry
 this step, keeps its finished operand in the layer state's ``step_cache`` and the next micro-batch
 is served it (:func:`quantize_operand`). A weight in 2-D tiles (``/2d``, the ``nvfp4`` preset) is
-quantized once for both of its GEMMs (by the Triton kernel on the hardware path, else the reference): Dgrad gets Fprop's codes with the square scales laid along its
-own contraction axis (:func:`_block2d_weight`, ``QuantizedTensor.along``). Both caches are keyed on
+quantized once for both of its GEMMs (by the Triton kernel on the hardware path, else the
+reference): Dgrad gets Fprop's codes with the square scales laid along its own contraction axis
+(:func:`_block2d_weight`, ``QuantizedTensor.along``). Both caches are keyed on
 the tensor's identity (storage, view, version counter) and end with the optimizer step
 (``LayerQuantState.end_step``): optimizers write parameters with ``p.data.copy_`` or through a flat
 buffer the parameters view, neither of which moves ``p._version``.

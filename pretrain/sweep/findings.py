@@ -10,7 +10,10 @@ figure shows each treatment's mean over seeds with its 95 % Student-t interval
   with a ``study (...)`` column -- the published figures beside ours -- and a row of the same
   treatment against the same baseline, the published range is drawn on that row;
 - ``val_loss_gap_to_*`` columns: the validation-loss gap per treatment, with the sweep file's
-  ``equivalence_margin`` drawn as the band an equivalence claim must fall in.
+  ``equivalence_margin`` drawn as the band an equivalence claim must fall in;
+- RL studies (``treatment``, ``replicate``, ``final_accuracy`` columns): each treatment's final held-out
+  accuracy gap to the file's first treatment (its baseline), paired by replicate, with the
+  equivalence margin's band.
 
 ``python launch/report.py --findings configs/sweeps/results --out docs/figures`` writes them all.
 """
@@ -68,9 +71,11 @@ def study_rows(csv_path: Path) -> tuple[str, list[tuple[str, tuple[str, str], In
         raise ValueError(f"{csv_path}: no rows")
     value = next((c for c in records[0] if c.startswith(("extra_steps_pct", "extra_tokens_pct", "val_loss_gap"))),
                  None)
+    if value is None and {"treatment", "replicate", "final_accuracy"} <= set(records[0]):
+        return _accuracy_gap_rows(records)
     if value is None:
-        raise ValueError(f"{csv_path}: no extra_steps_pct, extra_tokens_pct or val_loss_gap_to_* column "
-                         f"(columns: {', '.join(records[0])})")
+        raise ValueError(f"{csv_path}: no extra_steps_pct, extra_tokens_pct, val_loss_gap_to_* or final_accuracy "
+                         f"column (columns: {', '.join(records[0])})")
     against = value.removeprefix("val_loss_gap_to_") if value.startswith("val_loss_gap_to_") else None
     groups: dict[tuple, list[float]] = {}
     for r in records:
@@ -82,6 +87,18 @@ def study_rows(csv_path: Path) -> tuple[str, list[tuple[str, tuple[str, str], In
         label = f"{where}: {treatment} vs {base}" if where else f"{treatment} vs {base}"
         rows.append((label, (base, treatment), paired_interval(vals)))
     return value, rows
+
+
+def _accuracy_gap_rows(records: list[dict]) -> tuple[str, list[tuple[str, tuple[str, str], Interval]]]:
+    """An RL study's rows: each treatment's final held-out accuracy minus the first treatment's, paired by
+    replicate (the baseline's own row is its zero gap)."""
+    base = records[0]["treatment"]
+    ref = {r["replicate"]: float(r["final_accuracy"]) for r in records if r["treatment"] == base}
+    groups: dict[str, list[float]] = {}
+    for r in records:
+        if r["replicate"] in ref:
+            groups.setdefault(r["treatment"], []).append(float(r["final_accuracy"]) - ref[r["replicate"]])
+    return "final_accuracy_gap", [(f"{t} vs {base}", (base, t), paired_interval(v)) for t, v in groups.items()]
 
 
 def _margin(study: str, sweeps: Path) -> float | None:
@@ -116,7 +133,8 @@ def _figure(study: str, value: str, rows, published, source: str, margin: float 
         ax.axvspan(-margin, margin, color="tab:gray", alpha=0.15, label=f"equivalence margin ±{margin:g}")
     ax.set_yticks(ys, [r[0] for r in rows], fontsize=7)
     unit = {"extra_steps_pct": "extra steps to the baseline's loss, %",
-            "extra_tokens_pct": "extra tokens to the baseline's loss, %"}
+            "extra_tokens_pct": "extra tokens to the baseline's loss, %",
+            "final_accuracy_gap": "final held-out accuracy gap to the baseline, paired by replicate"}
     ax.set_xlabel(unit.get(value, value.replace("_", " ")), fontsize=8)
     ax.set_title(f"{study} (verdicts, Holm-adjusted: configs/sweeps/{study}.md)", fontsize=9)
     ax.legend(fontsize=7, loc="best")

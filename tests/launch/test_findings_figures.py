@@ -65,3 +65,21 @@ def test_report_writes_one_figure_per_study(tmp_path, capsys):
     assert report.main(["--findings", str(tmp_path / "fig"), "--out", str(tmp_path / "x")]) == 2
     assert "no *_per_seed.csv" in capsys.readouterr().err
     assert not math.isnan(study_rows(results / "q_per_seed.csv")[1][0][2].half_width)
+
+
+def test_rl_study_rows_are_accuracy_gaps_paired_by_replicate(tmp_path):
+    """An RL study's per-replicate CSV (treatment, replicate, final_accuracy): each treatment's gap to the
+    file's first treatment, replicate by replicate, as a t interval; the committed RL studies draw."""
+    (tmp_path / "r_per_seed.csv").write_text("treatment,replicate,final_accuracy\nbf16,0,0.50\nbf16,1,0.40\n"
+                                             "bf16,2,0.45\nfp4,1,0.38\nfp4,0,0.47\nfp4,2,0.46\n")
+    value, rows = study_rows(tmp_path / "r_per_seed.csv")
+    assert value == "final_accuracy_gap" and [r[0] for r in rows] == ["bf16 vs bf16", "fp4 vs bf16"]
+    gaps = [-0.03, -0.02, 0.01]  # paired by replicate, not by the rows' order
+    lo, hi = stats.t.interval(0.95, 2, loc=sum(gaps) / 3, scale=stats.sem(gaps))
+    assert (rows[1][2].mean, rows[1][2].lo, rows[1][2].hi) == pytest.approx((sum(gaps) / 3, lo, hi))
+    assert rows[1][1] == ("bf16", "fp4")
+    for study in ("moe_rollout", "fp4_rollout_h256_rep"):
+        from pathlib import Path
+
+        v, r = study_rows(Path(__file__).resolve().parents[2] / "configs" / "sweeps" / "results" / f"{study}_per_seed.csv")
+        assert v == "final_accuracy_gap" and len(r) >= 2

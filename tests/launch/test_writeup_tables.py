@@ -326,7 +326,9 @@ def test_fp4_controls_claims_and_descent_rows_regenerate_from_the_per_seed_value
     tests = yaml.safe_load((SWEEPS / "fp4_controls_cpu.yaml").read_text())["claims"]["tests"]
     ps, means, logs = [], [], {}
     for c in tests:
-        v = np.array([float(r["log_ratio"]) for r in rows if (r["row"], r["name"]) == ("claim", c["id"])])
+        v = np.array([float(r["log_ratio"]) for r in rows if r["claim"] == c["id"]])
+        assert all(r["treatment"] == c["contrast"][0] and r["against"] == c["contrast"][1]
+                   for r in rows if r["claim"] == c["id"]), c["id"]
         assert len(v) == 6, c["id"]
         logs[c["id"]] = v
         if c["direction"] == "equivalent":
@@ -354,10 +356,10 @@ def test_fp4_controls_claims_and_descent_rows_regenerate_from_the_per_seed_value
         label = a if b == "nvfp4" else f"{a} vs {b}"
         line = next(x for x in descent.splitlines() if x.startswith(f"| {label} | 6 |"))
         assert extra(logs[c["id"]]) in line, (label, line, extra(logs[c["id"]]))
-    for name in dict.fromkeys(r["name"] for r in rows if r["row"] == "treatment_vs_nvfp4"):
+    for name in dict.fromkeys(r["treatment"] for r in rows if r["against"] == "nvfp4"):
         if name == "nvfp4":
             continue
-        v = [math.log1p(float(r["extra_steps_pct"]) / 100) for r in rows if (r["row"], r["name"]) == ("treatment_vs_nvfp4", name)]
+        v = [float(r["log_ratio"]) for r in rows if (r["against"], r["treatment"]) == ("nvfp4", name)]
         line = next(x for x in descent.splitlines() if x.startswith(f"| {name} | 6 |"))
         assert extra(v) in line, (name, line, extra(v))
     _assert_headline(text)
