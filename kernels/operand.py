@@ -404,7 +404,7 @@ def _quantize_operand(t, axis, fmt, gemm, operand, state, call, *, impl, rotatio
 
 
 def _block2d_weight(t, axis, fmt, gemm, operand, state, needs_whole, codes, want_bf16, cacheable,
-                    impl="reference") -> QuantizedOperand:
+                    impl) -> QuantizedOperand:
     """A weight in 2-D tiles (``fmt.block2d``): quantized once per optimizer step (the Triton kernel
     where ``impl`` is ``triton`` and the rounding is deterministic, else the eager reference
     quantizer: the same bits) and kept in the layer's ``step_cache`` with the tensor it came from, so the

@@ -17,15 +17,17 @@ from tests.kernels._triton import device  # first: skips the module where triton
 # isort: on
 
 import kernels
+from kernels.operand import gemm_operands
 from kernels.triton_quant import cast_transpose_triton, quantize_triton
 from precision.blocks import to_blocks
 from precision.eden import VAL_MAX
 from precision.elements import e2m1_decode
 from precision.four_over_six import fouroversix_quantize_blocks
 from precision.quantize import quantize
-from precision.recipe import OperandFormat
+from precision.recipe import Gemm, OperandFormat, parse_gemm
 from precision.rotation import random_signs, rotate, rotation_size
 from precision.srand import SRKey
+from precision.state import LayerQuantState
 
 DEV = device()
 pytestmark = pytest.mark.gpu  # on a CUDA device the compiled kernels; without one the interpreter
@@ -200,18 +202,14 @@ def test_operand_pipeline_quantizes_a_2d_weight_with_the_kernel(w_fmt, monkeypat
     """A ``/2d`` weight in the hardware-GEMM operand path (``impl="triton"``) is quantized by the
     Triton kernel, once for Fprop and Dgrad, with the reference pipeline's codes and scales on both
     GEMMs (Dgrad's scales laid along its own axis from the same squares)."""
-    from kernels import operand, triton_quant
-    from precision.recipe import Gemm, parse_gemm
-    from precision.state import LayerQuantState
-
     calls = {"n": 0}
-    orig = triton_quant.quantize_triton
+    orig = kernels.triton_quant.quantize_triton
 
     def counted(*a, **k):
         calls["n"] += 1
         return orig(*a, **k)
 
-    monkeypatch.setattr(triton_quant, "quantize_triton", counted)
+    monkeypatch.setattr(kernels.triton_quant, "quantize_triton", counted)
     g = torch.Generator().manual_seed(3)
     w = (torch.randn(40, 48, generator=g) * torch.exp2(torch.randint(-3, 3, (40, 1), generator=g))).to(DEV)
     x, dy = torch.randn(8, 48, generator=g).to(DEV), torch.randn(8, 40, generator=g).to(DEV)
@@ -220,9 +218,9 @@ def test_operand_pipeline_quantizes_a_2d_weight_with_the_kernel(w_fmt, monkeypat
     got, want = LayerQuantState(), LayerQuantState()
     for gemm, recipe, act in ((Gemm.FPROP, fprop, x), (Gemm.DGRAD, dgrad, dy)):
         before = calls["n"]
-        t = operand.gemm_operands(gemm, act, w, recipe, got, impl="triton", codes=True).b
+        t = gemm_operands(gemm, act, w, recipe, got, impl="triton", codes=True).b
         weight_calls = calls["n"] - before - 1  # the activation's own call
-        r = operand.gemm_operands(gemm, act, w, recipe, want, impl="reference", codes=True).b
+        r = gemm_operands(gemm, act, w, recipe, want, impl="reference", codes=True).b
         assert weight_calls == (1 if gemm is Gemm.FPROP else 0), (gemm, weight_calls)  # Dgrad reuses Fprop's
         assert torch.equal(t.codes.view(torch.uint8), r.codes.view(torch.uint8)), (w_fmt, gemm)
         assert torch.equal(t.scales.view(torch.uint8), r.scales.view(torch.uint8)), (w_fmt, gemm)

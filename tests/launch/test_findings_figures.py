@@ -4,6 +4,7 @@ write-up's ``study (...)`` column beside the treatments they match (``launch/rep
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 from scipy import stats
@@ -78,8 +79,7 @@ def test_rl_study_rows_are_accuracy_gaps_paired_by_replicate(tmp_path):
     lo, hi = stats.t.interval(0.95, 2, loc=sum(gaps) / 3, scale=stats.sem(gaps))
     assert (rows[1][2].mean, rows[1][2].lo, rows[1][2].hi) == pytest.approx((sum(gaps) / 3, lo, hi))
     assert rows[1][1] == ("bf16", "fp4")
+    results = Path(__file__).resolve().parents[2] / "configs" / "sweeps" / "results"
     for study in ("moe_rollout", "fp4_rollout_h256_rep"):
-        from pathlib import Path
-
-        v, r = study_rows(Path(__file__).resolve().parents[2] / "configs" / "sweeps" / "results" / f"{study}_per_seed.csv")
+        v, r = study_rows(results / f"{study}_per_seed.csv")
         assert v == "final_accuracy_gap" and len(r) >= 2

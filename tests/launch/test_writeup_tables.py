@@ -32,6 +32,18 @@ def _figures(text: str, decimals: int) -> set[str]:
     return {m.replace("−", "-").lstrip("+") for m in re.findall(rf"[+−-]?\d+\.\d{{{decimals}}}(?!\d)", text)}
 
 
+def _tost_p(d, margin: float) -> float:
+    """Two one-sided t-tests (scipy) that the mean of ``d`` lies within ±``margin``: the larger p."""
+    from scipy import stats as sps
+
+    return max(sps.ttest_1samp(d, -margin, alternative="greater").pvalue,
+               sps.ttest_1samp(d, margin, alternative="less").pvalue)
+
+
+def _verdict(p_holm: float) -> str:
+    return "supported" if p_holm < stats.ALPHA else "not supported"
+
+
 # ---------------------------------------------------------------- hif8_qat_cpu.md
 def _hif8_table() -> tuple[list[str], set[str]]:
     per_seed, telemetry = _csv("hif8_qat_cpu_per_seed.csv"), _csv("hif8_qat_cpu_telemetry.csv")
@@ -177,17 +189,15 @@ def test_fp4_rollout_replicate_claims_regenerate_from_their_per_replicate_values
     assert (start == col("nvfp4_tis", "initial_accuracy")).all(), "both arms of a replicate share one start"
     gap = col("nvfp4_tis", "final_accuracy") - col("bf16", "final_accuracy")
     gain = col("bf16", "final_accuracy") - start
-    p_tost = max(sps.ttest_1samp(gap, -0.03, alternative="greater").pvalue,
-                 sps.ttest_1samp(gap, 0.03, alternative="less").pvalue)
+    p_tost = _tost_p(gap, 0.03)
     p_gain = sps.ttest_1samp(gain, 0.0, alternative="greater").pvalue
     holm = dict(zip(("tost", "gain"), stats.holm_adjust([p_tost, p_gain])))
-    verdict = lambda p: "supported" if p < 0.05 else "not supported"  # noqa: E731
     seeds = ",".join(map(str, reps))
     expected = [
         f"| nvfp4_tis_matches_bf16 | nvfp4_tis vs bf16 | final_accuracy | equivalent (margin 0.03) | {seeds} | "
-        f"{gap.mean():+.4f} acc | {p_tost:.3g} | {holm['tost']:.3g} | {verdict(holm['tost'])} |",
+        f"{gap.mean():+.4f} acc | {p_tost:.3g} | {holm['tost']:.3g} | {_verdict(holm['tost'])} |",
         f"| bf16_learns | bf16 vs start | gain | better | {seeds} | {gain.mean():+.4f} gain | {p_gain:.3g} | "
-        f"{holm['gain']:.3g} | {verdict(holm['gain'])} |"]
+        f"{holm['gain']:.3g} | {_verdict(holm['gain'])} |"]
     for row in expected:
         assert row in text, f"fp4_rollout.md lacks the regenerated claim row:\n{row}"
     for r in reps:
@@ -272,21 +282,18 @@ def test_moe_rollout_claims_regenerate_from_their_per_replicate_values():
         assert (col(arm, "initial_accuracy") == start).all(), arm
     final = {arm: col(arm, "final_accuracy") for arm in arms}
     gain = final["bf16"] - start
-    tost = lambda d: max(sps.ttest_1samp(d, -0.03, alternative="greater").pvalue,  # noqa: E731
-                         sps.ttest_1samp(d, 0.03, alternative="less").pvalue)
     p = {"bf16_learns": sps.ttest_1samp(gain, 0.10, alternative="greater").pvalue,
          "nvfp4_behind": sps.ttest_1samp(final["nvfp4"] - final["bf16"], 0.0, alternative="less").pvalue,
-         "replay_equivalent": tost(final["nvfp4_replay"] - final["bf16"]),
-         "replay_tis_equivalent": tost(final["nvfp4_replay_tis"] - final["bf16"])}
+         "replay_equivalent": _tost_p(final["nvfp4_replay"] - final["bf16"], 0.03),
+         "replay_tis_equivalent": _tost_p(final["nvfp4_replay_tis"] - final["bf16"], 0.03)}
     holm = dict(zip(p, stats.holm_adjust(list(p.values()))))
     means = {"bf16_learns": gain.mean(), "nvfp4_behind": (final["nvfp4"] - final["bf16"]).mean(),
              "replay_equivalent": (final["nvfp4_replay"] - final["bf16"]).mean(),
              "replay_tis_equivalent": (final["nvfp4_replay_tis"] - final["bf16"]).mean()}
-    verdict = lambda q: "supported" if q < 0.05 else "not supported"  # noqa: E731
     claims = _section(text, "| claim | contrast |", "\n\n")
     for cid in p:
         unit = " gain" if cid == "bf16_learns" else " acc"
-        cells = f"| {means[cid]:+.4f}{unit} | {p[cid]:.3g} | {holm[cid]:.3g} | {verdict(holm[cid])} |"
+        cells = f"| {means[cid]:+.4f}{unit} | {p[cid]:.3g} | {holm[cid]:.3g} | {_verdict(holm[cid])} |"
         line = next((x for x in claims.splitlines() if x.startswith(f"| {cid} |")), "")
         assert line.endswith(cells), f"moe_rollout.md's claim row of {cid} does not match its values:\n{line}\n{cells}"
     for r in reps:  # the per-replicate table: start, each arm's final accuracy
@@ -332,16 +339,14 @@ def test_fp4_controls_claims_and_descent_rows_regenerate_from_the_per_seed_value
         assert len(v) == 6, c["id"]
         logs[c["id"]] = v
         if c["direction"] == "equivalent":
-            m = math.log1p(c["margin"] / 100)
-            p = max(sps.ttest_1samp(v, -m, alternative="greater").pvalue, sps.ttest_1samp(v, m, alternative="less").pvalue)
+            p = _tost_p(v, math.log1p(c["margin"] / 100))
         else:
             p = sps.ttest_1samp(v, 0.0, alternative="greater" if c["direction"] == "worse" else "less").pvalue
         ps.append(p)
         means.append(v.mean())
-    verdict = lambda q: "supported" if q < 0.05 else "not supported"  # noqa: E731
     claims = _section(text[text.index("## 6."):], "| claim | contrast |", "\n\n")
     for c, p, a, m in zip(tests, ps, stats.holm_adjust(ps), means):
-        cells = f"| {100 * math.expm1(m):+.2f} % | {p:.3g} | {a:.3g} | {verdict(a)} |"
+        cells = f"| {100 * math.expm1(m):+.2f} % | {p:.3g} | {a:.3g} | {_verdict(a)} |"
         line = next((x for x in claims.splitlines() if x.startswith(f"| {c['id']} |")), "")
         assert line.endswith(cells), f"fp4_controls_cpu.md's claim row of {c['id']} does not match its values:\n{line}\n{cells}"
 
