@@ -33,8 +33,10 @@ __all__ = [
     "collect",
     "collect_rl",
     "descent_table",
+    "per_seed_rows",
     "report_sweep",
     "summary_table",
+    "write_per_seed",
     "write_tables",
 ]
 
@@ -89,6 +91,7 @@ def collect(out: Path, runs: list[Run], baseline: str | None, window: int = SMOO
             tuned = summarize(rows, baseline, groups, base_runs, margin=margin)
     write_tables(out, rows, summary, tuned, baseline, hyper, descent_rows, published)
     write_claims(out, rows, descent)
+    write_per_seed(out, rows, baseline, descent, contrasts)
     note_first_table(out, rows)
     write_plots(out, rows, grid_summary, tuned or grid_summary, baseline, base_runs if tuned else None)
     return rows
@@ -150,6 +153,78 @@ def write_claims(out: Path, rows: list[dict], descent: list[int] | None) -> None
     rest = md[2].replace("| verdict (Holm over", "| exploratory verdict (Holm over").replace(
         "| final acc gap: verdict (Holm over", "| final acc gap: exploratory verdict (Holm over")
     (out / "results.md").write_text("\n".join([md[0], md[1], *claims_table(results, claims, first), rest]))
+
+
+PER_SEED = "per_seed.csv"
+
+
+def per_seed_rows(rows: list[dict], baseline: str | None, descent: list[int] | None = None,
+                  contrasts: list[list[str]] | None = None, claims: dict | None = None) -> list[dict]:
+    """One row per compared pair and seed: every grid point against the baseline, then every contrast
+    ``[a, b]`` and declared claim (``a`` against ``b``) not already listed, each on its finished runs of
+    one seed and hyper-parameter point. The value is the one the tables and claims test: the descent's
+    extra steps and excess loss with ``descent_steps``, else the end-of-run extra tokens and validation
+    loss gap; ``log_ratio`` is ``log(1 + x / 100)`` (``inf`` / ``-inf``: the treatment's / the
+    comparator's run diverged or the target was not reached); ``claim`` names the declared claim the
+    pair is (or is empty); ``design`` the hyper-parameter point (empty without one)."""
+    from pretrain.evaluation.extra_tokens import log_ratio
+    from pretrain.sweep.results import _diverged, partner
+
+    tests = {tuple(t["contrast"]): t["id"] for t in (claims or {}).get("tests", [])}
+    labels = list(dict.fromkeys(r["_run"].label for r in rows))
+    pairs = [(b, a) for a in labels for b in ([baseline] if baseline else [])]
+    for a, b in [*(contrasts or []), *tests]:
+        if (b, a) not in pairs:
+            pairs.append((b, a))
+    value, gap = ("extra_steps_pct", "excess_loss") if descent else ("extra_tokens_pct", "val_loss_gap")
+    finished = ("done", "diverged")
+    out = []
+    for against, treatment in pairs:
+        for m in rows:
+            base = partner(rows, against, m) if m["_run"].label == treatment else None
+            if base is None or m.get("status", "done") not in finished or base.get("status", "done") not in finished:
+                continue
+            if descent:
+                d = descent_numbers(m, base, descent)
+                pct, loss = d.extra.pct, d.excess_loss
+            else:
+                p = pair_numbers(m, base)
+                pct, loss = p["extra_tokens_pct"], p["gap_val_loss"]
+            lr = log_ratio(pct) if math.isfinite(pct) else pct
+            if _diverged(m) or _diverged(base):
+                lr = math.inf if _diverged(m) else -math.inf
+            run = m["_run"]
+            out.append({"design": " ".join(f"{k}={v}" for k, v in run.point.items()), "against": against,
+                        "treatment": treatment, "seed": run.seed, value: pct, "log_ratio": lr, gap: loss,
+                        "claim": tests.get((treatment, against), "")})
+    return out
+
+
+def write_per_seed(out: Path, rows: list[dict], baseline: str | None, descent: list[int] | None = None,
+                   contrasts: list[list[str]] | None = None) -> Path | None:
+    """``per_seed.csv`` (:func:`per_seed_rows`, the claims from ``sweep.json``): the per-seed results a
+    write-up keeps as ``configs/sweeps/results/STUDY_per_seed.csv``, the findings figures' input
+    (``pretrain.sweep.findings``) and what a write-up's tables are regenerated from. The ``design``
+    column is left out when no run has a hyper-parameter point."""
+    import json
+
+    info = out / "sweep.json"
+    claims = json.loads(info.read_text()).get("sweep", {}).get("claims") if info.is_file() else None
+    table = per_seed_rows(rows, baseline, descent, contrasts, claims)
+    if not table:
+        return None
+    cols = list(table[0])
+    if not any(r["design"] for r in table):
+        cols.remove("design")
+    f = out / PER_SEED
+    tmp = f.with_suffix(".tmp")
+    with open(tmp, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(cols)
+        for r in table:
+            w.writerow(["" if r[c] is None else f"{r[c]:.10g}" if isinstance(r[c], float) else r[c] for c in cols])
+    tmp.replace(f)
+    return f
 
 
 def collect_rl(out: Path, runs: list[Run], baseline: str | None, margin: float | None = None) -> list[dict]:

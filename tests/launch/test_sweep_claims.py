@@ -107,6 +107,30 @@ def test_seeds_added_after_the_first_table_are_a_new_confirmatory_run(tmp_path):
     assert "**Seeds 4, 5 finished after this table was first produced" in (out / "results.md").read_text()
 
 
+def test_the_report_writes_the_per_seed_values_its_claims_and_the_findings_figures_read(tmp_path):
+    import csv
+
+    from pretrain.sweep.findings import study_rows
+
+    out = _study(tmp_path, [0, 1, 2, 3], diverged=("bf16__seed-3",))
+    with open(out / "per_seed.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["against", "treatment", "seed", "extra_tokens_pct", "log_ratio", "val_loss_gap", "claim"]
+    by = {(r["against"], r["treatment"], int(r["seed"])): r for r in rows}
+    assert len(rows) == 3 * 4 and {k[:2] for k in by} == {("fp8", "fp8"), ("fp8", "mxfp4"), ("fp8", "bf16")}
+    for s in range(4):
+        assert float(by["fp8", "mxfp4", s]["val_loss_gap"]) == pytest.approx(VAL["mxfp4"][s] - VAL["fp8"][s], abs=1e-9)
+        assert by["fp8", "mxfp4", s]["claim"] == "mx_costs" and by["fp8", "fp8", s]["claim"] == ""
+        assert float(by["fp8", "fp8", s]["log_ratio"]) == 0.0
+    assert float(by["fp8", "bf16", 3]["log_ratio"]) == math.inf  # the diverged run: its side's worst outcome
+    # the claim's p-value (scipy) from the file's values is the one claims.csv printed
+    gaps = [float(by["fp8", "mxfp4", s]["val_loss_gap"]) for s in range(4)]
+    p = sps.ttest_1samp(gaps, 0.0, alternative="greater").pvalue
+    assert float(_rows(out)[("mx_costs", "False")]["p"]) == pytest.approx(p, rel=1e-6)
+    value, groups = study_rows(out / "per_seed.csv")  # the findings figure reads it as written
+    assert value == "extra_tokens_pct" and [g[1] for g in groups] == [("fp8", "fp8"), ("fp8", "mxfp4"), ("fp8", "bf16")]
+
+
 def test_a_diverged_seed_counts_as_the_worst_outcome_of_a_claim(tmp_path):
     # mxfp4 diverges in seeds 0-2: +inf for those seeds, and the 4th is worse too -> all four positive;
     # the exact one-sided signed-rank p with 4 seeds is 1/16 (scipy's, the oracle): not enough seeds
