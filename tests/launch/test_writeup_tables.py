@@ -261,6 +261,48 @@ def test_wgrad_scale_interim_slopes_regenerate_from_the_per_seed_values():
     _assert_headline(text)
 
 
+def test_wgrad_scale_h4_claims_and_figures_regenerate_from_the_per_seed_values():
+    """C3/C4 (wgrad_scale_cpu_h4.yaml) recomputed with scipy from the committed per-seed log ratios
+    (one-sided t, Holm over the study's 4 claims with C1/C2 at p = 1), and every 2- and 4-decimal
+    figure of the h4 section from the same file: per-seed and mean extra tokens with their intervals,
+    the chained estimator, the end-of-run validation gaps."""
+    import numpy as np
+    from scipy import stats as sps
+
+    text = (SWEEPS / "wgrad_scale_cpu.md").read_text()
+    section = _section(text, "### h4: the smallest size", "Not run:")
+    rows = _csv("wgrad_scale_cpu_h4_per_seed.csv")
+    by = {(r["against"], r["treatment"], int(r["seed"])): r for r in rows}
+    seeds = sorted({int(r["seed"]) for r in rows})
+    assert seeds == [0, 1, 2]
+    col = lambda a, t, k: np.array([float(by[a, t, s][k]) for s in seeds])  # noqa: E731
+    c3, c4 = col("wgrad_fp8", "wgrad_mxfp4", "log_ratio"), col("wgrad_mxfp4", "wgrad_had16", "log_ratio")
+    p = [sps.ttest_1samp(c3, 0.0, alternative="greater").pvalue, sps.ttest_1samp(c4, 0.0, alternative="less").pvalue]
+    holm = stats.holm_adjust(p + [1.0, 1.0])[:2]
+    for cid, v, q, a in (("wgrad_costs_h4", c3, p[0], holm[0]), ("hadamard_recovers_h4", c4, p[1], holm[1])):
+        cells = f"| {100 * math.expm1(v.mean()):+.2f} % | {q:.3g} | {a:.3g} | {_verdict(a)} |"
+        line = next((x for x in section.splitlines() if x.startswith(f"| {cid} |")), "")
+        assert line.endswith(cells), f"wgrad_scale_cpu.md's h4 claim row of {cid} does not match:\n{line}\n{cells}"
+    pct = lambda x: 100 * math.expm1(x)  # noqa: E731
+    allowed = {f"{float(r['extra_tokens_pct']):.2f}" for r in rows} | {f"{float(r['val_loss_gap']):.4f}" for r in rows}
+    pairs = [("wgrad_fp8", "wgrad_mxfp4"), ("wgrad_mxfp4", "wgrad_had16"), ("wgrad_had16", "wgrad_mxfp4"),
+             ("wgrad_sr", "wgrad_mxfp4"), ("fp8", "wgrad_fp8")]
+    for a, b in pairs:
+        iv = stats.paired_interval(list(col(a, b, "log_ratio")))
+        allowed |= {f"{pct(x):.2f}" for x in (iv.mean, iv.lo, iv.hi)}
+        g = stats.paired_interval(list(col(a, b, "val_loss_gap")))
+        allowed |= {f"{g.mean:.4f}", f"{g.half_width:.4f}"}
+    for a, b in (("wgrad_mxfp4", "wgrad_fp8"), ("wgrad_mxfp4", "wgrad_had16")):  # chained: each against FP8
+        iv = stats.paired_interval(list(col("fp8", a, "log_ratio") - col("fp8", b, "log_ratio")))
+        allowed |= {f"{pct(x):.2f}" for x in (iv.mean, iv.lo, iv.hi)}
+    allowed |= {f"{x:.4f}" for x in (*p, *holm)}
+    # not in the per-seed file: part 1's chained estimates (the interim table above) and the validation
+    # batches' s.e. of a gap (the report's results.md)
+    allowed |= {"-0.97", "0.70", "0.0032"}
+    missing = (_figures(section, 2) | _figures(section, 4)) - allowed
+    assert not missing, f"figures in wgrad_scale_cpu.md's h4 section that its values do not give: {missing}"
+
+
 # ---------------------------------------------------------------- moe_rollout.md (true replicates)
 def test_moe_rollout_claims_regenerate_from_their_per_replicate_values():
     """The 4 declared claims of moe_rollout.yaml recomputed with scipy from the committed per-replicate
@@ -317,26 +359,27 @@ def test_moe_rollout_claims_regenerate_from_their_per_replicate_values():
     _assert_headline(text)
 
 
-# ---------------------------------------------------------------- fp4_controls_cpu.md
-def test_fp4_controls_claims_and_descent_rows_regenerate_from_the_per_seed_values():
-    """The 6 declared claims of fp4_controls_cpu.yaml recomputed with scipy from the committed per-seed
-    log step ratios (one-sided t, TOST at log(1.003) for the equivalence, Holm over 6), and the descent
-    table's row of every claim's contrast and of every treatment against the baseline (geometric mean
-    of the per-seed extra steps with its back-transformed 95 % interval): both as the write-up prints
-    them."""
+# ---------------------------------------------------------------- descent studies with declared claims
+def _check_descent_claims(study: str, seeds: int) -> None:
+    """The declared claims of ``STUDY.yaml`` recomputed with scipy from the committed per-seed log step
+    ratios (one-sided t, TOST at log(1 + margin) for an equivalence, Holm over the study's claims), and
+    the descent table's row of every claim's contrast and of every treatment against the baseline
+    (geometric mean of the per-seed extra steps with its back-transformed 95 % interval): both as
+    section 6 of the write-up prints them."""
     import numpy as np
     import yaml
     from scipy import stats as sps
 
-    text = (SWEEPS / "fp4_controls_cpu.md").read_text()
-    rows = _csv("fp4_controls_cpu_per_seed.csv")
-    tests = yaml.safe_load((SWEEPS / "fp4_controls_cpu.yaml").read_text())["claims"]["tests"]
+    text = (SWEEPS / f"{study}.md").read_text()
+    rows = _csv(f"{study}_per_seed.csv")
+    spec = yaml.safe_load((SWEEPS / f"{study}.yaml").read_text())
+    tests, baseline = spec["claims"]["tests"], spec["baseline"]
     ps, means, logs = [], [], {}
     for c in tests:
         v = np.array([float(r["log_ratio"]) for r in rows if r["claim"] == c["id"]])
         assert all(r["treatment"] == c["contrast"][0] and r["against"] == c["contrast"][1]
                    for r in rows if r["claim"] == c["id"]), c["id"]
-        assert len(v) == 6, c["id"]
+        assert len(v) == seeds, c["id"]
         logs[c["id"]] = v
         if c["direction"] == "equivalent":
             p = _tost_p(v, math.log1p(c["margin"] / 100))
@@ -344,27 +387,32 @@ def test_fp4_controls_claims_and_descent_rows_regenerate_from_the_per_seed_value
             p = sps.ttest_1samp(v, 0.0, alternative="greater" if c["direction"] == "worse" else "less").pvalue
         ps.append(p)
         means.append(v.mean())
+    ps += [1.0] * (spec["claims"]["study_claims"] - len(tests))  # claims tested elsewhere count as p = 1
     claims = _section(text[text.index("## 6."):], "| claim | contrast |", "\n\n")
     for c, p, a, m in zip(tests, ps, stats.holm_adjust(ps), means):
         cells = f"| {100 * math.expm1(m):+.2f} % | {p:.3g} | {a:.3g} | {_verdict(a)} |"
         line = next((x for x in claims.splitlines() if x.startswith(f"| {c['id']} |")), "")
-        assert line.endswith(cells), f"fp4_controls_cpu.md's claim row of {c['id']} does not match its values:\n{line}\n{cells}"
+        assert line.endswith(cells), f"{study}.md's claim row of {c['id']} does not match its values:\n{line}\n{cells}"
 
     def extra(v) -> str:
         iv = stats.paired_interval(list(v))
         pct = lambda x: 100 * math.expm1(x)  # noqa: E731
-        return f"{pct(iv.mean):+.2f} [{pct(iv.lo):+.2f}, {pct(iv.hi):+.2f}] (6 seeds)"
+        return f"{pct(iv.mean):+.2f} [{pct(iv.lo):+.2f}, {pct(iv.hi):+.2f}] ({seeds} seeds)"
 
     descent = _section(text, "## 6.", "**What the result does not say.**")
     for c in tests:  # the contrasts' rows, from the same per-seed values as the claims
         a, b = c["contrast"]
-        label = a if b == "nvfp4" else f"{a} vs {b}"
-        line = next(x for x in descent.splitlines() if x.startswith(f"| {label} | 6 |"))
+        label = a if b == baseline else f"{a} vs {b}"
+        line = next(x for x in descent.splitlines() if x.startswith(f"| {label} | {seeds} |"))
         assert extra(logs[c["id"]]) in line, (label, line, extra(logs[c["id"]]))
-    for name in dict.fromkeys(r["treatment"] for r in rows if r["against"] == "nvfp4"):
-        if name == "nvfp4":
+    for name in dict.fromkeys(r["treatment"] for r in rows if r["against"] == baseline):
+        if name == baseline:
             continue
-        v = [float(r["log_ratio"]) for r in rows if (r["against"], r["treatment"]) == ("nvfp4", name)]
-        line = next(x for x in descent.splitlines() if x.startswith(f"| {name} | 6 |"))
+        v = [float(r["log_ratio"]) for r in rows if (r["against"], r["treatment"]) == (baseline, name)]
+        line = next(x for x in descent.splitlines() if x.startswith(f"| {name} | {seeds} |"))
         assert extra(v) in line, (name, line, extra(v))
     _assert_headline(text)
+
+
+def test_fp4_controls_claims_and_descent_rows_regenerate_from_the_per_seed_values():
+    _check_descent_claims("fp4_controls_cpu", seeds=6)
