@@ -29,7 +29,7 @@ import yaml
 
 from pretrain.evaluation.stats import Interval, paired_interval
 
-__all__ = ["published_figures", "study_rows", "write_findings"]
+__all__ = ["published_figures", "study_rows", "write_findings", "writeup_for"]
 
 _RANGE = re.compile(r"([+-]?\d+(?:\.\d+)?)\s*(?:[–-]\s*(\d+(?:\.\d+)?))?\s*%")
 
@@ -101,6 +101,18 @@ def _accuracy_gap_rows(records: list[dict]) -> tuple[str, list[tuple[str, tuple[
     return "final_accuracy_gap", [(f"{t} vs {base}", (base, t), paired_interval(v)) for t, v in groups.items()]
 
 
+def writeup_for(study: str, sweeps: Path) -> Path | None:
+    """The write-up of a per-seed CSV's study: ``STUDY.md``, else that of the longest ``_``-prefix
+    that has one (``wgrad_scale_cpu_h4`` -> ``wgrad_scale_cpu.md``: one sweep of a larger study);
+    None if there is none."""
+    parts = study.split("_")
+    for n in range(len(parts), 0, -1):
+        f = sweeps / f"{'_'.join(parts[:n])}.md"
+        if f.is_file():
+            return f
+    return None
+
+
 def _margin(study: str, sweeps: Path) -> float | None:
     for f in sorted(sweeps.glob(f"{study}*.yaml")):
         m = (yaml.safe_load(f.read_text()) or {}).get("equivalence_margin")
@@ -109,7 +121,8 @@ def _margin(study: str, sweeps: Path) -> float | None:
     return None
 
 
-def _figure(study: str, value: str, rows, published, source: str, margin: float | None, out: Path) -> Path:
+def _figure(study: str, value: str, rows, published, source: str, margin: float | None, out: Path,
+            writeup: str | None = None) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -136,7 +149,8 @@ def _figure(study: str, value: str, rows, published, source: str, margin: float 
             "extra_tokens_pct": "extra tokens to the baseline's loss, %",
             "final_accuracy_gap": "final held-out accuracy gap to the baseline, paired by replicate"}
     ax.set_xlabel(unit.get(value, value.replace("_", " ")), fontsize=8)
-    ax.set_title(f"{study} (verdicts, Holm-adjusted: configs/sweeps/{study}.md)", fontsize=9)
+    where = f"verdicts, Holm-adjusted: configs/sweeps/{writeup}" if writeup else "no write-up"
+    ax.set_title(f"{study} ({where})", fontsize=9)
     ax.legend(fontsize=7, loc="best")
     if pct:
         ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:+g}%"))
@@ -158,8 +172,9 @@ def write_findings(results: Path, out: Path, sweeps: Path | None = None) -> list
     written = []
     for f in files:
         study = f.name.removesuffix("_per_seed.csv")
-        writeup = sweeps / f"{study}.md"
-        published, source = published_figures(writeup.read_text()) if writeup.is_file() else ({}, "")
+        writeup = writeup_for(study, sweeps)
+        published, source = published_figures(writeup.read_text()) if writeup else ({}, "")
         value, rows = study_rows(f)
-        written.append(_figure(study, value, rows, published, source, _margin(study, sweeps), out))
+        written.append(_figure(study, value, rows, published, source, _margin(study, sweeps), out,
+                               writeup.name if writeup else None))
     return written

@@ -10,7 +10,7 @@ import pytest
 from scipy import stats
 
 from launch import report
-from pretrain.sweep.findings import published_figures, study_rows
+from pretrain.sweep.findings import published_figures, study_rows, writeup_for
 
 WRITEUP = """# A study
 
@@ -80,6 +80,10 @@ def test_rl_study_rows_are_accuracy_gaps_paired_by_replicate(tmp_path):
     assert (rows[1][2].mean, rows[1][2].lo, rows[1][2].hi) == pytest.approx((sum(gaps) / 3, lo, hi))
     assert rows[1][1] == ("bf16", "fp4")
     results = Path(__file__).resolve().parents[2] / "configs" / "sweeps" / "results"
+    assert writeup_for("fp4_rollout_h256_rep", results.parent).name == "fp4_rollout.md"
+    assert writeup_for("wgrad_scale_cpu_h4", results.parent).name == "wgrad_scale_cpu.md"
+    assert writeup_for("moe_rollout", results.parent).name == "moe_rollout.md"
+    assert writeup_for("no_such_study", results.parent) is None
     for study in ("moe_rollout", "fp4_rollout_h256_rep"):
         v, r = study_rows(results / f"{study}_per_seed.csv")
         assert v == "final_accuracy_gap" and len(r) >= 2
