@@ -303,6 +303,53 @@ def test_wgrad_scale_h4_claims_and_figures_regenerate_from_the_per_seed_values()
     assert not missing, f"figures in wgrad_scale_cpu.md's h4 section that its values do not give: {missing}"
 
 
+def test_wgrad_scale_h4_telemetry_table_regenerates_from_the_committed_telemetry():
+    """The h4 mechanism table (flush share and top share per operand over 4x the training, the
+    wgrad_mxfp4 runs, mean over layers per seed then a 95 % t interval over seeds) and the paired
+    figures under it, recomputed from results/wgrad_scale_cpu_h4_telemetry.csv."""
+    text = (SWEEPS / "wgrad_scale_cpu.md").read_text()
+    section = _section(text, "### Over 4x the training", "## The first-order predictor")
+    tel = _csv("wgrad_scale_cpu_h4_telemetry.csv")
+    mean = {(r["run"], r["gemm"], r["operand"], r["step"], r["metric"]): float(r["mean"]) for r in tel}
+
+    def seeds(g, o, step, metric):
+        return [mean[f"wgrad_mxfp4__seed-{s}", g, o, step, metric] for s in range(3)]
+
+    def cell(v) -> str:
+        iv = stats.paired_interval(v)
+        return f"{iv.mean:.3f} ± {iv.half_width:.3f}"
+
+    names = {("fprop", "x"): "Fprop `x` (features)", ("dgrad", "dy"): "Dgrad `dy` (features)",
+             ("wgrad", "x"): "Wgrad `x` (tokens)", ("wgrad", "dy"): "Wgrad `dy` (tokens)",
+             ("fprop", "w"): "Fprop `w` (features)"}
+    for (g, o), name in names.items():
+        cells = [cell(seeds(g, o, st, "flushed_nonzero")) for st in ("104", "208", "312", "416")]
+        cells += [cell(seeds(g, o, "416", "had16_flushed_nonzero"))]
+        cells += [cell(seeds(g, o, st, "block_top_share")) for st in ("104", "416")]
+        row = f"| {name} | " + " | ".join(cells) + " |"
+        assert row in section, f"wgrad_scale_cpu.md lacks the regenerated telemetry row:\n{row}"
+    allowed = set()
+
+    def paired(d):
+        iv = stats.paired_interval(d)
+        allowed.update(f"{abs(x):.3f}" for x in (iv.mean, iv.lo, iv.hi))
+    diff = lambda a, b: [x - y for x, y in zip(a, b)]  # noqa: E731
+    for st in ("104", "416"):
+        paired(diff(seeds("wgrad", "dy", st, "flushed_nonzero"), seeds("dgrad", "dy", st, "flushed_nonzero")))
+        paired(diff(seeds("wgrad", "x", st, "flushed_nonzero"), seeds("fprop", "x", st, "flushed_nonzero")))
+    for g, o in (("wgrad", "dy"), ("dgrad", "dy"), ("wgrad", "x"), ("fprop", "x")):
+        paired(diff(seeds(g, o, "416", "flushed_nonzero"), seeds(g, o, "104", "flushed_nonzero")))
+    paired(diff(diff(seeds("wgrad", "dy", "416", "flushed_nonzero"), seeds("dgrad", "dy", "416", "flushed_nonzero")),
+                diff(seeds("wgrad", "dy", "104", "flushed_nonzero"), seeds("dgrad", "dy", "104", "flushed_nonzero"))))
+    for (g, o) in names:  # the prose's single values: a mean of the table
+        allowed.update(cell(seeds(g, o, st, m)).split(" ± ")[0] for st in ("104", "416")
+                       for m in ("flushed_nonzero", "had16_flushed_nonzero"))
+    prose = section.split("\n\n", 2)[2]  # below the table
+    prose = prose[prose.index("- **Token-axis"):]
+    missing = {f.lstrip("-") for f in _figures(prose, 3)} - allowed
+    assert not missing, f"figures under wgrad_scale_cpu.md's telemetry table that the telemetry does not give: {missing}"
+
+
 # ---------------------------------------------------------------- moe_rollout.md (true replicates)
 def test_moe_rollout_claims_regenerate_from_their_per_replicate_values():
     """The 4 declared claims of moe_rollout.yaml recomputed with scipy from the committed per-replicate
