@@ -270,7 +270,7 @@ def test_wgrad_scale_h4_claims_and_figures_regenerate_from_the_per_seed_values()
     from scipy import stats as sps
 
     text = (SWEEPS / "wgrad_scale_cpu.md").read_text()
-    section = _section(text, "### h4: the smallest size", "Not run:")
+    section = _section(text, "### h4: the smallest size", "### Part 3 in pieces")
     rows = _csv("wgrad_scale_cpu_h4_per_seed.csv")
     by = {(r["against"], r["treatment"], int(r["seed"])): r for r in rows}
     seeds = sorted({int(r["seed"]) for r in rows})
