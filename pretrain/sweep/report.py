@@ -165,8 +165,10 @@ def per_seed_rows(rows: list[dict], baseline: str | None, descent: list[int] | N
     one seed and hyper-parameter point. The value is the one the tables and claims test: the descent's
     extra steps and excess loss with ``descent_steps``, else the end-of-run extra tokens and validation
     loss gap; ``log_ratio`` is ``log(1 + x / 100)`` (``inf`` / ``-inf``: the treatment's / the
-    comparator's run diverged or the target was not reached); ``claim`` names the declared claim the
-    pair is (or is empty); ``design`` the hyper-parameter point (empty without one)."""
+    comparator's run diverged); ``censored`` is 1 where the run never reached one of its targets, so
+    that its extra steps / tokens are a lower bound (the tables print such a mean as ``> x``);
+    ``claim`` names the declared claim the pair is (or is empty); ``design`` the hyper-parameter point
+    (empty without one)."""
     from pretrain.evaluation.extra_tokens import log_ratio
     from pretrain.sweep.results import _diverged, partner
 
@@ -186,17 +188,17 @@ def per_seed_rows(rows: list[dict], baseline: str | None, descent: list[int] | N
                 continue
             if descent:
                 d = descent_numbers(m, base, descent)
-                pct, loss = d.extra.pct, d.excess_loss
+                pct, loss, censored = d.extra.pct, d.excess_loss, d.extra.censored
             else:
                 p = pair_numbers(m, base)
-                pct, loss = p["extra_tokens_pct"], p["gap_val_loss"]
+                pct, loss, censored = p["extra_tokens_pct"], p["gap_val_loss"], p["extra_tokens_censored"]
             lr = log_ratio(pct) if math.isfinite(pct) else pct
             if _diverged(m) or _diverged(base):
                 lr = math.inf if _diverged(m) else -math.inf
             run = m["_run"]
             out.append({"design": " ".join(f"{k}={v}" for k, v in run.point.items()), "against": against,
                         "treatment": treatment, "seed": run.seed, value: pct, "log_ratio": lr, gap: loss,
-                        "claim": tests.get((treatment, against), "")})
+                        "censored": int(bool(censored)), "claim": tests.get((treatment, against), "")})
     return out
 
 

@@ -115,7 +115,8 @@ def test_the_report_writes_the_per_seed_values_its_claims_and_the_findings_figur
     out = _study(tmp_path, [0, 1, 2, 3], diverged=("bf16__seed-3",))
     with open(out / "per_seed.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert list(rows[0]) == ["against", "treatment", "seed", "extra_tokens_pct", "log_ratio", "val_loss_gap", "claim"]
+    assert list(rows[0]) == ["against", "treatment", "seed", "extra_tokens_pct", "log_ratio", "val_loss_gap",
+                             "censored", "claim"]
     by = {(r["against"], r["treatment"], int(r["seed"])): r for r in rows}
     assert len(rows) == 3 * 4 and {k[:2] for k in by} == {("fp8", "fp8"), ("fp8", "mxfp4"), ("fp8", "bf16")}
     for s in range(4):
@@ -123,6 +124,9 @@ def test_the_report_writes_the_per_seed_values_its_claims_and_the_findings_figur
         assert by["fp8", "mxfp4", s]["claim"] == "mx_costs" and by["fp8", "fp8", s]["claim"] == ""
         assert float(by["fp8", "fp8", s]["log_ratio"]) == 0.0
     assert float(by["fp8", "bf16", 3]["log_ratio"]) == math.inf  # the diverged run: its side's worst outcome
+    results = {(r["run"]): r for r in csv.DictReader(open(out / "results.csv", newline=""))}
+    for s in range(4):  # a target never reached is flagged as the tables flag it
+        assert by["fp8", "mxfp4", s]["censored"] == str(int(results[f"mxfp4__seed-{s}"]["extra_tokens_censored"] == "True"))
     # the claim's p-value (scipy) from the file's values is the one claims.csv printed
     gaps = [float(by["fp8", "mxfp4", s]["val_loss_gap"]) for s in range(4)]
     p = sps.ttest_1samp(gaps, 0.0, alternative="greater").pvalue
