@@ -441,9 +441,11 @@ def _check_descent_claims(study: str, seeds: int) -> None:
         line = next((x for x in claims.splitlines() if x.startswith(f"| {c['id']} |")), "")
         assert line.endswith(cells), f"{study}.md's claim row of {c['id']} does not match its values:\n{line}\n{cells}"
 
-    def extra(v) -> str:
+    def extra(v, censored: int = 0) -> str:
         iv = stats.paired_interval(list(v))
         pct = lambda x: 100 * math.expm1(x)  # noqa: E731
+        if censored:  # a seed never reached a target: its value is a lower bound, and so is the mean
+            return f"> {pct(iv.mean):+.2f} (lower bound: {censored} of {seeds} seeds censored, no interval)"
         return f"{pct(iv.mean):+.2f} [{pct(iv.lo):+.2f}, {pct(iv.hi):+.2f}] ({seeds} seeds)"
 
     descent = _section(text, "## 6.", "**What the result does not say.**")
@@ -455,11 +457,32 @@ def _check_descent_claims(study: str, seeds: int) -> None:
     for name in dict.fromkeys(r["treatment"] for r in rows if r["against"] == baseline):
         if name == baseline:
             continue
-        v = [float(r["log_ratio"]) for r in rows if (r["against"], r["treatment"]) == (baseline, name)]
+        mine = [r for r in rows if (r["against"], r["treatment"]) == (baseline, name)]
+        v, censored = [float(r["log_ratio"]) for r in mine], sum(int(r.get("censored") or 0) for r in mine)
         line = next(x for x in descent.splitlines() if x.startswith(f"| {name} | {seeds} |"))
-        assert extra(v) in line, (name, line, extra(v))
+        assert extra(v, censored) in line, (name, line, extra(v, censored))
     _assert_headline(text)
 
 
 def test_fp4_controls_claims_and_descent_rows_regenerate_from_the_per_seed_values():
     _check_descent_claims("fp4_controls_cpu", seeds=6)
+
+
+def test_fp4_presets_claims_and_descent_rows_regenerate_from_the_per_seed_values():
+    """As the controls study; and every 2-decimal figure of the results' prose is a mean or interval
+    bound of one of the file's pairs, a ratio of two of its means, or the controls study's (cited)."""
+    _check_descent_claims("fp4_presets_cpu", seeds=6)
+    text = (SWEEPS / "fp4_presets_cpu.md").read_text()
+    prose = _section(text, "- **`four_over_six_beats_nvfp4`: supported.**", "The descent table as the report")
+    pct = lambda x: 100 * math.expm1(x)  # noqa: E731
+    means, allowed = {}, set()
+    for study in ("fp4_presets_cpu", "fp4_controls_cpu"):
+        rows = _csv(f"{study}_per_seed.csv")
+        for key in dict.fromkeys((r["against"], r["treatment"]) for r in rows):
+            iv = stats.paired_interval([float(r["log_ratio"]) for r in rows if (r["against"], r["treatment"]) == key])
+            means[study, key] = iv.mean
+            allowed |= {f"{abs(pct(x)):.2f}" for x in (iv.mean, iv.lo, iv.hi)}
+    gap = means["fp4_presets_cpu", ("fp8", "nvfp4_quartet2")] - means["fp4_presets_cpu", ("fp8", "nvfp4_4over6")]
+    allowed.add(f"{abs(pct(gap)):.2f}")
+    missing = {f.lstrip("-") for f in _figures(prose, 2)} - allowed
+    assert not missing, f"figures in fp4_presets_cpu.md's results that its values do not give: {missing}"
