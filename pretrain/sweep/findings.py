@@ -78,13 +78,18 @@ def study_rows(csv_path: Path) -> tuple[str, list[tuple[str, tuple[str, str], In
                          f"column (columns: {', '.join(records[0])})")
     against = value.removeprefix("val_loss_gap_to_") if value.startswith("val_loss_gap_to_") else None
     groups: dict[tuple, list[float]] = {}
+    censored: dict[tuple, int] = {}
     for r in records:
         key = (r.get("section", ""), r.get("design", ""), r.get("against", against or ""), r["treatment"])
         groups.setdefault(key, []).append(float(r[value]))
+        censored[key] = censored.get(key, 0) + int(r.get("censored") or 0)
     rows = []
-    for (section, design, base, treatment), vals in groups.items():
+    for key, vals in groups.items():
+        section, design, base, treatment = key
         where = " ".join(p for p in (f"§{section}" if section else "", design) if p)
         label = f"{where}: {treatment} vs {base}" if where else f"{treatment} vs {base}"
+        if censored[key]:  # a seed never reached a target: its value, and the mean, are lower bounds
+            label += f" (lower bound: {censored[key]} censored)"
         rows.append((label, (base, treatment), paired_interval(vals)))
     return value, rows
 

@@ -84,6 +84,8 @@ def test_rl_study_rows_are_accuracy_gaps_paired_by_replicate(tmp_path):
     assert writeup_for("wgrad_scale_cpu_h4", results.parent).name == "wgrad_scale_cpu.md"
     assert writeup_for("moe_rollout", results.parent).name == "moe_rollout.md"
     assert writeup_for("no_such_study", results.parent) is None
+    labels = [r[0] for r in study_rows(results / "fp4_presets_cpu_per_seed.csv")[1]]
+    assert "mxfp4_quartet vs fp8 (lower bound: 1 censored)" in labels and "nvfp4 vs fp8" in labels
     for study in ("moe_rollout", "fp4_rollout_h256_rep"):
         v, r = study_rows(results / f"{study}_per_seed.csv")
         assert v == "final_accuracy_gap" and len(r) >= 2
