@@ -350,6 +350,43 @@ def test_wgrad_scale_h4_telemetry_table_regenerates_from_the_committed_telemetry
     assert not missing, f"figures under wgrad_scale_cpu.md's telemetry table that the telemetry does not give: {missing}"
 
 
+def test_wgrad_scale_h4_bias_table_regenerates_from_the_committed_measurements():
+    """The gradient-error table over h4's checkpoints (projection and bias per Wgrad and step, a 95 %
+    t interval over seeds) and the paired figures under it, from results/wgrad_scale_cpu_h4_bias.csv."""
+    text = (SWEEPS / "wgrad_scale_cpu.md").read_text()
+    section = _section(text, "### Over 4x the training, with seeds (h4's checkpoints", "## The 8B prediction")
+    rows = _csv("wgrad_scale_cpu_h4_bias.csv")
+
+    def col(t, step, m):
+        return [float(r[m]) for r in sorted(rows, key=lambda r: int(r["seed"])) if (r["treatment"], r["step"]) == (t, str(step))]
+
+    names = {"wgrad_fp8": "FP8", "wgrad_mxfp4": "MXFP4", "wgrad_had16": "MXFP4 + Hadamard", "wgrad_sr": "MXFP4 + SR"}
+    for t, name in names.items():
+        cells = []
+        for st in (104, 208, 312, 416):
+            iv = stats.paired_interval(col(t, st, "projection"))
+            cells.append(f"{iv.mean:+.4f} ± {iv.half_width:.4f}")
+        for st in (104, 416):
+            iv = stats.paired_interval(col(t, st, "bias"))
+            cells.append(f"{iv.mean:.4f} ± {iv.half_width:.4f}")
+        row = f"| {name} | " + " | ".join(cells) + " |"
+        assert row in section, f"wgrad_scale_cpu.md lacks the regenerated bias row:\n{row}"
+    allowed = set()
+
+    def paired(a, b):
+        iv = stats.paired_interval([x - y for x, y in zip(a, b)])
+        allowed.update(f"{abs(x):.4f}" for x in (iv.mean, iv.lo, iv.hi))
+    for t in ("wgrad_mxfp4", "wgrad_had16"):
+        paired(col(t, 416, "projection"), col(t, 104, "projection"))
+    for st in (104, 208, 312, 416):
+        paired(col("wgrad_mxfp4", st, "projection"), col("wgrad_had16", st, "projection"))
+        paired(col("wgrad_mxfp4", st, "projection"), col("wgrad_sr", st, "projection"))
+    allowed |= {"0.0040", "0.0181"}  # SR's end-of-run validation gap, from the h4 section (its own test)
+    prose = section[section.index("- **Plain MXFP4"):]
+    missing = {f.lstrip("-") for f in _figures(prose, 4)} - allowed
+    assert not missing, f"figures under wgrad_scale_cpu.md's bias table that the measurements do not give: {missing}"
+
+
 # ---------------------------------------------------------------- moe_rollout.md (true replicates)
 def test_moe_rollout_claims_regenerate_from_their_per_replicate_values():
     """The 4 declared claims of moe_rollout.yaml recomputed with scipy from the committed per-replicate
