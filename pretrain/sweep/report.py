@@ -128,6 +128,14 @@ def note_first_table(out: Path, rows: list[dict]) -> None:
     (out / "results.md").write_text("\n".join([md[0], "", note, md[1]]))
 
 
+def _declared_claims(out: Path) -> dict | None:
+    """The ``claims:`` section of the sweep file recorded in ``out/sweep.json`` (None without one)."""
+    import json
+
+    info = out / "sweep.json"
+    return json.loads(info.read_text()).get("sweep", {}).get("claims") if info.is_file() else None
+
+
 def write_claims(out: Path, rows: list[dict], descent: list[int] | None) -> None:
     """The study's declared claims (``pretrain.sweep.claims``) from the ``claims:`` section of the sweep
     file recorded in ``sweep.json``: ``claims.csv`` and a first section of results.md. The csv's ``mean``
@@ -136,8 +144,7 @@ def write_claims(out: Path, rows: list[dict], descent: list[int] | None) -> None
 
     from pretrain.sweep.claims import FIRST_LOOK, claims_table, evaluate_claims, reported_mean
 
-    info = out / "sweep.json"
-    claims = json.loads(info.read_text()).get("sweep", {}).get("claims") if info.is_file() else None
+    claims = _declared_claims(out)
     if not claims:
         return
     results = evaluate_claims(out, rows, claims, descent)
@@ -208,11 +215,7 @@ def write_per_seed(out: Path, rows: list[dict], baseline: str | None, descent: l
     write-up keeps as ``configs/sweeps/results/STUDY_per_seed.csv``, the findings figures' input
     (``pretrain.sweep.findings``) and what a write-up's tables are regenerated from. The ``design``
     column is left out when no run has a hyper-parameter point."""
-    import json
-
-    info = out / "sweep.json"
-    claims = json.loads(info.read_text()).get("sweep", {}).get("claims") if info.is_file() else None
-    table = per_seed_rows(rows, baseline, descent, contrasts, claims)
+    table = per_seed_rows(rows, baseline, descent, contrasts, _declared_claims(out))
     if not table:
         return None
     cols = list(table[0])
