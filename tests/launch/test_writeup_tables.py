@@ -308,7 +308,7 @@ def test_wgrad_scale_h4_telemetry_table_regenerates_from_the_committed_telemetry
     wgrad_mxfp4 runs, mean over layers per seed then a 95 % t interval over seeds) and the paired
     figures under it, recomputed from results/wgrad_scale_cpu_h4_telemetry.csv."""
     text = (SWEEPS / "wgrad_scale_cpu.md").read_text()
-    section = _section(text, "### Over 4x the training", "## The first-order predictor")
+    section = _section(text, "### Over 4x the training", "### Across two sizes")
     tel = _csv("wgrad_scale_cpu_h4_telemetry.csv")
     mean = {(r["run"], r["gemm"], r["operand"], r["step"], r["metric"]): float(r["mean"]) for r in tel}
 
@@ -385,6 +385,25 @@ def test_wgrad_scale_h4_bias_table_regenerates_from_the_committed_measurements()
     prose = section[section.index("- **Plain MXFP4"):]
     missing = {f.lstrip("-") for f in _figures(prose, 4)} - allowed
     assert not missing, f"figures under wgrad_scale_cpu.md's bias table that the measurements do not give: {missing}"
+
+
+def test_wgrad_scale_two_size_telemetry_rows_regenerate_from_the_committed_telemetry():
+    """The flush-share table at 2 tokens per parameter (h4's step 104, part 3a's step 832), from the
+    two committed telemetry CSVs: seed means and 95 % t intervals of the paired differences."""
+    section = _section((SWEEPS / "wgrad_scale_cpu.md").read_text(), "### Across two sizes", "## The first-order")
+    for name, file, prefix, step in (("64x2 (104 of h4)", "wgrad_scale_cpu_h4_telemetry.csv", "wgrad_mxfp4", "104"),
+                                     ("128x4 (832)", "wgrad_scale_cpu_part3a_telemetry.csv",
+                                      "wgrad_mxfp4__model-size-scale_w128_d4", "832")):
+        mean = {(r["run"], r["gemm"], r["operand"], r["step"], r["metric"]): float(r["mean"]) for r in _csv(file)}
+        v = {(g, o): [mean[f"{prefix}__seed-{s}", g, o, step, "flushed_nonzero"] for s in range(3)]
+             for g, o in (("wgrad", "dy"), ("dgrad", "dy"), ("wgrad", "x"), ("fprop", "x"))}
+
+        def gap(a, b):
+            iv = stats.paired_interval([x - y for x, y in zip(v[a], v[b])])
+            return f"{iv.mean:+.3f} [{iv.lo:+.3f}, {iv.hi:+.3f}]"
+        row = (f"| {name} | {sum(v['wgrad', 'dy']) / 3:.3f} | {sum(v['dgrad', 'dy']) / 3:.3f} | "
+               f"{gap(('wgrad', 'dy'), ('dgrad', 'dy'))} | {gap(('wgrad', 'x'), ('fprop', 'x'))} |")
+        assert row in section, f"wgrad_scale_cpu.md lacks the regenerated two-size row:\n{row}"
 
 
 # ---------------------------------------------------------------- moe_rollout.md (true replicates)
