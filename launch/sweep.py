@@ -99,6 +99,10 @@ def main(argv=None) -> int:
     ap.add_argument("--collect", action="store_true", help="only collect results from existing runs")
     ap.add_argument("--retry-diverged", action="store_true",
                     help="run diverged runs again (by default divergence is a result and is kept)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None, metavar="SEED",
+                    help="run only these of the sweep file's seeds (a piece of a long sweep; the same runs, "
+                         "names and --out as the whole, which a later call completes); the report covers "
+                         "every finished run")
     ap.add_argument("--run-index", type=int, help=argparse.SUPPRESS)  # one run (SLURM array task)
     ap.add_argument("--smooth", type=int, default=None,
                     help="loss smoothing window in logged points (default: the sweep file's smooth:, else 10)")

@@ -67,6 +67,15 @@ def run_sweep(args: argparse.Namespace, extra: list[str]) -> int:
                          f"{len(changed)} run(s) changed); give a new --out for the edited sweep, or remove "
                          f"{run_dir(out, run)} to run it again")
     chosen = runs if args.run_index is None else runs[args.run_index:args.run_index + 1]
+    piece = runs
+    if getattr(args, "seeds", None) is not None:
+        declared = sweep.get("seeds") or []
+        if unknown := [s for s in args.seeds if s not in declared]:
+            raise SweepError(f"--seeds {' '.join(map(str, unknown))}: not among {args.sweep}'s seeds "
+                             f"({', '.join(map(str, declared)) or 'none declared'})")
+        if args.slurm or args.run_index is not None:
+            raise SweepError("--seeds runs a piece locally; give --slurm the whole sweep file")
+        chosen = piece = [r for r in runs if r.seed in args.seeds]
     if not args.collect:  # the runs still to run (a finished run is not started again)
         pending = _todo(out, runs, args.retry_diverged)[0]
         validate_runs(out, [r for r in chosen if r in pending], nproc, extra)
@@ -81,10 +90,12 @@ def run_sweep(args: argparse.Namespace, extra: list[str]) -> int:
     if not args.collect:
         seeds = sweep.get("seeds")
         print(f"sweep {args.sweep}: {len(runs)} runs ({len(runs) // len(seeds or [0])} grid points x "
-              f"{len(seeds or [0])} seed(s)), {args.parallel} at a time, {nproc} process(es) each")
-        todo = len(_todo(out, runs, args.retry_diverged)[0])
+              f"{len(seeds or [0])} seed(s)), {args.parallel} at a time, {nproc} process(es) each"
+              + (f"; this piece: seed(s) {' '.join(map(str, args.seeds))}, {len(piece)} runs" if piece is not runs
+                 else ""))
+        todo = len(_todo(out, piece, args.retry_diverged)[0])
         t0 = time.time()
-        failed = run_local(out, runs, nproc, args.parallel, extra, args.retry_diverged,
+        failed = run_local(out, piece, nproc, args.parallel, extra, args.retry_diverged,
                            on_finish=Progress(out, todo, args.parallel))
         if todo:
             print(f"{todo} run(s) in {_hms(time.time() - t0)}")

@@ -77,3 +77,24 @@ def test_progress_gives_the_last_loss_and_the_eta(tmp_path):
     assert progress(run, "done", 30.0) == ", last loss 2.5000 at iteration 3; 4 run(s) left, ETA 1m00s"
     # mean of 30 s and 90 s = 60 s per run, 3 left at 2 a time = 2 rounds
     assert progress.__call__(sweep.Run("x", "bf16"), "failed", 90.0) == "; 3 run(s) left, ETA 2m00s"
+
+
+def test_seeds_runs_a_piece_of_the_sweep_and_refuses_seeds_it_does_not_declare(tmp_path, capsys, monkeypatch):
+    """``--seeds`` starts only those seeds' runs (the same runs and names as the whole sweep in the same
+    --out), reports over every finished run, and refuses in one line a seed the file does not declare
+    and a piece submitted to SLURM."""
+    import pretrain.sweep.cli as cli
+
+    f = _file(tmp_path, SWEEP.format(iters=4) + "seeds: [0, 1, 2]\n")
+    started, reported = [], []
+    monkeypatch.setattr(cli, "run_local", lambda out, runs, *a, **k: started.extend(runs) or 0)
+    monkeypatch.setattr(cli, "collect", lambda out, runs, *a, **k: reported.extend(runs))
+    whole = sweep.expand_runs(sweep.load_sweep(f), f)
+    assert sweep.main([f, "--out", str(tmp_path / "out"), "--seeds", "1"]) == 0
+    assert [r.name for r in started] == [r.name for r in whole if r.seed == 1] and len(started) == 2
+    assert reported == whole  # the report covers the whole sweep's finished runs
+    assert "this piece: seed(s) 1, 2 runs" in capsys.readouterr().out
+    assert sweep.main([f, "--out", str(tmp_path / "out"), "--seeds", "1", "7"]) == 2
+    assert "--seeds 7: not among" in _one_error_line(capsys)
+    assert sweep.main([f, "--out", str(tmp_path / "out"), "--seeds", "0", "--slurm"]) == 2
+    assert "give --slurm the whole sweep file" in _one_error_line(capsys)
