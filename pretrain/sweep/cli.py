@@ -67,8 +67,8 @@ def run_sweep(args: argparse.Namespace, extra: list[str]) -> int:
                          f"{len(changed)} run(s) changed); give a new --out for the edited sweep, or remove "
                          f"{run_dir(out, run)} to run it again")
     chosen = runs if args.run_index is None else runs[args.run_index:args.run_index + 1]
-    piece = runs
-    if getattr(args, "seeds", None) is not None:
+    piece = runs  # what this call runs: the whole sweep, or the --seeds piece of it
+    if args.seeds is not None:
         declared = sweep.get("seeds") or []
         if unknown := [s for s in args.seeds if s not in declared]:
             raise SweepError(f"--seeds {' '.join(map(str, unknown))}: not among {args.sweep}'s seeds "

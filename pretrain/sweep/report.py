@@ -181,7 +181,7 @@ def per_seed_rows(rows: list[dict], baseline: str | None, descent: list[int] | N
 
     tests = {tuple(t["contrast"]): t["id"] for t in (claims or {}).get("tests", [])}
     labels = list(dict.fromkeys(r["_run"].label for r in rows))
-    pairs = [(b, a) for a in labels for b in ([baseline] if baseline else [])]
+    pairs = [(baseline, a) for a in labels] if baseline else []
     for a, b in [*(contrasts or []), *tests]:
         if (b, a) not in pairs:
             pairs.append((b, a))
