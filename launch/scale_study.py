@@ -11,6 +11,13 @@ parameters of Llama-3.1-8B) with its interval -- an extrapolation, marked as suc
 
     python launch/scale_study.py slopes configs/sweeps/wgrad_scale_cpu.yaml --out runs/wgrad_scale_cpu
 
+or from committed per-seed CSVs (the sweep report's ``per_seed.csv`` of each part or piece) in place of
+the run directories, with a figure of the sizes, the fits and the published figures at the target::
+
+    python launch/scale_study.py slopes configs/sweeps/wgrad_scale_cpu_part2.yaml \\
+        --per-seed configs/sweeps/results/wgrad_scale_cpu_per_seed.csv \\
+        --figure wgrad_scale_part2.png --published configs/sweeps/wgrad_scale_cpu.md
+
 ``telemetry``: the per-block numerics of runs made with ``--numerics-interval`` (``numerics/...``
 scalars: ``flushed_nonzero``, ``block_max_median``, ``block_top_share`` and their ``had16_`` forms),
 one row per run, step, GEMM, operand, blocking axis (tokens for Wgrad, features for Fprop and
@@ -47,7 +54,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("slopes", help="slopes of extra tokens against log size, with intervals and a prediction")
     s.add_argument("sweep", help="the sweep YAML file (its grid ranges model-size)")
-    s.add_argument("--out", required=True, help="the sweep's output directory (holding results.csv)")
+    src = s.add_mutually_exclusive_group(required=True)
+    src.add_argument("--out", help="the sweep's output directory (holding results.csv)")
+    src.add_argument("--per-seed", nargs="+", metavar="CSV",
+                     help="committed per-seed CSVs instead (the sweep report's per_seed.csv, one per piece or part): "
+                          "their rows against the sweep's baseline at the sizes of its grid")
+    s.add_argument("--figure", default=None, metavar="PNG",
+                   help="also draw extra tokens against size per treatment and contrast, with the fits "
+                        "extrapolated to the prediction's size")
+    s.add_argument("--published", default=None, metavar="WRITEUP",
+                   help="a write-up whose 'study (SOURCE)' table column gives published figures at the "
+                        "prediction's size, drawn beside the fits in --figure")
     s.add_argument("--predict-params", type=float, default=None,
                    help="non-embedding parameters to extrapolate to (default Llama-3.1-8B's)")
     s.add_argument("--boot", type=int, default=2000, help="seed-bootstrap resamples (default 2000)")
@@ -60,11 +77,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def slopes(args) -> int:
-    from pretrain.scale_study import non_embedding_params, paired_effects, records_from_sweep, slope_over_sizes
+    from pretrain.scale_study import (non_embedding_params, paired_effects, records_from_per_seed, records_from_sweep,
+                                      slope_figure, slope_over_sizes)
     from pretrain.sweep.spec import load_sweep
 
     sweep = load_sweep(args.sweep)
-    records, params = records_from_sweep(args.sweep, args.out)
+    if args.published and not Path(args.published).is_file():
+        raise FileNotFoundError(f"--published {args.published}: no such file (a write-up with a 'study (...)' column)")
+    if args.per_seed:
+        records, params = records_from_per_seed(args.sweep, args.per_seed)
+    else:
+        records, params = records_from_sweep(args.sweep, args.out)
     baseline = sweep.get("baseline")
     target = args.predict_params or non_embedding_params(LLAMA_8B)
     pairs = [(t, baseline) for t in dict.fromkeys(r.treatment for r in records) if t != baseline]
@@ -88,6 +111,19 @@ def slopes(args) -> int:
         print(f"| {a} vs {b} | {len(res.sizes)} | {res.seeds} | {means} | {res.slope:+.4f} ({res.boot[0]:+.4f}, "
               f"{res.boot[1]:+.4f}; {res.regression[0]:+.4f}, {res.regression[1]:+.4f}) | {res.verdict} "
               f"| {pct:+.1f} ({lo:+.1f}, {hi:+.1f}) |")
+    if args.figure:
+        from pretrain.sweep.findings import published_figures
+
+        published, source = published_figures(Path(args.published).read_text()) if args.published else ({}, "")
+        n = len([p for p in pairs if p[1] == baseline])
+        panels = [(f"each treatment against {baseline}", pairs[:n])]
+        if pairs[n:]:
+            panels.append(("the sweep's contrasts", pairs[n:]))
+        name = "Llama-3.1-8B" if not args.predict_params else f"{target:.3g} parameters"
+        path = slope_figure(records, params, panels, args.figure, target=target, target_name=name,
+                            confidence=args.confidence, boot=args.boot, published=published, source=source,
+                            title=f"{sweep.get('name', Path(args.sweep).stem)}: extra tokens against size")
+        print(f"\nfigure: {path}")
     return 0
 
 

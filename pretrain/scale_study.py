@@ -41,7 +41,7 @@ from pretrain.evaluation.stats import t_quantile
 from pretrain.trainer.tags import read_scalars
 
 __all__ = ["AXIS", "Record", "SlopeResult", "non_embedding_params", "paired_effects", "predictor_fit",
-           "records_from_sweep", "slope_over_sizes", "telemetry_table"]
+           "records_from_per_seed", "records_from_sweep", "slope_figure", "slope_over_sizes", "telemetry_table"]
 
 # the axis each GEMM's operands are blocked along (its contraction axis)
 AXIS = {"fprop": "features (in)", "dgrad": "features (out)", "wgrad": "tokens"}
@@ -198,13 +198,68 @@ def predictor_fit(predictor: dict[str, float], effect: dict[str, float]) -> tupl
     return slope, r, len(keys)
 
 
+def _size_params(size: str) -> int:
+    import yaml
+
+    from pretrain.config.model import MODEL_SIZES_DIR
+
+    p = Path(size) if str(size).endswith(".yaml") else Path(MODEL_SIZES_DIR) / f"{size}.yaml"
+    return non_embedding_params(yaml.safe_load(p.read_text()))
+
+
+def _row_size(row: dict) -> str | None:
+    """The model size of a per-seed row: its ``model_size`` column, or ``model-size=NAME`` in its
+    ``design`` column (the sweep report's form for a grid over hyper-parameters)."""
+    if row.get("model_size"):
+        return row["model_size"]
+    for part in (row.get("design") or "").split():
+        key, _, value = part.partition("=")
+        if key == "model-size":
+            return value
+    return None
+
+
+def records_from_per_seed(sweep_file: str, paths: list[str | Path]) -> tuple[list[Record], dict[str, float]]:
+    """The runs of committed per-seed CSVs (the sweep report's ``per_seed.csv``: ``design``,
+    ``against``, ``treatment``, ``seed``, ``extra_tokens_pct``; or one row per treatment, size and seed
+    with a ``model_size`` column, every value against the baseline) as ``Record``s: the rows against
+    the sweep's baseline whose size is in the sweep's ``model-size`` grid; other rows are skipped. What
+    a slope is computed from once a sweep's run directories are gone, or when its parts ran in pieces
+    written out one by one. A run given twice with different values is an error."""
+    from pretrain.sweep.spec import SweepError, load_sweep
+
+    sweep = load_sweep(sweep_file)
+    baseline = sweep.get("baseline")
+    sizes = (sweep.get("grid") or {}).get("model-size") or []
+    if not sizes:
+        raise SweepError(f"sweep file {sweep_file}: no model-size in its grid (a slope needs several sizes)")
+    found: dict[tuple[str, str, int], float] = {}
+    for path in map(Path, paths):
+        if not path.is_file():
+            raise FileNotFoundError(f"--per-seed {path}: no such file")
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        if rows and ("extra_tokens_pct" not in rows[0] or _row_size(rows[0]) is None):
+            raise SweepError(f"--per-seed {path}: needs extra_tokens_pct and a model_size column or "
+                             f"model-size=NAME in design (columns: {', '.join(rows[0])})")
+        for row in rows:
+            size = _row_size(row)
+            if size not in sizes or row.get("against", baseline) != baseline:
+                continue
+            key = (size, row["treatment"], int(row["seed"]))
+            value = float(row["extra_tokens_pct"] or "nan")
+            if key in found and not math.isclose(found[key], value, rel_tol=1e-6, abs_tol=1e-6):
+                raise SweepError(f"--per-seed {path}: {key[1]} at {size}, seed {key[2]} is {value:g} here and "
+                                 f"{found[key]:g} in an earlier file")
+            found[key] = value
+    records = [Record(size, t, seed, v) for (size, t, seed), v in found.items()]
+    return records, {s: _size_params(s) for s in dict.fromkeys(r.size for r in records)}
+
+
 def records_from_sweep(sweep_file: str, out: str | Path) -> tuple[list[Record], dict[str, float]]:
     """The runs of ``out/results.csv`` (written by ``launch/sweep.py``, ``--collect`` included) as
     ``Record``s, sized by the grid's ``model-size``, and each size's non-embedding parameters.
     A run not yet in ``results.csv`` is simply absent."""
-    import yaml
-
-    from pretrain.config.model import MODEL_SIZES_DIR
     from pretrain.sweep.spec import SweepError, expand_runs, load_sweep
 
     sweep = load_sweep(sweep_file)
@@ -222,10 +277,89 @@ def records_from_sweep(sweep_file: str, out: str | Path) -> tuple[list[Record], 
             if size is None:
                 raise SweepError(f"sweep file {sweep_file}: no model-size in its grid or base")
             if size not in params:
-                p = Path(size) if str(size).endswith(".yaml") else Path(MODEL_SIZES_DIR) / f"{size}.yaml"
-                params[size] = non_embedding_params(yaml.safe_load(p.read_text()))
+                params[size] = _size_params(size)
             records.append(Record(size, run.label, int(row["seed"]), float(row["extra_tokens_pct"] or "nan")))
     return records, params
+
+
+def slope_figure(records: list[Record], params: dict[str, float], panels: list[tuple[str, list[tuple[str, str]]]],
+                 path: str | Path, *, target: float, target_name: str, confidence: float = 0.95, boot: int = 2000,
+                 published: dict[tuple[str, str], tuple[float, float]] | None = None, source: str = "",
+                 title: str = "") -> Path:
+    """A PNG of extra tokens against size: one panel per ``(heading, [(a, b), ...])``; per pair, the
+    per-size mean over seeds of ``a`` against ``b`` (back-transformed from the log ratio, with its 95 %
+    t interval over the paired seeds), the fitted line of ``slope_over_sizes`` drawn on to ``target``
+    parameters (dashed beyond the sizes run) and its prediction there with the ``confidence`` interval
+    (an extrapolation); where ``published`` has ``(b, a)``, that published range is drawn at ``target``
+    beside it. The y axis is symmetric-log (linear within ±10 %): prediction intervals span decades."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from pretrain.evaluation.stats import paired_interval
+
+    published = published or {}
+    pct = lambda v: 100.0 * math.expm1(v)  # noqa: E731
+    rows = max(len(pairs) for _, pairs in panels)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.2 + 0.32 * rows), squeeze=False)
+    drawn_published = False
+    for ax, (heading, pairs) in zip(axes[0], panels):
+        top = 10.0
+        for k, (a, b) in enumerate(pairs):
+            color = f"C{k}"
+            shift = 10 ** (0.025 * (k - (len(pairs) - 1) / 2))  # side by side on the log axis
+            eff = paired_effects(records, a, b)
+            sizes = sorted(eff, key=lambda s: params[s])
+            for i, size in enumerate(sizes):
+                iv = paired_interval(list(eff[size].values()))
+                top = max(top, pct(iv.hi) if iv.n > 1 else pct(iv.mean))
+                x = params[size] * shift
+                err = [[pct(iv.mean) - pct(iv.lo)], [pct(iv.hi) - pct(iv.mean)]] if iv.n > 1 else None
+                ax.errorbar(x, pct(iv.mean), yerr=err, fmt="o", color=color, ms=4, capsize=3,
+                            label=f"{a} vs {b}" if i == 0 else None)
+            try:
+                res = slope_over_sizes(eff, params, boot=boot, confidence=confidence)
+            except ValueError:
+                continue
+            if not math.isfinite(res.slope):
+                continue
+            lo_x, hi_x = min(res.log10_params), max(res.log10_params)
+            xs = [lo_x, hi_x]
+            ax.plot([10 ** v for v in xs], [pct(res.intercept + res.slope * v) for v in xs], "-", color=color, lw=1)
+            end = math.log10(target)
+            ax.plot([10 ** hi_x, target], [pct(res.intercept + res.slope * v) for v in (hi_x, end)], "--",
+                    color=color, lw=1)
+            y, lo, hi = res.predict(target, confidence)
+            ax.errorbar(target * shift, y, yerr=[[y - lo], [hi - y]], fmt="s", color=color, mfc="none", capsize=3,
+                        label=f"  fit to {target_name}: {y:+.1f}% ({lo:+.0f}, {hi:+.0f}), "
+                              f"{100 * confidence:g}% (an extrapolation)")
+            if (b, a) in published:
+                p_lo, p_hi = published[(b, a)]
+                ax.plot([target * shift * 1.25] * 2, [p_lo, p_hi] if p_hi > p_lo else [p_lo - 0.4, p_lo + 0.4],
+                        color=color, lw=6, alpha=0.55, solid_capstyle="butt",
+                        label=f"  published at {target_name}: {p_lo:+g}" + (f" to {p_hi:+g}%" if p_hi > p_lo else "%")
+                        + f" ({source})")
+                drawn_published = True
+                top = max(top, p_hi)
+            top = max(top, hi)
+        ax.axhline(0.0, color="k", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_yscale("symlog", linthresh=10.0)
+        ax.set_ylim(-100.0, 2.0 * top if math.isfinite(top) else 1e6)  # -100 %: the fewest tokens there can be
+        ax.set_xlabel("non-embedding parameters", fontsize=8)
+        ax.set_ylabel("extra tokens to the reference's loss, %", fontsize=8)
+        ax.set_title(heading, fontsize=9)
+        ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=1, frameon=False)
+    note = "points: mean over paired seeds, 95% t interval (unadjusted); solid: least-squares fit; dashed: extrapolated"
+    if not drawn_published and published:
+        note += "; no published figure matches these pairs"
+    fig.suptitle(f"{title}\n{note}" if title else note, fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def telemetry_table(tb_dir: str | Path) -> list[dict]:

@@ -6,7 +6,7 @@ figure shows each treatment's mean over seeds with its 95 % Student-t interval
 (``pretrain.evaluation.stats.paired_interval``, the seeds being paired against the row's baseline):
 
 - ``extra_steps_pct`` / ``extra_tokens_pct`` columns (the extra-tokens ladder): one row per
-  ``section``/``design``/``against``/``treatment`` group; where the write-up has a Markdown table
+  ``section``/``design``/``against``/``treatment`` group (a ``model_size`` column counts as the design); where the write-up has a Markdown table
   with a ``study (...)`` column -- the published figures beside ours -- and a row of the same
   treatment against the same baseline, the published range is drawn on that row;
 - ``val_loss_gap_to_*`` columns: the validation-loss gap per treatment, with the sweep file's
@@ -80,7 +80,8 @@ def study_rows(csv_path: Path) -> tuple[str, list[tuple[str, tuple[str, str], In
     groups: dict[tuple, list[float]] = {}
     censored: dict[tuple, int] = {}
     for r in records:
-        key = (r.get("section", ""), r.get("design", ""), r.get("against", against or ""), r["treatment"])
+        design = r.get("design") or (f"model-size={r['model_size']}" if r.get("model_size") else "")
+        key = (r.get("section", ""), design, r.get("against", against or ""), r["treatment"])
         groups.setdefault(key, []).append(float(r[value]))
         censored[key] = censored.get(key, 0) + int(r.get("censored") or 0)
     rows = []
@@ -178,8 +179,10 @@ def write_findings(results: Path, out: Path, sweeps: Path | None = None) -> list
     for f in files:
         study = f.name.removesuffix("_per_seed.csv")
         writeup = writeup_for(study, sweeps)
-        published, source = published_figures(writeup.read_text()) if writeup else ({}, "")
         value, rows = study_rows(f)
+        # published figures are extra tokens or steps in %: never drawn on a loss-gap axis
+        published, source = (published_figures(writeup.read_text()) if writeup and value.endswith("_pct")
+                             else ({}, ""))
         written.append(_figure(study, value, rows, published, source, _margin(study, sweeps), out,
                                writeup.name if writeup else None))
     return written

@@ -58,3 +58,79 @@ def test_telemetry_table_of_a_run(tmp_path, data_cache, capsys):
     assert got[("wgrad", "x", "block_top_share")]["axis"] == "tokens"
     assert got[("fprop", "x", "block_top_share")]["axis"] == "features (in)"
     assert "| wgrad | dy | tokens | flushed_nonzero |" in capsys.readouterr().out
+
+
+def _per_seed_files(tmp_path):
+    """Two per-seed CSVs in the two committed forms, log(1 + x) = 0.02 + 0.05 log10 N for wgrad_mxfp4
+    against fp8 (0.02 for wgrad_fp8), plus rows the slope must not read: another baseline, a size
+    outside the grid."""
+    params = {s: non_embedding_params(yaml.safe_load(open(f"configs/models/{s}.yaml"))) for s in SIZES}
+    value = lambda t, s, k: {"fp8": 0.0, "wgrad_fp8": 0.02,  # noqa: E731
+                             "wgrad_mxfp4": 0.02 + 0.05 * math.log10(params.get(s, 1e9))}[t] + 0.001 * k
+    legacy = tmp_path / "parts12_per_seed.csv"  # one row per treatment, size and seed, all against fp8
+    with open(legacy, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["treatment", "model_size", "seed", "final_val_loss", "val_loss_gap_to_fp8", "extra_tokens_pct"])
+        for s in SIZES[:2] + ["scale_w64_d2_h4"]:
+            for t in ("fp8", "wgrad_fp8", "wgrad_mxfp4"):
+                for k in range(3):
+                    w.writerow([t, s, k, 4.0, 0.0, 100 * math.expm1(value(t, s, k)) if t != "fp8" else 0.0])
+    report = tmp_path / "part3_per_seed.csv"  # the sweep report's form
+    with open(report, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["design", "against", "treatment", "seed", "extra_tokens_pct", "log_ratio", "val_loss_gap",
+                    "censored", "claim"])
+        for k in range(3):
+            for t in ("fp8", "wgrad_fp8", "wgrad_mxfp4"):
+                x = 100 * math.expm1(value(t, SIZES[2], k)) if t != "fp8" else 0.0
+                w.writerow([f"model-size={SIZES[2]}", "fp8", t, k, x, 0, 0, 0, ""])
+            w.writerow([f"model-size={SIZES[2]}", "wgrad_fp8", "wgrad_mxfp4", k, 999.0, 0, 0, 0, ""])
+    return legacy, report
+
+
+def test_slopes_from_committed_per_seed_csvs_and_the_figure(tmp_path, capsys):
+    """--per-seed reads the report's per_seed.csv and the one-row-per-size form alike (rows against
+    another baseline, sizes outside the grid skipped), gives the slope --out gives, and draws the figure
+    with the published figures of a write-up's 'study (...)' column."""
+    sweep_file = tmp_path / "s.yaml"
+    sweep_file.write_text(yaml.safe_dump({
+        "name": "s", "base": {"train-iters": 10}, "seeds": [0, 1, 2], "baseline": "fp8",
+        "contrasts": [["wgrad_mxfp4", "wgrad_fp8"]],
+        "grid": {"model-size": SIZES, "presets": [{"fp8": "fp8"},
+                                                  {"wgrad_fp8": "fprop=mxfp4,dgrad=mxfp4,wgrad=fp8_e5m2@fp8_e4m3"},
+                                                  {"wgrad_mxfp4": "fprop=mxfp4,dgrad=mxfp4,wgrad=mxfp4"}]}}))
+    writeup = tmp_path / "s.md"
+    writeup.write_text("| treatment | what | study (a paper, 8B) |\n|---|---|---|\n| `fp8` | baseline | baseline |\n"
+                       "| `wgrad_mxfp4` | MXFP4 Wgrad | +26–27 % |\n")
+    legacy, report = _per_seed_files(tmp_path)
+    fig = tmp_path / "slopes.png"
+    assert main(["slopes", str(sweep_file), "--per-seed", str(legacy), str(report), "--boot", "200",
+                 "--figure", str(fig), "--published", str(writeup)]) == 0
+    text = capsys.readouterr().out
+    row = next(line for line in text.splitlines() if line.startswith("| wgrad_mxfp4 vs wgrad_fp8 |"))
+    assert "| 3 | 3 |" in row and "| +0.0500 (+0.0500, +0.0500; +0.0500, +0.0500) | grows with size |" in row
+    assert "9 runs" not in text and "27 runs over 3 sizes" in text
+    assert fig.is_file() and fig.stat().st_size > 10_000 and f"figure: {fig}" in text
+
+    # one piece alone: fewer than 3 sizes is said, not fitted
+    assert main(["slopes", str(sweep_file), "--per-seed", str(report), "--boot", "50"]) == 0
+    assert "not yet measured (needs 3 sizes)" in capsys.readouterr().out
+
+
+def test_per_seed_csvs_that_disagree_or_lack_a_size_are_one_line_errors(tmp_path, capsys):
+    sweep_file = tmp_path / "s.yaml"
+    sweep_file.write_text(yaml.safe_dump({
+        "name": "s", "seeds": [0], "baseline": "fp8",
+        "grid": {"model-size": SIZES, "presets": [{"fp8": "fp8"}, {"a": "mxfp4"}]}}))
+    one = tmp_path / "one_per_seed.csv"
+    one.write_text("design,against,treatment,seed,extra_tokens_pct\nmodel-size=scale_w64_d2,fp8,a,0,3.0\n")
+    two = tmp_path / "two_per_seed.csv"
+    two.write_text("design,against,treatment,seed,extra_tokens_pct\nmodel-size=scale_w64_d2,fp8,a,0,4.0\n")
+    bare = tmp_path / "bare_per_seed.csv"
+    bare.write_text("treatment,seed,extra_tokens_pct\na,0,1.0\n")
+    for files, said in (([one, two], "a at scale_w64_d2, seed 0 is 4 here and 3 in an earlier file"),
+                        ([bare], "needs extra_tokens_pct and a model_size column"),
+                        ([tmp_path / "absent.csv"], "no such file")):
+        assert main(["slopes", str(sweep_file), "--per-seed", *map(str, files)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: --per-seed") and said in err and "\n" not in err
