@@ -77,8 +77,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def slopes(args) -> int:
-    from pretrain.scale_study import (non_embedding_params, paired_effects, records_from_per_seed, records_from_sweep,
-                                      slope_figure, slope_over_sizes)
+    from pretrain.scale_study import (
+        non_embedding_params,
+        paired_effects,
+        records_from_per_seed,
+        records_from_sweep,
+        slope_figure,
+        slope_over_sizes,
+    )
     from pretrain.sweep.spec import load_sweep
 
     sweep = load_sweep(args.sweep)

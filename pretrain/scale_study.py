@@ -300,7 +300,7 @@ def slope_figure(records: list[Record], params: dict[str, float], panels: list[t
     from pretrain.evaluation.stats import paired_interval
 
     published = published or {}
-    pct = lambda v: 100.0 * math.expm1(v)  # noqa: E731
+    pct = lambda v: 100.0 * math.expm1(v)
     rows = max(len(pairs) for _, pairs in panels)
     fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.2 + 0.32 * rows), squeeze=False)
     drawn_published = False

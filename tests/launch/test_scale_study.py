@@ -2,6 +2,7 @@
 
 import csv
 import math
+from pathlib import Path
 
 import pytest
 import yaml
@@ -14,7 +15,8 @@ from tests.pretrain._launch import TINY, run_pretrain
 SIZES = ["scale_w64_d2", "scale_w128_d2", "scale_w256_d2"]
 
 
-def test_slopes_reads_a_size_sweep_and_recovers_its_slope(tmp_path, capsys):
+def _size_sweep(tmp_path):
+    """A sweep file over SIZES: fp8 (the baseline), wgrad_fp8, wgrad_mxfp4, seeds 0-2, one contrast."""
     sweep_file = tmp_path / "s.yaml"
     sweep_file.write_text(yaml.safe_dump({
         "name": "s", "base": {"train-iters": 10}, "seeds": [0, 1, 2], "baseline": "fp8",
@@ -22,6 +24,11 @@ def test_slopes_reads_a_size_sweep_and_recovers_its_slope(tmp_path, capsys):
         "grid": {"model-size": SIZES, "presets": [{"fp8": "fp8"},
                                                   {"wgrad_fp8": "fprop=mxfp4,dgrad=mxfp4,wgrad=fp8_e5m2@fp8_e4m3"},
                                                   {"wgrad_mxfp4": "fprop=mxfp4,dgrad=mxfp4,wgrad=mxfp4"}]}}))
+    return sweep_file
+
+
+def test_slopes_reads_a_size_sweep_and_recovers_its_slope(tmp_path, capsys):
+    sweep_file = _size_sweep(tmp_path)
     runs = expand_runs(load_sweep(str(sweep_file)), str(sweep_file))
     params = {s: non_embedding_params(yaml.safe_load(open(f"configs/models/{s}.yaml"))) for s in SIZES}
     out = tmp_path / "out"
@@ -64,9 +71,11 @@ def _per_seed_files(tmp_path):
     """Two per-seed CSVs in the two committed forms, log(1 + x) = 0.02 + 0.05 log10 N for wgrad_mxfp4
     against fp8 (0.02 for wgrad_fp8), plus rows the slope must not read: another baseline, a size
     outside the grid."""
-    params = {s: non_embedding_params(yaml.safe_load(open(f"configs/models/{s}.yaml"))) for s in SIZES}
-    value = lambda t, s, k: {"fp8": 0.0, "wgrad_fp8": 0.02,  # noqa: E731
-                             "wgrad_mxfp4": 0.02 + 0.05 * math.log10(params.get(s, 1e9))}[t] + 0.001 * k
+    params = {s: non_embedding_params(yaml.safe_load(Path(f"configs/models/{s}.yaml").read_text())) for s in SIZES}
+
+    def value(t, s, k):
+        return {"fp8": 0.0, "wgrad_fp8": 0.02,
+                "wgrad_mxfp4": 0.02 + 0.05 * math.log10(params.get(s, 1e9))}[t] + 0.001 * k
     legacy = tmp_path / "parts12_per_seed.csv"  # one row per treatment, size and seed, all against fp8
     with open(legacy, "w", newline="") as f:
         w = csv.writer(f)
@@ -92,13 +101,7 @@ def test_slopes_from_committed_per_seed_csvs_and_the_figure(tmp_path, capsys):
     """--per-seed reads the report's per_seed.csv and the one-row-per-size form alike (rows against
     another baseline, sizes outside the grid skipped), gives the slope --out gives, and draws the figure
     with the published figures of a write-up's 'study (...)' column."""
-    sweep_file = tmp_path / "s.yaml"
-    sweep_file.write_text(yaml.safe_dump({
-        "name": "s", "base": {"train-iters": 10}, "seeds": [0, 1, 2], "baseline": "fp8",
-        "contrasts": [["wgrad_mxfp4", "wgrad_fp8"]],
-        "grid": {"model-size": SIZES, "presets": [{"fp8": "fp8"},
-                                                  {"wgrad_fp8": "fprop=mxfp4,dgrad=mxfp4,wgrad=fp8_e5m2@fp8_e4m3"},
-                                                  {"wgrad_mxfp4": "fprop=mxfp4,dgrad=mxfp4,wgrad=mxfp4"}]}}))
+    sweep_file = _size_sweep(tmp_path)
     writeup = tmp_path / "s.md"
     writeup.write_text("| treatment | what | study (a paper, 8B) |\n|---|---|---|\n| `fp8` | baseline | baseline |\n"
                        "| `wgrad_mxfp4` | MXFP4 Wgrad | +26–27 % |\n")
