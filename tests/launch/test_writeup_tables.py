@@ -354,7 +354,7 @@ def test_wgrad_scale_h4_bias_table_regenerates_from_the_committed_measurements()
     """The gradient-error table over h4's checkpoints (projection and bias per Wgrad and step, a 95 %
     t interval over seeds) and the paired figures under it, from results/wgrad_scale_cpu_h4_bias.csv."""
     text = (SWEEPS / "wgrad_scale_cpu.md").read_text()
-    section = _section(text, "### Over 4x the training, with seeds (h4's checkpoints", "## The 8B prediction")
+    section = _section(text, "### Over 4x the training, with seeds (h4's checkpoints", "### Across sizes (exploratory")
     rows = _csv("wgrad_scale_cpu_h4_bias.csv")
 
     def col(t, step, m):
@@ -405,6 +405,47 @@ def test_wgrad_scale_two_size_telemetry_rows_regenerate_from_the_committed_telem
                f"{gap(('wgrad', 'dy'), ('dgrad', 'dy'))} | {gap(('wgrad', 'x'), ('fprop', 'x'))} |")
         assert row in section, f"wgrad_scale_cpu.md lacks the regenerated two-size row:\n{row}"
 
+
+
+def _bias_by_size() -> list[tuple[str, str, list[dict]]]:
+    """(model size, its label, its rows) of the committed gradient-error measurements at 2 tokens per
+    parameter: parts 1-2's sizes (one file, a model_size column), 4x128 (part 3a), 2x256 (part 3b)."""
+    both = _csv("wgrad_scale_cpu_parts12_bias.csv")
+    out = [(size, label, [r for r in both if r["model_size"] == size])
+           for size, label in (("scale_w64_d2", "2x64"), ("scale_w64_d4", "4x64"), ("scale_w128_d2", "2x128"))]
+    out.append(("scale_w128_d4", "4x128", _csv("wgrad_scale_cpu_part3a_bias.csv")))
+    if (RESULTS / "wgrad_scale_cpu_part3b_bias.csv").is_file():
+        out.append(("scale_w256_d2", "2x256", _csv("wgrad_scale_cpu_part3b_bias.csv")))
+    return out
+
+
+def test_wgrad_scale_bias_across_sizes_regenerates_from_the_committed_measurements():
+    """The first-order predictor at each size (50 % and 100 % of its run): one step's noise, the
+    projection of each Wgrad's mean error on G (95 % t over seeds), plain MXFP4 minus the Hadamard
+    (paired), plain MXFP4's bias and its drift ratio bias x sqrt(steps) / noise at the run's length."""
+    text = (SWEEPS / "wgrad_scale_cpu.md").read_text()
+    section = _section(text, "### Across sizes (exploratory", "## The 8B prediction")
+    for size, label, rows in _bias_by_size():
+        steps = max(int(r["step"]) for r in rows)  # the last checkpoint is the run's end
+
+        def col(t, st, m, rows=rows):
+            return [float(r[m]) for r in sorted(rows, key=lambda r: int(r["seed"]))
+                    if (r["treatment"], int(r["step"])) == (t, st)]
+        for st in (steps // 2, steps):
+            noise = stats.paired_interval(col("wgrad_fp8", st, "noise"))
+            cells = [f"{label} ({st})", str(noise.n), f"{noise.mean:.2f}"]
+            for t in ("wgrad_fp8", "wgrad_mxfp4", "wgrad_had16", "wgrad_sr"):
+                iv = stats.paired_interval(col(t, st, "projection"))
+                cells.append(f"{iv.mean:+.4f} ± {iv.half_width:.4f}")
+            d = stats.paired_interval([a - b for a, b in zip(col("wgrad_mxfp4", st, "projection"),
+                                                              col("wgrad_had16", st, "projection"))])
+            cells.append(f"{d.mean:+.4f} [{d.lo:+.4f}, {d.hi:+.4f}]")
+            drift = [b * math.sqrt(steps) / n for b, n in zip(col("wgrad_mxfp4", st, "bias"), col("wgrad_mxfp4", st, "noise"))]
+            had = [b * math.sqrt(steps) / n for b, n in zip(col("wgrad_had16", st, "bias"), col("wgrad_had16", st, "noise"))]
+            cells += [f"{sum(col('wgrad_mxfp4', st, 'bias')) / noise.n:.4f}", f"{sum(drift) / len(drift):.2f}",
+                      f"{sum(had) / len(had):.2f}"]
+            row = "| " + " | ".join(cells) + " |"
+            assert row in section, f"wgrad_scale_cpu.md lacks the regenerated bias-by-size row:\n{row}"
 
 # ---------------------------------------------------------------- moe_rollout.md (true replicates)
 def test_moe_rollout_claims_regenerate_from_their_per_replicate_values():
