@@ -308,7 +308,7 @@ def test_wgrad_scale_h4_telemetry_table_regenerates_from_the_committed_telemetry
     wgrad_mxfp4 runs, mean over layers per seed then a 95 % t interval over seeds) and the paired
     figures under it, recomputed from results/wgrad_scale_cpu_h4_telemetry.csv."""
     text = (SWEEPS / "wgrad_scale_cpu.md").read_text()
-    section = _section(text, "### Over 4x the training", "### Across two sizes")
+    section = _section(text, "### Over 4x the training", "### Across sizes at 2 tokens")
     tel = _csv("wgrad_scale_cpu_h4_telemetry.csv")
     mean = {(r["run"], r["gemm"], r["operand"], r["step"], r["metric"]): float(r["mean"]) for r in tel}
 
@@ -387,24 +387,28 @@ def test_wgrad_scale_h4_bias_table_regenerates_from_the_committed_measurements()
     assert not missing, f"figures under wgrad_scale_cpu.md's bias table that the measurements do not give: {missing}"
 
 
-def test_wgrad_scale_two_size_telemetry_rows_regenerate_from_the_committed_telemetry():
-    """The flush-share table at 2 tokens per parameter (h4's step 104, part 3a's step 832), from the
-    two committed telemetry CSVs: seed means and 95 % t intervals of the paired differences."""
-    section = _section((SWEEPS / "wgrad_scale_cpu.md").read_text(), "### Across two sizes", "## The first-order")
+def test_wgrad_scale_telemetry_by_size_rows_regenerate_from_the_committed_telemetry():
+    """The flush-share table at 2 tokens per parameter (h4's step 104, part 3a's step 832, part 3b's
+    step 1664), from the committed telemetry CSVs: seed means and 95 % t intervals of the paired
+    differences over the seeds each file holds."""
+    section = _section((SWEEPS / "wgrad_scale_cpu.md").read_text(), "### Across sizes at 2 tokens", "## The first-order")
     for name, file, prefix, step in (("64x2 (104 of h4)", "wgrad_scale_cpu_h4_telemetry.csv", "wgrad_mxfp4", "104"),
                                      ("128x4 (832)", "wgrad_scale_cpu_part3a_telemetry.csv",
-                                      "wgrad_mxfp4__model-size-scale_w128_d4", "832")):
+                                      "wgrad_mxfp4__model-size-scale_w128_d4", "832"),
+                                     ("256x2 (1664)", "wgrad_scale_cpu_part3b_telemetry.csv",
+                                      "wgrad_mxfp4__model-size-scale_w256_d2", "1664")):
         mean = {(r["run"], r["gemm"], r["operand"], r["step"], r["metric"]): float(r["mean"]) for r in _csv(file)}
-        v = {(g, o): [mean[f"{prefix}__seed-{s}", g, o, step, "flushed_nonzero"] for s in range(3)]
+        seeds = sorted({int(run.rsplit("-", 1)[1]) for run, *_ in mean if run.startswith(f"{prefix}__seed-")})
+        v = {(g, o): [mean[f"{prefix}__seed-{s}", g, o, step, "flushed_nonzero"] for s in seeds]
              for g, o in (("wgrad", "dy"), ("dgrad", "dy"), ("wgrad", "x"), ("fprop", "x"))}
 
-        def gap(a, b):
+        def gap(a, b, v=v):
             iv = stats.paired_interval([x - y for x, y in zip(v[a], v[b])])
             return f"{iv.mean:+.3f} [{iv.lo:+.3f}, {iv.hi:+.3f}]"
-        row = (f"| {name} | {sum(v['wgrad', 'dy']) / 3:.3f} | {sum(v['dgrad', 'dy']) / 3:.3f} | "
-               f"{gap(('wgrad', 'dy'), ('dgrad', 'dy'))} | {gap(('wgrad', 'x'), ('fprop', 'x'))} |")
-        assert row in section, f"wgrad_scale_cpu.md lacks the regenerated two-size row:\n{row}"
-
+        row = (f"| {name} | {len(seeds)} | {sum(v['wgrad', 'dy']) / len(seeds):.3f} | "
+               f"{sum(v['dgrad', 'dy']) / len(seeds):.3f} | {gap(('wgrad', 'dy'), ('dgrad', 'dy'))} | "
+               f"{gap(('wgrad', 'x'), ('fprop', 'x'))} |")
+        assert row in section, f"wgrad_scale_cpu.md lacks the regenerated telemetry row:\n{row}"
 
 
 def _bias_by_size() -> list[tuple[str, str, list[dict]]]:
