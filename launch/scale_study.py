@@ -85,9 +85,11 @@ def slopes(args) -> int:
         slope_figure,
         slope_over_sizes,
     )
-    from pretrain.sweep.spec import load_sweep
+    from pretrain.sweep.spec import SweepError, load_sweep
 
     sweep = load_sweep(args.sweep)
+    if args.published and not args.figure:
+        raise SweepError("--published draws published figures in the --figure PNG: give --figure PNG too")
     if args.published and not Path(args.published).is_file():
         raise FileNotFoundError(f"--published {args.published}: no such file (a write-up with a 'study (...)' column)")
     if args.per_seed:

@@ -137,3 +137,6 @@ def test_per_seed_csvs_that_disagree_or_lack_a_size_are_one_line_errors(tmp_path
         assert main(["slopes", str(sweep_file), "--per-seed", *map(str, files)]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: --per-seed") and said in err and "\n" not in err
+    assert main(["slopes", str(sweep_file), "--per-seed", str(one), "--published", str(tmp_path / "s.md")]) == 2
+    assert capsys.readouterr().err.strip() == ("error: --published draws published figures in the --figure PNG: "
+                                               "give --figure PNG too")
