@@ -98,8 +98,9 @@ def slopes(args) -> int:
         records, params = records_from_sweep(args.sweep, args.out)
     baseline = sweep.get("baseline")
     target = args.predict_params or non_embedding_params(LLAMA_8B)
-    pairs = [(t, baseline) for t in dict.fromkeys(r.treatment for r in records) if t != baseline]
-    pairs += [tuple(c) for c in sweep.get("contrasts") or []]
+    against_baseline = [(t, baseline) for t in dict.fromkeys(r.treatment for r in records) if t != baseline]
+    contrasts = [tuple(c) for c in sweep.get("contrasts") or []]
+    pairs = against_baseline + contrasts
     print(f"{len(records)} runs over {len(params)} sizes; effect: log(1 + extra tokens), paired by seed; "
           f"slope per decade of non-embedding parameters; prediction at {target:.3g} parameters (an extrapolation)")
     print(f"\n| a vs b | sizes | seeds | per-size mean % | slope ({100 * args.confidence:g}% bootstrap; regression) | verdict "
@@ -123,10 +124,9 @@ def slopes(args) -> int:
         from pretrain.sweep.findings import published_figures
 
         published, source = published_figures(Path(args.published).read_text()) if args.published else ({}, "")
-        n = len([p for p in pairs if p[1] == baseline])
-        panels = [(f"each treatment against {baseline}", pairs[:n])]
-        if pairs[n:]:
-            panels.append(("the sweep's contrasts", pairs[n:]))
+        panels = [(f"each treatment against {baseline}", against_baseline)]
+        if contrasts:
+            panels.append(("the sweep's contrasts", contrasts))
         name = "Llama-3.1-8B" if not args.predict_params else f"{target:.3g} parameters"
         path = slope_figure(records, params, panels, args.figure, target=target, target_name=name,
                             confidence=args.confidence, boot=args.boot, published=published, source=source,

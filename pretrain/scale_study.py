@@ -92,6 +92,11 @@ def _ols(x: list[float], y: list[float]) -> tuple[float, float]:
     return slope, my - slope * mx
 
 
+def _pct(log_ratio: float) -> float:
+    """A log token ratio as % extra tokens."""
+    return 100.0 * math.expm1(log_ratio)
+
+
 @dataclass(frozen=True)
 class SlopeResult:
     """The slope of an effect (log token ratio) per decade of non-embedding parameters."""
@@ -131,8 +136,7 @@ class SlopeResult:
             se = math.sqrt(self._resid_var * (1 + 1 / n + (x - mx) ** 2 / sxx))
             q = t_quantile(confidence, n - 2)
             lo_r, hi_r = y - q * se, y + q * se
-        pct = lambda v: 100.0 * math.expm1(v)  # noqa: E731
-        return pct(y), pct(min(lo_b, lo_r)), pct(max(hi_b, hi_r))
+        return _pct(y), _pct(min(lo_b, lo_r)), _pct(max(hi_b, hi_r))
 
 
 def _percentiles(sorted_values: list[float], confidence: float) -> tuple[float, float]:
@@ -300,7 +304,6 @@ def slope_figure(records: list[Record], params: dict[str, float], panels: list[t
     from pretrain.evaluation.stats import paired_interval
 
     published = published or {}
-    pct = lambda v: 100.0 * math.expm1(v)
     rows = max(len(pairs) for _, pairs in panels)
     fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.2 + 0.32 * rows), squeeze=False)
     drawn_published = False
@@ -313,10 +316,10 @@ def slope_figure(records: list[Record], params: dict[str, float], panels: list[t
             sizes = sorted(eff, key=lambda s: params[s])
             for i, size in enumerate(sizes):
                 iv = paired_interval(list(eff[size].values()))
-                top = max(top, pct(iv.hi) if iv.n > 1 else pct(iv.mean))
+                top = max(top, _pct(iv.hi) if iv.n > 1 else _pct(iv.mean))
                 x = params[size] * shift
-                err = [[pct(iv.mean) - pct(iv.lo)], [pct(iv.hi) - pct(iv.mean)]] if iv.n > 1 else None
-                ax.errorbar(x, pct(iv.mean), yerr=err, fmt="o", color=color, ms=4, capsize=3,
+                err = [[_pct(iv.mean) - _pct(iv.lo)], [_pct(iv.hi) - _pct(iv.mean)]] if iv.n > 1 else None
+                ax.errorbar(x, _pct(iv.mean), yerr=err, fmt="o", color=color, ms=4, capsize=3,
                             label=f"{a} vs {b}" if i == 0 else None)
             try:
                 res = slope_over_sizes(eff, params, boot=boot, confidence=confidence)
@@ -324,12 +327,11 @@ def slope_figure(records: list[Record], params: dict[str, float], panels: list[t
                 continue
             if not math.isfinite(res.slope):
                 continue
+            def fit(u, res=res):
+                return _pct(res.intercept + res.slope * u)
             lo_x, hi_x = min(res.log10_params), max(res.log10_params)
-            xs = [lo_x, hi_x]
-            ax.plot([10 ** v for v in xs], [pct(res.intercept + res.slope * v) for v in xs], "-", color=color, lw=1)
-            end = math.log10(target)
-            ax.plot([10 ** hi_x, target], [pct(res.intercept + res.slope * v) for v in (hi_x, end)], "--",
-                    color=color, lw=1)
+            ax.plot([10 ** lo_x, 10 ** hi_x], [fit(lo_x), fit(hi_x)], "-", color=color, lw=1)
+            ax.plot([10 ** hi_x, target], [fit(hi_x), fit(math.log10(target))], "--", color=color, lw=1)
             y, lo, hi = res.predict(target, confidence)
             ax.errorbar(target * shift, y, yerr=[[y - lo], [hi - y]], fmt="s", color=color, mfc="none", capsize=3,
                         label=f"  fit to {target_name}: {y:+.1f}% ({lo:+.0f}, {hi:+.0f}), "

@@ -6,9 +6,10 @@ figure shows each treatment's mean over seeds with its 95 % Student-t interval
 (``pretrain.evaluation.stats.paired_interval``, the seeds being paired against the row's baseline):
 
 - ``extra_steps_pct`` / ``extra_tokens_pct`` columns (the extra-tokens ladder): one row per
-  ``section``/``design``/``against``/``treatment`` group (a ``model_size`` column counts as the design); where the write-up has a Markdown table
-  with a ``study (...)`` column -- the published figures beside ours -- and a row of the same
-  treatment against the same baseline, the published range is drawn on that row;
+  ``section``/``design``/``against``/``treatment`` group (a ``model_size`` column counts as the
+  design); where the write-up has a Markdown table with a ``study (...)`` column -- the published
+  figures beside ours -- and a row of the same treatment against the same baseline, the published
+  range is drawn on that row;
 - ``val_loss_gap_to_*`` columns: the validation-loss gap per treatment, with the sweep file's
   ``equivalence_margin`` drawn as the band an equivalence claim must fall in;
 - RL studies (``treatment``, ``replicate``, ``final_accuracy`` columns): each treatment's final held-out
