@@ -413,13 +413,13 @@ def test_wgrad_scale_telemetry_by_size_rows_regenerate_from_the_committed_teleme
 
 def _bias_by_size() -> list[tuple[str, str, list[dict]]]:
     """(model size, its label, its rows) of the committed gradient-error measurements at 2 tokens per
-    parameter: parts 1-2's sizes (one file, a model_size column), 4x128 (part 3a), 2x256 (part 3b)."""
+    parameter: parts 1-2's sizes (one file, a model_size column), 128x4 (part 3a), 256x2 (part 3b)."""
     both = _csv("wgrad_scale_cpu_parts12_bias.csv")
     out = [(size, label, [r for r in both if r["model_size"] == size])
-           for size, label in (("scale_w64_d2", "2x64"), ("scale_w64_d4", "4x64"), ("scale_w128_d2", "2x128"))]
-    out.append(("scale_w128_d4", "4x128", _csv("wgrad_scale_cpu_part3a_bias.csv")))
+           for size, label in (("scale_w64_d2", "64x2"), ("scale_w64_d4", "64x4"), ("scale_w128_d2", "128x2"))]
+    out.append(("scale_w128_d4", "128x4", _csv("wgrad_scale_cpu_part3a_bias.csv")))
     if (RESULTS / "wgrad_scale_cpu_part3b_bias.csv").is_file():
-        out.append(("scale_w256_d2", "2x256", _csv("wgrad_scale_cpu_part3b_bias.csv")))
+        out.append(("scale_w256_d2", "256x2", _csv("wgrad_scale_cpu_part3b_bias.csv")))
     return out
 
 
