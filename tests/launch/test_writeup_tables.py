@@ -428,7 +428,7 @@ def test_wgrad_scale_bias_across_sizes_regenerates_from_the_committed_measuremen
     projection of each Wgrad's mean error on G (95 % t over seeds), plain MXFP4 minus the Hadamard
     (paired), plain MXFP4's bias and its drift ratio bias x sqrt(steps) / noise at the run's length."""
     text = (SWEEPS / "wgrad_scale_cpu.md").read_text()
-    section = _section(text, "### Across sizes (exploratory", "## The 8B prediction")
+    section = _section(text, "### Across sizes (exploratory", "## C1 and C2: the slopes")
     for size, label, rows in _bias_by_size():
         steps = max(int(r["step"]) for r in rows)  # the last checkpoint is the run's end
 
@@ -450,6 +450,139 @@ def test_wgrad_scale_bias_across_sizes_regenerates_from_the_committed_measuremen
                       f"{sum(had) / len(had):.2f}"]
             row = "| " + " | ".join(cells) + " |"
             assert row in section, f"wgrad_scale_cpu.md lacks the regenerated bias-by-size row:\n{row}"
+
+def _scale_effects() -> tuple[dict, dict]:
+    """Extra tokens (%) against the FP8 run of the same seed, per (treatment, size, seed), from parts
+    1-2's per-seed file (a model_size column) and part 3's pieces (the sweep report's per_seed.csv:
+    rows against fp8, the size in ``design``); and each size's non-embedding parameters."""
+    import yaml
+
+    from pretrain.scale_study import non_embedding_params
+
+    x = {(r["treatment"], r["model_size"], int(r["seed"])): float(r["extra_tokens_pct"])
+         for r in _csv("wgrad_scale_cpu_per_seed.csv")}
+    for name in ("wgrad_scale_cpu_part3a_per_seed.csv", "wgrad_scale_cpu_part3b_per_seed.csv"):
+        for r in _csv(name):
+            if r["against"] == "fp8":
+                x[r["treatment"], r["design"].removeprefix("model-size="), int(r["seed"])] = float(r["extra_tokens_pct"])
+    params = {s: non_embedding_params(yaml.safe_load((SWEEPS.parent / "models" / f"{s}.yaml").read_text()))
+              for s in {s for _, s, _ in x}}
+    return x, dict(sorted(params.items(), key=lambda kv: kv[1]))
+
+
+SCALE_CONFIDENCE = 0.99375  # C1/C2 as declared: Bonferroni over the 4 claims and the 2 CPU looks
+SCALE_PAIRS = (("wgrad_fp8", "fp8"), ("wgrad_mxfp4", "fp8"), ("wgrad_had16", "fp8"), ("wgrad_sr", "fp8"),
+               ("wgrad_mxfp4", "wgrad_fp8"), ("wgrad_mxfp4", "wgrad_had16"), ("wgrad_mxfp4", "wgrad_sr"))
+
+
+def test_wgrad_scale_c1_c2_slopes_regenerate_from_the_per_seed_values():
+    """C1/C2's test over part 3's five sizes, as declared (the union of the seed bootstrap's and the
+    regression's 99.375 % intervals): per-size means of the chained log token ratio, the slope against
+    log10 parameters and its regression interval recomputed with numpy and scipy (3 df), the bootstrap
+    with pretrain.scale_study (its fixed seed), the fitted value at Llama-3.1-8B with numpy; every
+    row of the write-up's tables must be these."""
+    import numpy as np
+
+    from launch.scale_study import LLAMA_8B
+    from pretrain.scale_study import Record, non_embedding_params, paired_effects, slope_over_sizes
+
+    text = (SWEEPS / "wgrad_scale_cpu.md").read_text()
+    section = _section(text, "## C1 and C2: the slopes", "### The predictor against")
+    prediction = _section(text, "## The 8B prediction", "| treatment | what | study")
+    x, params = _scale_effects()
+    sizes = list(params)
+    assert len(sizes) == 5 and all((t_, s, k) in x for t_ in ("fp8", "wgrad_mxfp4") for s in sizes for k in range(3))
+    recs = [Record(s, t_, k, v) for (t_, s, k), v in x.items()]
+    lx = np.log10([params[s] for s in sizes])
+    target = math.log10(non_embedding_params(LLAMA_8B))
+    verdicts = {}
+    for a, b in SCALE_PAIRS:
+        means = [np.mean([math.log1p(x[a, s, k] / 100) - math.log1p(x[b, s, k] / 100) for k in range(3)])
+                 for s in sizes]
+        slope, icpt = np.polyfit(lx, means, 1)
+        resid = np.array(means) - (slope * lx + icpt)
+        se = math.sqrt(resid @ resid / (len(sizes) - 2) / ((lx - lx.mean()) @ (lx - lx.mean())))
+        q = t.ppf(1 - (1 - SCALE_CONFIDENCE) / 2, len(sizes) - 2)
+        res = slope_over_sizes(paired_effects(recs, a, b), params, confidence=SCALE_CONFIDENCE)
+        boot = res.boot
+        lo, hi = min(boot[0], slope - q * se), max(boot[1], slope + q * se)
+        verdict = "grows with size" if lo > 0 else "shrinks with size" if hi < 0 else "no trend shown"
+        verdicts[a, b] = (slope, lo, hi, verdict)
+        point, plo, phi = res.predict(10 ** target, SCALE_CONFIDENCE)
+        assert math.isclose(point, 100 * math.expm1(icpt + slope * target), rel_tol=1e-9, abs_tol=1e-9)
+        row = (f"| {a} vs {b} | {' / '.join(f'{100 * math.expm1(m):+.2f}' for m in means)} | {slope:+.4f} | "
+               f"{boot[0]:+.4f}, {boot[1]:+.4f} | {slope - q * se:+.4f}, {slope + q * se:+.4f} | {verdict} | "
+               f"{point:+.1f} [{plo:+.1f}, {phi:+.1f}] |")
+        assert row in section, f"wgrad_scale_cpu.md lacks the regenerated C1/C2 slope row:\n{row}"
+        cells = [f"`{a}` vs `{b}`"]
+        for n in (13631488, 10 ** target):  # part 4's largest size (512x4), Llama-3.1-8B
+            cells.append("{:+.1f} [{:+.1f}, {:+.1f}]".format(*res.predict(n, SCALE_CONFIDENCE)))
+        row = "| " + " | ".join(cells) + " | "
+        assert row in prediction, f"wgrad_scale_cpu.md lacks the regenerated prediction row:\n{row}"
+    for claim, pair in (("C1 `wgrad_slope`", ("wgrad_mxfp4", "wgrad_fp8")),
+                        ("C2 `hadamard_slope`", ("wgrad_mxfp4", "wgrad_had16"))):
+        slope, lo, hi, verdict = verdicts[pair]
+        supported = "supported" if lo > 0 else "not supported"
+        row = f"| {claim} | {pair[0]} vs {pair[1]} | {slope:+.4f} | {lo:+.4f}, {hi:+.4f} | {verdict} | {supported} |"
+        assert row in section, f"wgrad_scale_cpu.md lacks the regenerated claim row:\n{row}"
+    # the prose under the tables: every figure is a cell of the tables, or the slope per decade that
+    # would carry the largest size's mean effect to the study's 8B figure (+26-27 % against +10-11 %
+    # for C1, against the Hadamard's +8-9 % for C2)
+    allowed = {f.lstrip("-") for line in section.splitlines() if line.startswith("| ") for f in
+               _figures(line, 2) | _figures(line, 4)}
+    decades = target - lx[-1]
+    for b, (lo_b, hi_b) in (("wgrad_fp8", (1.11, 1.10)), ("wgrad_had16", (1.09, 1.08))):
+        m = np.mean([math.log1p(x["wgrad_mxfp4", sizes[-1], k] / 100) - math.log1p(x[b, sizes[-1], k] / 100)
+                     for k in range(3)])
+        allowed |= {f"{(math.log(1.26 / lo_b) - m) / decades:.3f}", f"{(math.log(1.27 / hi_b) - m) / decades:.3f}"}
+    prose = section[section.index("- **C1 `wgrad_slope`"):]
+    missing = {f.lstrip("-") for f in _figures(prose, 2) | _figures(prose, 3) | _figures(prose, 4)} - allowed
+    assert not missing, f"figures in wgrad_scale_cpu.md's C1/C2 prose that its values do not give: {missing}"
+    _assert_headline(text)
+
+
+def test_wgrad_scale_predictor_fit_regenerates_from_the_committed_measurements():
+    """The first-order predictor against the measured effects over the five sizes (exploratory, as
+    declared with C1/C2): per size, the mean C1 and C2 effects (% extra tokens, chained) beside plain
+    MXFP4's mean drift ratio at the run's end and plain MXFP4's minus the Hadamard's; the fit with
+    pretrain.scale_study.predictor_fit, its slope checked against numpy and r against scipy, and r's
+    95 % Fisher-z interval."""
+    import numpy as np
+    from scipy.stats import norm, pearsonr
+
+    from pretrain.scale_study import predictor_fit
+
+    text = (SWEEPS / "wgrad_scale_cpu.md").read_text()
+    section = _section(text, "### The predictor against", "## The 8B prediction")
+    x, _ = _scale_effects()
+    pred = {"c1": {}, "c2": {}}
+    eff = {"c1": {}, "c2": {}}
+    for size, label, rows in _bias_by_size():
+        steps = max(int(r["step"]) for r in rows)
+
+        def drift(t_, rows=rows, steps=steps):
+            return {int(r["seed"]): float(r["bias"]) * math.sqrt(steps) / float(r["noise"]) for r in rows
+                    if r["treatment"] == t_ and int(r["step"]) == steps}
+        plain, had = drift("wgrad_mxfp4"), drift("wgrad_had16")
+        pred["c1"][size] = float(np.mean(list(plain.values())))
+        pred["c2"][size] = float(np.mean([plain[k] - had[k] for k in plain]))
+        for c, b in (("c1", "wgrad_fp8"), ("c2", "wgrad_had16")):
+            eff[c][size] = 100 * math.expm1(np.mean([math.log1p(x["wgrad_mxfp4", size, k] / 100)
+                                                     - math.log1p(x[b, size, k] / 100) for k in range(3)]))
+        row = (f"| {label} | {eff['c1'][size]:+.2f} | {pred['c1'][size]:.2f} | {eff['c2'][size]:+.2f} | "
+               f"{pred['c2'][size]:+.2f} |")
+        assert row in section, f"wgrad_scale_cpu.md lacks the regenerated predictor row:\n{row}"
+    assert len(pred["c1"]) == 5
+    for c, name in (("c1", "C1 effect on plain MXFP4's drift ratio"),
+                    ("c2", "C2 effect on plain MXFP4's minus the Hadamard's drift ratio")):
+        slope, r, n = predictor_fit(pred[c], eff[c])
+        keys = list(pred[c])
+        assert math.isclose(slope, np.polyfit([pred[c][k] for k in keys], [eff[c][k] for k in keys], 1)[0], rel_tol=1e-9)
+        assert math.isclose(r, pearsonr([pred[c][k] for k in keys], [eff[c][k] for k in keys])[0], rel_tol=1e-9)
+        z, h = math.atanh(r), norm.ppf(0.975) / math.sqrt(n - 3)
+        row = f"| {name} | {n} | {slope:+.2f} | {r:+.2f} | {math.tanh(z - h):+.2f}, {math.tanh(z + h):+.2f} |"
+        assert row in section, f"wgrad_scale_cpu.md lacks the regenerated predictor-fit row:\n{row}"
+
 
 # ---------------------------------------------------------------- moe_rollout.md (true replicates)
 def test_moe_rollout_claims_regenerate_from_their_per_replicate_values():
