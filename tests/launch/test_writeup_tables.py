@@ -535,10 +535,44 @@ def test_wgrad_scale_c1_c2_slopes_regenerate_from_the_per_seed_values():
         m = np.mean([math.log1p(x["wgrad_mxfp4", sizes[-1], k] / 100) - math.log1p(x[b, sizes[-1], k] / 100)
                      for k in range(3)])
         allowed |= {f"{(math.log(1.26 / lo_b) - m) / decades:.3f}", f"{(math.log(1.27 / hi_b) - m) / decades:.3f}"}
+    # the crossing section's examples: per-seed values of the committed files
+    for r in _csv("wgrad_scale_cpu_part3b_per_seed.csv"):
+        if r["against"] == "fp8":
+            allowed |= {f"{float(r['extra_tokens_pct']):.2f}", f"{float(r['val_loss_gap']):.4f}"}
     prose = section[section.index("- **C1 `wgrad_slope`"):]
     missing = {f.lstrip("-") for f in _figures(prose, 2) | _figures(prose, 3) | _figures(prose, 4)} - allowed
     assert not missing, f"figures in wgrad_scale_cpu.md's C1/C2 prose that its values do not give: {missing}"
     _assert_headline(text)
+
+
+def _wgrad_scale_valgap_rows() -> list[str]:
+    """Per size: the end-of-run validation gap of three contrasts (paired by seed, 95 % t interval),
+    and the seeds whose C1 crossings (wgrad_mxfp4 and wgrad_fp8, each against FP8) lie within 0.1
+    points of each other."""
+    gap = {(r["treatment"], r["model_size"], int(r["seed"])): float(r["val_loss_gap_to_fp8"])
+           for r in _csv("wgrad_scale_cpu_per_seed.csv")}
+    for name in ("wgrad_scale_cpu_part3a_per_seed.csv", "wgrad_scale_cpu_part3b_per_seed.csv"):
+        for r in _csv(name):
+            if r["against"] == "fp8":
+                gap[r["treatment"], r["design"].removeprefix("model-size="), int(r["seed"])] = float(r["val_loss_gap"])
+    x, params = _scale_effects()
+    labels = {s: f"{s.split('_w')[1].split('_')[0]}x{s[-1]}" for s in params}
+    rows = []
+    for s in params:
+        cells = [labels[s]]
+        for a, b in (("wgrad_fp8", "fp8"), ("wgrad_mxfp4", "wgrad_fp8"), ("wgrad_mxfp4", "wgrad_had16")):
+            iv = stats.paired_interval([gap[a, s, k] - gap[b, s, k] for k in range(3)])
+            cells.append(f"{iv.mean:+.4f} [{iv.lo:+.4f}, {iv.hi:+.4f}]")
+        cells.append(str(sum(abs(x["wgrad_mxfp4", s, k] - x["wgrad_fp8", s, k]) < 0.1 for k in range(3))))
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def test_wgrad_scale_validation_gaps_regenerate_from_the_per_seed_values():
+    """The end-of-run validation gaps beside C1/C2 (exploratory), from the committed per-seed files."""
+    section = _section((SWEEPS / "wgrad_scale_cpu.md").read_text(), "### What the crossing measured", "### The predictor against")
+    for row in _wgrad_scale_valgap_rows():
+        assert row in section, f"wgrad_scale_cpu.md lacks the regenerated validation-gap row:\n{row}"
 
 
 def test_wgrad_scale_predictor_fit_regenerates_from_the_committed_measurements():
