@@ -451,6 +451,19 @@ def test_wgrad_scale_bias_across_sizes_regenerates_from_the_committed_measuremen
             row = "| " + " | ".join(cells) + " |"
             assert row in section, f"wgrad_scale_cpu.md lacks the regenerated bias-by-size row:\n{row}"
 
+def _scale_column(parts12: str, part3: str) -> dict[tuple[str, str, int], float]:
+    """One per-seed value against the FP8 run of the same seed, per (treatment, size, seed): column
+    ``parts12`` of parts 1-2's file (a model_size column), ``part3`` of part 3's pieces (the sweep
+    report's per_seed.csv: rows against fp8, the size in ``design``)."""
+    v = {(r["treatment"], r["model_size"], int(r["seed"])): float(r[parts12])
+         for r in _csv("wgrad_scale_cpu_per_seed.csv")}
+    for name in ("wgrad_scale_cpu_part3a_per_seed.csv", "wgrad_scale_cpu_part3b_per_seed.csv"):
+        for r in _csv(name):
+            if r["against"] == "fp8":
+                v[r["treatment"], r["design"].removeprefix("model-size="), int(r["seed"])] = float(r[part3])
+    return v
+
+
 def _scale_effects() -> tuple[dict, dict]:
     """Extra tokens (%) against the FP8 run of the same seed, per (treatment, size, seed), from parts
     1-2's per-seed file (a model_size column) and part 3's pieces (the sweep report's per_seed.csv:
@@ -459,12 +472,7 @@ def _scale_effects() -> tuple[dict, dict]:
 
     from pretrain.scale_study import non_embedding_params
 
-    x = {(r["treatment"], r["model_size"], int(r["seed"])): float(r["extra_tokens_pct"])
-         for r in _csv("wgrad_scale_cpu_per_seed.csv")}
-    for name in ("wgrad_scale_cpu_part3a_per_seed.csv", "wgrad_scale_cpu_part3b_per_seed.csv"):
-        for r in _csv(name):
-            if r["against"] == "fp8":
-                x[r["treatment"], r["design"].removeprefix("model-size="), int(r["seed"])] = float(r["extra_tokens_pct"])
+    x = _scale_column("extra_tokens_pct", "extra_tokens_pct")
     params = {s: non_embedding_params(yaml.safe_load((SWEEPS.parent / "models" / f"{s}.yaml").read_text()))
               for s in {s for _, s, _ in x}}
     return x, dict(sorted(params.items(), key=lambda kv: kv[1]))
@@ -491,7 +499,8 @@ def test_wgrad_scale_c1_c2_slopes_regenerate_from_the_per_seed_values():
     prediction = _section(text, "## The 8B prediction", "| treatment | what | study")
     x, params = _scale_effects()
     sizes = list(params)
-    assert len(sizes) == 5 and all((t_, s, k) in x for t_ in ("fp8", "wgrad_mxfp4") for s in sizes for k in range(3))
+    assert len(sizes) == 5
+    assert all((t_, s, k) in x for t_ in ("fp8", "wgrad_mxfp4") for s in sizes for k in range(3))
     recs = [Record(s, t_, k, v) for (t_, s, k), v in x.items()]
     lx = np.log10([params[s] for s in sizes])
     target = math.log10(non_embedding_params(LLAMA_8B))
@@ -523,7 +532,8 @@ def test_wgrad_scale_c1_c2_slopes_regenerate_from_the_per_seed_values():
                         ("C2 `hadamard_slope`", ("wgrad_mxfp4", "wgrad_had16"))):
         slope, lo, hi, verdict = verdicts[pair]
         supported = "supported" if lo > 0 else "not supported"
-        row = f"| {claim} | {pair[0]} vs {pair[1]} | {slope:+.4f} | {lo:+.4f}, {hi:+.4f} | {verdict} | {supported} |"
+        row = (f"| {claim} | {pair[0]} vs {pair[1]} | {slope:+.4f} | {lo:+.4f}, {hi:+.4f} | {verdict} "
+               f"| {supported} |")
         assert row in section, f"wgrad_scale_cpu.md lacks the regenerated claim row:\n{row}"
     # the prose under the tables: every figure is a cell of the tables, or the slope per decade that
     # would carry the largest size's mean effect to the study's 8B figure (+26-27 % against +10-11 %
@@ -534,7 +544,8 @@ def test_wgrad_scale_c1_c2_slopes_regenerate_from_the_per_seed_values():
     for b, (lo_b, hi_b) in (("wgrad_fp8", (1.11, 1.10)), ("wgrad_had16", (1.09, 1.08))):
         m = np.mean([math.log1p(x["wgrad_mxfp4", sizes[-1], k] / 100) - math.log1p(x[b, sizes[-1], k] / 100)
                      for k in range(3)])
-        allowed |= {f"{(math.log(1.26 / lo_b) - m) / decades:.3f}", f"{(math.log(1.27 / hi_b) - m) / decades:.3f}"}
+        allowed |= {f"{(math.log(1.26 / lo_b) - m) / decades:.3f}",
+                    f"{(math.log(1.27 / hi_b) - m) / decades:.3f}"}
     # the crossing section's examples: per-seed values of the committed files
     for r in _csv("wgrad_scale_cpu_part3b_per_seed.csv"):
         if r["against"] == "fp8":
@@ -549,12 +560,7 @@ def _wgrad_scale_valgap_rows() -> list[str]:
     """Per size: the end-of-run validation gap of three contrasts (paired by seed, 95 % t interval),
     and the seeds whose C1 crossings (wgrad_mxfp4 and wgrad_fp8, each against FP8) lie within 0.1
     points of each other."""
-    gap = {(r["treatment"], r["model_size"], int(r["seed"])): float(r["val_loss_gap_to_fp8"])
-           for r in _csv("wgrad_scale_cpu_per_seed.csv")}
-    for name in ("wgrad_scale_cpu_part3a_per_seed.csv", "wgrad_scale_cpu_part3b_per_seed.csv"):
-        for r in _csv(name):
-            if r["against"] == "fp8":
-                gap[r["treatment"], r["design"].removeprefix("model-size="), int(r["seed"])] = float(r["val_loss_gap"])
+    gap = _scale_column("val_loss_gap_to_fp8", "val_loss_gap")
     x, params = _scale_effects()
     labels = {s: f"{s.split('_w')[1].split('_')[0]}x{s[-1]}" for s in params}
     rows = []
@@ -570,7 +576,8 @@ def _wgrad_scale_valgap_rows() -> list[str]:
 
 def test_wgrad_scale_validation_gaps_regenerate_from_the_per_seed_values():
     """The end-of-run validation gaps beside C1/C2 (exploratory), from the committed per-seed files."""
-    section = _section((SWEEPS / "wgrad_scale_cpu.md").read_text(), "### What the crossing measured", "### The predictor against")
+    section = _section((SWEEPS / "wgrad_scale_cpu.md").read_text(), "### What the crossing measured",
+                       "### The predictor against")
     for row in _wgrad_scale_valgap_rows():
         assert row in section, f"wgrad_scale_cpu.md lacks the regenerated validation-gap row:\n{row}"
 
@@ -611,8 +618,9 @@ def test_wgrad_scale_predictor_fit_regenerates_from_the_committed_measurements()
                     ("c2", "C2 effect on plain MXFP4's minus the Hadamard's drift ratio")):
         slope, r, n = predictor_fit(pred[c], eff[c])
         keys = list(pred[c])
-        assert math.isclose(slope, np.polyfit([pred[c][k] for k in keys], [eff[c][k] for k in keys], 1)[0], rel_tol=1e-9)
-        assert math.isclose(r, pearsonr([pred[c][k] for k in keys], [eff[c][k] for k in keys])[0], rel_tol=1e-9)
+        u, v = [pred[c][k] for k in keys], [eff[c][k] for k in keys]
+        assert math.isclose(slope, np.polyfit(u, v, 1)[0], rel_tol=1e-9)
+        assert math.isclose(r, pearsonr(u, v)[0], rel_tol=1e-9)
         z, h = math.atanh(r), norm.ppf(0.975) / math.sqrt(n - 3)
         row = f"| {name} | {n} | {slope:+.2f} | {r:+.2f} | {math.tanh(z - h):+.2f}, {math.tanh(z + h):+.2f} |"
         assert row in section, f"wgrad_scale_cpu.md lacks the regenerated predictor-fit row:\n{row}"
