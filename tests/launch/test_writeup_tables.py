@@ -582,6 +582,42 @@ def test_wgrad_scale_validation_gaps_regenerate_from_the_per_seed_values():
         assert row in section, f"wgrad_scale_cpu.md lacks the regenerated validation-gap row:\n{row}"
 
 
+def _wgrad_scale_batch_rows() -> list[str]:
+    """The gradient-error figures of 256x2's FP8 checkpoints at step 1664 by tokens per step: 2,048
+    (the sweep's batch, part 3b's bias file) and the larger batches of the batch file, for the seeds
+    the batch file holds; noise, the bias of plain MXFP4 and of the Hadamard, and their drift ratios
+    ``bias x sqrt(1664) / noise``."""
+    big = _csv("wgrad_scale_cpu_part3b_bias_batch.csv")
+    seeds = sorted({int(r["seed"]) for r in big})
+    base = [dict(r, tokens_per_step="2048") for r in _csv("wgrad_scale_cpu_part3b_bias.csv")
+            if r["step"] == "1664" and int(r["seed"]) in seeds]
+    val = {(int(r["seed"]), int(r["tokens_per_step"]), r["treatment"]): r for r in base + big}
+    rows = []
+    for seed, tokens in sorted({(k[0], k[1]) for k in val}):
+        plain, had = val[seed, tokens, "wgrad_mxfp4"], val[seed, tokens, "wgrad_had16"]
+        noise = float(plain["noise"])
+        cells = [str(seed), f"{tokens:,}", f"{noise:.2f}", f"{float(plain['bias']):.4f}", f"{float(had['bias']):.4f}",
+                 f"{float(plain['bias']) * math.sqrt(1664) / noise:.2f}", f"{float(had['bias']) * math.sqrt(1664) / noise:.2f}"]
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def test_wgrad_scale_batch_check_regenerates_from_the_committed_measurements():
+    """The 8B prediction's batch check (exploratory): every row of its table from the committed files."""
+    section = _section((SWEEPS / "wgrad_scale_cpu.md").read_text(), "**2. The first-order predictor at the study's batch",
+                       "The extrapolation rests on")
+    for row in _wgrad_scale_batch_rows():
+        assert row in section, f"wgrad_scale_cpu.md lacks the regenerated batch row:\n{row}"
+    # the exponent of one step's noise in the batch, 2,048 to 32,768 tokens, per seed (1/sqrt: 0.5)
+    noise = {(int(r["seed"]), int(r.get("tokens_per_step") or 2048)): float(r["noise"])
+             for r in _csv("wgrad_scale_cpu_part3b_bias.csv") + _csv("wgrad_scale_cpu_part3b_bias_batch.csv")
+             if r["step"] == "1664" and r["treatment"] == "wgrad_mxfp4"}
+    iv = stats.paired_interval([math.log(noise[k, 2048] / noise[k, 32768]) / math.log(16)
+                                for k in sorted({k for k, b in noise if b == 32768})])
+    cell = f"{iv.mean:.2f} [{iv.lo:.2f}, {iv.hi:.2f}]"
+    assert f"exponent {cell}" in section, f"wgrad_scale_cpu.md lacks the noise's exponent in the batch: {cell}"
+
+
 def test_wgrad_scale_predictor_fit_regenerates_from_the_committed_measurements():
     """The first-order predictor against the measured effects over the five sizes (exploratory, as
     declared with C1/C2): per size, the mean C1 and C2 effects (% extra tokens, chained) beside plain
