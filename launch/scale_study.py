@@ -18,6 +18,13 @@ the run directories, with a figure of the sizes, the fits and the published figu
         --per-seed configs/sweeps/results/wgrad_scale_cpu_per_seed.csv \\
         --figure wgrad_scale_part2.png --published configs/sweeps/wgrad_scale_cpu.md
 
+``--metric val_gap`` takes the slope of the end-of-run validation gaps instead (a loss difference,
+paired by seed): a loss-curve crossing can snap to a dip of the baseline's noisy curve, so that a
+seed's treatments share one value whatever their final losses; the validation gap cannot::
+
+    python launch/scale_study.py slopes configs/sweeps/wgrad_scale_cpu_part2.yaml \
+        --per-seed configs/sweeps/results/wgrad_scale_cpu_per_seed.csv --metric val_gap
+
 ``telemetry``: the per-block numerics of runs made with ``--numerics-interval`` (``numerics/...``
 scalars: ``flushed_nonzero``, ``block_max_median``, ``block_top_share`` and their ``had16_`` forms),
 one row per run, step, GEMM, operand, blocking axis (tokens for Wgrad, features for Fprop and
@@ -67,6 +74,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         "prediction's size, drawn beside the fits in --figure")
     s.add_argument("--predict-params", type=float, default=None,
                    help="non-embedding parameters to extrapolate to (default Llama-3.1-8B's)")
+    s.add_argument("--metric", choices=("extra_tokens", "val_gap"), default="extra_tokens",
+                   help="the per-seed effect: extra_tokens (log token ratio of the loss-curve crossings, default) "
+                        "or val_gap (difference of the end-of-run validation gaps to the baseline, in loss: a "
+                        "crossing can snap to a dip of the baseline's curve, the validation gap cannot)")
     s.add_argument("--boot", type=int, default=2000, help="seed-bootstrap resamples (default 2000)")
     s.add_argument("--confidence", type=float, default=0.95, help="interval level (default 0.95)")
     t = sub.add_parser("telemetry", help="per-block numerics per GEMM, operand and axis of runs")
@@ -90,6 +101,8 @@ def slopes(args) -> int:
     sweep = load_sweep(args.sweep)
     if args.published and not args.figure:
         raise SweepError("--published draws published figures in the --figure PNG: give --figure PNG too")
+    if args.figure and args.metric != "extra_tokens":
+        raise SweepError("--figure draws extra tokens against size: give --metric extra_tokens, or no --figure")
     if args.published and not Path(args.published).is_file():
         raise FileNotFoundError(f"--published {args.published}: no such file (a write-up with a 'study (...)' column)")
     if args.per_seed:
@@ -101,12 +114,17 @@ def slopes(args) -> int:
     against_baseline = [(t, baseline) for t in dict.fromkeys(r.treatment for r in records) if t != baseline]
     contrasts = [tuple(c) for c in sweep.get("contrasts") or []]
     pairs = against_baseline + contrasts
-    print(f"{len(records)} runs over {len(params)} sizes; effect: log(1 + extra tokens), paired by seed; "
+    tokens = args.metric == "extra_tokens"
+    effect = ("log(1 + extra tokens)" if tokens else
+              "end-of-run validation loss gap to the baseline, a minus b (loss; the baseline's row is 0)")
+    unit = "%" if tokens else "(loss)"
+    print(f"{len(records)} runs over {len(params)} sizes; effect: {effect}, paired by seed; "
           f"slope per decade of non-embedding parameters; prediction at {target:.3g} parameters (an extrapolation)")
-    print(f"\n| a vs b | sizes | seeds | per-size mean % | slope ({100 * args.confidence:g}% bootstrap; regression) | verdict "
-          f"| predicted % at target ({100 * args.confidence:g}%) |\n|---|---|---|---|---|---|---|")
+    level = f"{100 * args.confidence:g}%"
+    print(f"\n| a vs b | sizes | seeds | per-size mean {unit} | slope ({level} bootstrap; regression) "
+          f"| verdict | predicted {unit} at target ({level}) |\n|---|---|---|---|---|---|---|")
     for a, b in pairs:
-        eff = paired_effects(records, a, b)
+        eff = paired_effects(records, a, b, args.metric)
         if len(eff) < 3:
             print(f"| {a} vs {b} | {len(eff)} | - | - | not yet measured (needs 3 sizes) | - | - |")
             continue
@@ -115,11 +133,15 @@ def slopes(args) -> int:
         except ValueError as e:
             print(f"| {a} vs {b} | {len(eff)} | - | - | {e} | - | - |")
             continue
-        means = ", ".join(f"{s} {100 * math.expm1(m):+.2f}" for s, m in zip(res.sizes, res.means))
-        pct, lo, hi = res.predict(target, args.confidence)
+        if tokens:
+            means = ", ".join(f"{s} {100 * math.expm1(m):+.2f}" for s, m in zip(res.sizes, res.means))
+            predicted = "{:+.1f} ({:+.1f}, {:+.1f})".format(*res.predict(target, args.confidence))
+        else:
+            means = ", ".join(f"{s} {m:+.4f}" for s, m in zip(res.sizes, res.means))
+            predicted = "{:+.4f} ({:+.4f}, {:+.4f})".format(*res.predict_effect(target, args.confidence))
         print(f"| {a} vs {b} | {len(res.sizes)} | {res.seeds} | {means} | {res.slope:+.4f} ({res.boot[0]:+.4f}, "
               f"{res.boot[1]:+.4f}; {res.regression[0]:+.4f}, {res.regression[1]:+.4f}) | {res.verdict} "
-              f"| {pct:+.1f} ({lo:+.1f}, {hi:+.1f}) |")
+              f"| {predicted} |")
     if args.figure:
         from pretrain.sweep.findings import published_figures
 

@@ -8,7 +8,10 @@ the sweep's baseline (``results.csv``'s ``extra_tokens_pct``) are compared on ``
 (``pretrain.evaluation.extra_tokens``: the scale on which a ratio and its inverse are symmetric):
 
 * ``paired_effects(records, a, b)``: per size and seed, ``log(1 + x_a) - log(1 + x_b)`` -- the log
-  token ratio of ``a`` against ``b`` (both measured against the same baseline run of that seed);
+  token ratio of ``a`` against ``b`` (both measured against the same baseline run of that seed); or,
+  with ``metric="val_gap"``, the difference of their end-of-run validation gaps to that baseline run
+  (a loss difference: a crossing can snap to a dip of the baseline's noisy training curve, so that
+  a seed's treatments share one crossing whatever their final losses; the validation gap cannot);
 * ``slope_over_sizes(effects, sizes)``: the least-squares slope of the per-size mean effect against
   ``log10`` of the size (non-embedding parameters), with two 95 % intervals: a **seed bootstrap**
   (seeds drawn with replacement, the same draw at every size, so what a seed shares across sizes --
@@ -49,12 +52,14 @@ AXIS = {"fprop": "features (in)", "dgrad": "features (out)", "wgrad": "tokens"}
 
 @dataclass(frozen=True)
 class Record:
-    """One run of the sweep: its size (model-size name), treatment label, seed and extra tokens (%)."""
+    """One run of the sweep: its size (model-size name), treatment label, seed, extra tokens (%) and
+    end-of-run validation gap against the baseline (loss)."""
 
     size: str
     treatment: str
     seed: int
     extra_pct: float
+    val_gap: float = float("nan")  # final validation loss minus the baseline run's of the same seed
 
 
 def non_embedding_params(model: dict) -> int:
@@ -70,17 +75,27 @@ def non_embedding_params(model: dict) -> int:
     return L * (attn + mlp)
 
 
-def paired_effects(records: list[Record], a: str, b: str) -> dict[str, dict[int, float]]:
-    """Per size, per seed present for both: ``log(1 + x_a/100) - log(1 + x_b/100)`` (NaN where a
-    value is not finite)."""
-    by = {(r.size, r.treatment, r.seed): r.extra_pct for r in records}
+METRICS = ("extra_tokens", "val_gap")
+
+
+def paired_effects(records: list[Record], a: str, b: str,
+                   metric: str = "extra_tokens") -> dict[str, dict[int, float]]:
+    """Per size, per seed present for both: ``log(1 + x_a/100) - log(1 + x_b/100)`` of the extra
+    tokens, or with ``metric="val_gap"`` the difference of the end-of-run validation gaps (a loss
+    difference, which a crossing's snapping to the baseline's curve does not touch); NaN where a value
+    is not finite."""
+    if metric not in METRICS:
+        raise ValueError(f"metric {metric!r}: expected one of {', '.join(METRICS)}")
+    by = {(r.size, r.treatment, r.seed): r.extra_pct if metric == "extra_tokens" else r.val_gap
+          for r in records}
     out: dict[str, dict[int, float]] = {}
     for (size, t, seed), xa in by.items():
         if t != a or (size, b, seed) not in by:
             continue
         xb = by[(size, b, seed)]
         ok = math.isfinite(xa) and math.isfinite(xb)
-        out.setdefault(size, {})[seed] = log_ratio(xa) - log_ratio(xb) if ok else float("nan")
+        diff = (log_ratio(xa) - log_ratio(xb)) if metric == "extra_tokens" else xa - xb
+        out.setdefault(size, {})[seed] = diff if ok else float("nan")
     return out
 
 
@@ -120,8 +135,14 @@ class SlopeResult:
         return min(self.boot[0], self.regression[0]), max(self.boot[1], self.regression[1])
 
     def predict(self, n_params: float, confidence: float = 0.95) -> tuple[float, float, float]:
-        """The fitted effect at ``n_params`` as % extra tokens, and its interval (the union of the
-        bootstrap's percentile interval and the regression's prediction interval for a size mean)."""
+        """The fitted effect at ``n_params`` as % extra tokens (an effect on the log token ratio), and
+        its interval: ``predict_effect`` back-transformed."""
+        y, lo, hi = self.predict_effect(n_params, confidence)
+        return _pct(y), _pct(lo), _pct(hi)
+
+    def predict_effect(self, n_params: float, confidence: float = 0.95) -> tuple[float, float, float]:
+        """The fitted effect at ``n_params`` in the effect's own unit, and its interval (the union of
+        the bootstrap's percentile interval and the regression's prediction interval for a size mean)."""
         if not math.isfinite(self.slope):
             return float("nan"), float("-inf"), float("inf")
         x = math.log10(n_params)
@@ -136,7 +157,7 @@ class SlopeResult:
             se = math.sqrt(self._resid_var * (1 + 1 / n + (x - mx) ** 2 / sxx))
             q = t_quantile(confidence, n - 2)
             lo_r, hi_r = y - q * se, y + q * se
-        return _pct(y), _pct(min(lo_b, lo_r)), _pct(max(hi_b, hi_r))
+        return y, min(lo_b, lo_r), max(hi_b, hi_r)
 
 
 def _percentiles(sorted_values: list[float], confidence: float) -> tuple[float, float]:
@@ -238,6 +259,7 @@ def records_from_per_seed(sweep_file: str, paths: list[str | Path]) -> tuple[lis
     if not sizes:
         raise SweepError(f"sweep file {sweep_file}: no model-size in its grid (a slope needs several sizes)")
     found: dict[tuple[str, str, int], float] = {}
+    gaps: dict[tuple[str, str, int], float] = {}
     for path in map(Path, paths):
         if not path.is_file():
             raise FileNotFoundError(f"--per-seed {path}: no such file")
@@ -252,11 +274,13 @@ def records_from_per_seed(sweep_file: str, paths: list[str | Path]) -> tuple[lis
                 continue
             key = (size, row["treatment"], int(row["seed"]))
             value = float(row["extra_tokens_pct"] or "nan")
+            gap = row.get("val_loss_gap", row.get("val_loss_gap_to_fp8"))
+            gaps[key] = float(gap or "nan")
             if key in found and not math.isclose(found[key], value, rel_tol=1e-6, abs_tol=1e-6):
                 raise SweepError(f"--per-seed {path}: {key[1]} at {size}, seed {key[2]} is {value:g} here and "
                                  f"{found[key]:g} in an earlier file")
             found[key] = value
-    records = [Record(size, t, seed, v) for (size, t, seed), v in found.items()]
+    records = [Record(size, t, seed, v, gaps[size, t, seed]) for (size, t, seed), v in found.items()]
     return records, {s: _size_params(s) for s in dict.fromkeys(r.size for r in records)}
 
 
@@ -282,7 +306,8 @@ def records_from_sweep(sweep_file: str, out: str | Path) -> tuple[list[Record], 
                 raise SweepError(f"sweep file {sweep_file}: no model-size in its grid or base")
             if size not in params:
                 params[size] = _size_params(size)
-            records.append(Record(size, run.label, int(row["seed"]), float(row["extra_tokens_pct"] or "nan")))
+            records.append(Record(size, run.label, int(row["seed"]), float(row["extra_tokens_pct"] or "nan"),
+                                  float(row.get("gap_val_loss") or "nan")))
     return records, params
 
 

@@ -140,3 +140,40 @@ def test_per_seed_csvs_that_disagree_or_lack_a_size_are_one_line_errors(tmp_path
     assert main(["slopes", str(sweep_file), "--per-seed", str(one), "--published", str(tmp_path / "s.md")]) == 2
     assert capsys.readouterr().err.strip() == ("error: --published draws published figures in the --figure PNG: "
                                                "give --figure PNG too")
+
+
+def test_slopes_of_the_validation_gap_read_both_per_seed_forms(tmp_path, capsys):
+    """--metric val_gap: the slope of the difference of end-of-run validation gaps (the report's
+    ``val_loss_gap`` and the one-row-per-size form's ``val_loss_gap_to_fp8``), in loss units, where the
+    crossings (extra tokens) are the same for both treatments -- the snapping a crossing can show."""
+    sweep_file = _size_sweep(tmp_path)
+    params = {s: non_embedding_params(yaml.safe_load(Path(f"configs/models/{s}.yaml").read_text())) for s in SIZES}
+    legacy, report = tmp_path / "a_per_seed.csv", tmp_path / "b_per_seed.csv"
+    with open(legacy, "w", newline="") as fa, open(report, "w", newline="") as fb:
+        wa, wb = csv.writer(fa), csv.writer(fb)
+        wa.writerow(["treatment", "model_size", "seed", "val_loss_gap_to_fp8", "extra_tokens_pct"])
+        wb.writerow(["design", "against", "treatment", "seed", "extra_tokens_pct", "val_loss_gap"])
+        for i, size in enumerate(SIZES):
+            u = math.log10(params[size])
+            for k in range(3):
+                gaps = (("fp8", 0.0), ("wgrad_fp8", 0.03 + 0.001 * k), ("wgrad_mxfp4", 0.03 + 0.01 * u + 0.001 * k))
+                for t, gap in gaps:
+                    if i < 2:
+                        wa.writerow([t, size, k, gap, 0.0 if t == "fp8" else 5.0])
+                    else:
+                        wb.writerow([f"model-size={size}", "fp8", t, k, 0.0 if t == "fp8" else 5.0, gap])
+    assert main(["slopes", str(sweep_file), "--per-seed", str(legacy), str(report), "--boot", "200",
+                 "--metric", "val_gap"]) == 0
+    text = capsys.readouterr().out
+    row = next(line for line in text.splitlines() if line.startswith("| wgrad_mxfp4 vs wgrad_fp8 |"))
+    assert "| +0.0100 (+0.0100, +0.0100; +0.0100, +0.0100) | grows with size |" in row
+    assert "validation loss gap" in text and "predicted (loss)" in text
+    # the crossings of the same files: every treatment 5 % everywhere, so no slope in extra tokens
+    assert main(["slopes", str(sweep_file), "--per-seed", str(legacy), str(report), "--boot", "200"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| wgrad_mxfp4 vs wgrad_fp8"))
+    assert "| +0.0000 (+0.0000, +0.0000; +0.0000, +0.0000) |" in row.replace("-0.0000", "+0.0000")
+    assert main(["slopes", str(sweep_file), "--per-seed", str(legacy), "--metric", "val_gap",
+                 "--figure", str(tmp_path / "f.png")]) == 2
+    assert capsys.readouterr().err.strip() == ("error: --figure draws extra tokens against size: give --metric "
+                                               "extra_tokens, or no --figure")

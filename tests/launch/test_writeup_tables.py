@@ -451,6 +451,19 @@ def test_wgrad_scale_bias_across_sizes_regenerates_from_the_committed_measuremen
             row = "| " + " | ".join(cells) + " |"
             assert row in section, f"wgrad_scale_cpu.md lacks the regenerated bias-by-size row:\n{row}"
 
+def _wgrad_md(start: str, end: str) -> str:
+    return _section((SWEEPS / "wgrad_scale_cpu.md").read_text(), start, end)
+
+
+def _table_row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _assert_rows(section: str, rows: list[str], what: str) -> None:
+    for row in rows:
+        assert row in section, f"wgrad_scale_cpu.md lacks the regenerated {what} row:\n{row}"
+
+
 def _scale_column(parts12: str, part3: str) -> dict[tuple[str, str, int], float]:
     """One per-seed value against the FP8 run of the same seed, per (treatment, size, seed): column
     ``parts12`` of parts 1-2's file (a model_size column), ``part3`` of part 3's pieces (the sweep
@@ -538,7 +551,7 @@ def test_wgrad_scale_c1_c2_slopes_regenerate_from_the_per_seed_values():
     # the prose under the tables: every figure is a cell of the tables, or the slope per decade that
     # would carry the largest size's mean effect to the study's 8B figure (+26-27 % against +10-11 %
     # for C1, against the Hadamard's +8-9 % for C2)
-    allowed = {f.lstrip("-") for line in section.splitlines() if line.startswith("| ") for f in
+    allowed = {f.lstrip("-") for line in section.splitlines() if line.lstrip().startswith("| ") for f in
                _figures(line, 2) | _figures(line, 4)}
     decades = target - lx[-1]
     for b, (lo_b, hi_b) in (("wgrad_fp8", (1.11, 1.10)), ("wgrad_had16", (1.09, 1.08))):
@@ -570,16 +583,35 @@ def _wgrad_scale_valgap_rows() -> list[str]:
             iv = stats.paired_interval([gap[a, s, k] - gap[b, s, k] for k in range(3)])
             cells.append(f"{iv.mean:+.4f} [{iv.lo:+.4f}, {iv.hi:+.4f}]")
         cells.append(str(sum(abs(x["wgrad_mxfp4", s, k] - x["wgrad_fp8", s, k]) < 0.1 for k in range(3))))
-        rows.append("| " + " | ".join(cells) + " |")
+        rows.append(_table_row(cells))
     return rows
 
 
 def test_wgrad_scale_validation_gaps_regenerate_from_the_per_seed_values():
     """The end-of-run validation gaps beside C1/C2 (exploratory), from the committed per-seed files."""
-    section = _section((SWEEPS / "wgrad_scale_cpu.md").read_text(), "### What the crossing measured",
-                       "### The predictor against")
-    for row in _wgrad_scale_valgap_rows():
-        assert row in section, f"wgrad_scale_cpu.md lacks the regenerated validation-gap row:\n{row}"
+    section = _wgrad_md("### What the crossing measured", "### The predictor against")
+    _assert_rows(section, _wgrad_scale_valgap_rows(), "validation-gap")
+    # their slopes over sizes (launch/scale_study.py slopes --metric val_gap, 95 %): numpy and scipy for
+    # the means, the slope and the regression interval, pretrain.scale_study for the seed bootstrap
+    import numpy as np
+
+    from pretrain.scale_study import Record, paired_effects, slope_over_sizes
+
+    gap = _scale_column("val_loss_gap_to_fp8", "val_loss_gap")
+    _, params = _scale_effects()
+    sizes = list(params)
+    recs = [Record(s_, t_, k, 0.0, v) for (t_, s_, k), v in gap.items()]
+    lx = np.log10([params[s_] for s_ in sizes])
+    for a, b in (("wgrad_mxfp4", "wgrad_fp8"), ("wgrad_mxfp4", "wgrad_had16")):
+        means = [np.mean([gap[a, s_, k] - gap[b, s_, k] for k in range(3)]) for s_ in sizes]
+        slope, icpt = np.polyfit(lx, means, 1)
+        resid = np.array(means) - (slope * lx + icpt)
+        se = math.sqrt(resid @ resid / (len(sizes) - 2) / ((lx - lx.mean()) @ (lx - lx.mean())))
+        q = t.ppf(0.975, len(sizes) - 2)
+        boot = slope_over_sizes(paired_effects(recs, a, b, "val_gap"), params).boot
+        row = (f"| {a} vs {b} | {' / '.join(f'{m:+.4f}' for m in means)} | {slope:+.4f} | {boot[0]:+.4f}, "
+               f"{boot[1]:+.4f} | {slope - q * se:+.4f}, {slope + q * se:+.4f} |")
+        assert row in section, f"wgrad_scale_cpu.md lacks the regenerated validation-gap slope row:\n{row}"
 
 
 def _wgrad_scale_batch_rows() -> list[str]:
@@ -598,16 +630,14 @@ def _wgrad_scale_batch_rows() -> list[str]:
         noise = float(plain["noise"])
         cells = [str(seed), f"{tokens:,}", f"{noise:.2f}", f"{float(plain['bias']):.4f}", f"{float(had['bias']):.4f}",
                  f"{float(plain['bias']) * math.sqrt(1664) / noise:.2f}", f"{float(had['bias']) * math.sqrt(1664) / noise:.2f}"]
-        rows.append("| " + " | ".join(cells) + " |")
+        rows.append(_table_row(cells))
     return rows
 
 
 def test_wgrad_scale_batch_check_regenerates_from_the_committed_measurements():
     """The 8B prediction's batch check (exploratory): every row of its table from the committed files."""
-    section = _section((SWEEPS / "wgrad_scale_cpu.md").read_text(), "**2. The first-order predictor at the study's batch",
-                       "The extrapolation rests on")
-    for row in _wgrad_scale_batch_rows():
-        assert row in section, f"wgrad_scale_cpu.md lacks the regenerated batch row:\n{row}"
+    section = _wgrad_md("**2. The first-order predictor at the study's batch", "The extrapolation rests on")
+    _assert_rows(section, _wgrad_scale_batch_rows(), "batch")
     # the exponent of one step's noise in the batch, 2,048 to 32,768 tokens, per seed (1/sqrt: 0.5)
     noise = {(int(r["seed"]), int(r.get("tokens_per_step") or 2048)): float(r["noise"])
              for r in _csv("wgrad_scale_cpu_part3b_bias.csv") + _csv("wgrad_scale_cpu_part3b_bias_batch.csv")

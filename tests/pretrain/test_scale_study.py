@@ -75,3 +75,13 @@ def test_predictor_fit_and_parameter_count():
     emb = 2 * 4096 * tiny["hidden_size"]
     norms = tiny["num_layers"] * 2 * tiny["hidden_size"] + tiny["hidden_size"]
     assert round((non_embedding_params(tiny) + emb + norms) / 1e5) == 52
+
+
+def test_paired_effects_of_the_validation_gap():
+    recs = [Record("s1", "a", 0, 5.0, 0.04), Record("s1", "b", 0, 5.0, 0.01), Record("s1", "a", 1, 5.0),
+            Record("s1", "b", 1, 5.0, 0.02)]
+    eff = paired_effects(recs, "a", "b", "val_gap")
+    assert math.isclose(eff["s1"][0], 0.03) and math.isnan(eff["s1"][1])  # a gap not recorded: NaN, kept
+    assert paired_effects(recs, "a", "b")["s1"] == {0: 0.0, 1: 0.0}
+    with pytest.raises(ValueError, match="metric 'loss': expected one of extra_tokens, val_gap"):
+        paired_effects(recs, "a", "b", "loss")
