@@ -1,46 +1,39 @@
 """A precision's cost as a trend with model size: slopes over a size sweep, and the per-block table.
 
 Two reports on a sweep that ranges ``model-size`` over a family of shapes (e.g.
-``configs/sweeps/wgrad_scale_cpu.yaml``; definitions in ``pretrain/scale_study.py``):
+``configs/sweeps/wgrad_scale_cpu.yaml``; definitions in ``pretrain/scale_study.py``).
 
-``slopes``: for each treatment against the sweep's baseline and each of its ``contrasts: [a, b]``,
-the per-size mean log token ratio (paired by seed), its slope per decade of non-embedding
-parameters with a seed-bootstrap and a regression 95 % interval, the verdict on their union, and
-the fitted effect (% extra tokens) extrapolated to ``--predict-params`` (default the non-embedding
-parameters of Llama-3.1-8B) with its interval -- an extrapolation, marked as such::
+``slopes``: for each treatment against the sweep's baseline and each of its ``contrasts: [a, b]``, the
+per-size mean log token ratio (paired by seed), its slope per decade of non-embedding parameters with
+a seed-bootstrap and a regression interval, the verdict on their union, and the fitted effect
+extrapolated to ``--predict-params`` (default Llama-3.1-8B's) -- an extrapolation, marked as such::
 
     python launch/scale_study.py slopes configs/sweeps/wgrad_scale_cpu.yaml --out runs/wgrad_scale_cpu
 
-or from committed per-seed CSVs (the sweep report's ``per_seed.csv`` of each part or piece) in place of
-the run directories, with a figure of the sizes, the fits and the published figures at the target::
+or from committed per-seed CSVs (the sweep report's ``per_seed.csv`` of each part or piece), with a
+figure of the sizes, the fits and the published figures at the target::
 
     python launch/scale_study.py slopes configs/sweeps/wgrad_scale_cpu_part2.yaml \\
         --per-seed configs/sweeps/results/wgrad_scale_cpu_per_seed.csv \\
         --figure wgrad_scale_part2.png --published configs/sweeps/wgrad_scale_cpu.md
 
-``--metric val_gap`` takes the slope of the end-of-run validation gaps instead (a loss difference,
-paired by seed): a loss-curve crossing can snap to a dip of the baseline's noisy curve, so that a
-seed's treatments share one value whatever their final losses; the validation gap cannot::
+``--metric val_gap`` fits the end-of-run validation gaps instead (a loss difference): a loss-curve
+crossing can snap to a dip of the baseline's noisy curve, the validation gap cannot::
 
-    python launch/scale_study.py slopes configs/sweeps/wgrad_scale_cpu_part2.yaml \
+    python launch/scale_study.py slopes configs/sweeps/wgrad_scale_cpu_part2.yaml \\
         --per-seed configs/sweeps/results/wgrad_scale_cpu_per_seed.csv --metric val_gap
 
-``telemetry``: the per-block numerics of runs made with ``--numerics-interval`` (``numerics/...``
-scalars: ``flushed_nonzero``, ``block_max_median``, ``block_top_share`` and their ``had16_`` forms),
-one row per run, step, GEMM, operand, blocking axis (tokens for Wgrad, features for Fprop and
-Dgrad) and metric, the mean and max over the layers, as CSV (``--csv``) and printed::
+``telemetry``: the per-block numerics of runs made with ``--numerics-interval`` (``flushed_nonzero``,
+``block_max_median``, ``block_top_share`` and their ``had16_`` forms), one row per run, step, GEMM,
+operand, blocking axis (tokens for Wgrad, features for Fprop and Dgrad) and metric, the mean and max
+over the layers, as CSV and printed (a directory is searched run by run)::
 
     python launch/scale_study.py telemetry runs/wgrad_scale_cpu --csv runs/wgrad_scale_cpu/telemetry.csv
-
-A directory is searched for TensorBoard event files run by run (each directory holding a
-``tensorboard/`` folder is one run; ``--metrics`` picks the metrics shown).
 """
-
 from __future__ import annotations
 
 import argparse
 import csv
-import math
 import sys
 import warnings
 from pathlib import Path
@@ -88,14 +81,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def slopes(args) -> int:
-    from pretrain.scale_study import (
-        non_embedding_params,
-        paired_effects,
-        records_from_per_seed,
-        records_from_sweep,
-        slope_figure,
-        slope_over_sizes,
-    )
+    from pretrain import scale_study as study
     from pretrain.sweep.spec import SweepError, load_sweep
 
     sweep = load_sweep(args.sweep)
@@ -106,42 +92,16 @@ def slopes(args) -> int:
     if args.published and not Path(args.published).is_file():
         raise FileNotFoundError(f"--published {args.published}: no such file (a write-up with a 'study (...)' column)")
     if args.per_seed:
-        records, params = records_from_per_seed(args.sweep, args.per_seed)
+        records, params = study.records_from_per_seed(args.sweep, args.per_seed)
     else:
-        records, params = records_from_sweep(args.sweep, args.out)
+        records, params = study.records_from_sweep(args.sweep, args.out)
     baseline = sweep.get("baseline")
-    target = args.predict_params or non_embedding_params(LLAMA_8B)
+    target = args.predict_params or study.non_embedding_params(LLAMA_8B)
     against_baseline = [(t, baseline) for t in dict.fromkeys(r.treatment for r in records) if t != baseline]
     contrasts = [tuple(c) for c in sweep.get("contrasts") or []]
     pairs = against_baseline + contrasts
-    tokens = args.metric == "extra_tokens"
-    effect = ("log(1 + extra tokens)" if tokens else
-              "end-of-run validation loss gap to the baseline, a minus b (loss; the baseline's row is 0)")
-    unit = "%" if tokens else "(loss)"
-    print(f"{len(records)} runs over {len(params)} sizes; effect: {effect}, paired by seed; "
-          f"slope per decade of non-embedding parameters; prediction at {target:.3g} parameters (an extrapolation)")
-    level = f"{100 * args.confidence:g}%"
-    print(f"\n| a vs b | sizes | seeds | per-size mean {unit} | slope ({level} bootstrap; regression) "
-          f"| verdict | predicted {unit} at target ({level}) |\n|---|---|---|---|---|---|---|")
-    for a, b in pairs:
-        eff = paired_effects(records, a, b, args.metric)
-        if len(eff) < 3:
-            print(f"| {a} vs {b} | {len(eff)} | - | - | not yet measured (needs 3 sizes) | - | - |")
-            continue
-        try:
-            res = slope_over_sizes(eff, params, boot=args.boot, confidence=args.confidence)
-        except ValueError as e:
-            print(f"| {a} vs {b} | {len(eff)} | - | - | {e} | - | - |")
-            continue
-        if tokens:
-            means = ", ".join(f"{s} {100 * math.expm1(m):+.2f}" for s, m in zip(res.sizes, res.means))
-            predicted = "{:+.1f} ({:+.1f}, {:+.1f})".format(*res.predict(target, args.confidence))
-        else:
-            means = ", ".join(f"{s} {m:+.4f}" for s, m in zip(res.sizes, res.means))
-            predicted = "{:+.4f} ({:+.4f}, {:+.4f})".format(*res.predict_effect(target, args.confidence))
-        print(f"| {a} vs {b} | {len(res.sizes)} | {res.seeds} | {means} | {res.slope:+.4f} ({res.boot[0]:+.4f}, "
-              f"{res.boot[1]:+.4f}; {res.regression[0]:+.4f}, {res.regression[1]:+.4f}) | {res.verdict} "
-              f"| {predicted} |")
+    print("\n".join(study.slope_table(records, params, pairs, metric=args.metric, target=target,
+                                       boot=args.boot, confidence=args.confidence)))
     if args.figure:
         from pretrain.sweep.findings import published_figures
 
@@ -150,36 +110,17 @@ def slopes(args) -> int:
         if contrasts:
             panels.append(("the sweep's contrasts", contrasts))
         name = "Llama-3.1-8B" if not args.predict_params else f"{target:.3g} parameters"
-        path = slope_figure(records, params, panels, args.figure, target=target, target_name=name,
-                            confidence=args.confidence, boot=args.boot, published=published, source=source,
-                            title=f"{sweep.get('name', Path(args.sweep).stem)}: extra tokens against size")
+        path = study.slope_figure(records, params, panels, args.figure, target=target, target_name=name,
+                                  confidence=args.confidence, boot=args.boot, published=published, source=source,
+                                  title=f"{sweep.get('name', Path(args.sweep).stem)}: extra tokens against size")
         print(f"\nfigure: {path}")
     return 0
 
 
-def _run_dirs(paths: list[str]) -> list[Path]:
-    found = []
-    for p in map(Path, paths):
-        if not p.is_dir():
-            raise FileNotFoundError(f"{p}: not a directory (a run directory or a sweep's --out)")
-        runs = sorted({f.parent.parent if f.parent.name == "tensorboard" else f.parent
-                       for f in p.rglob("events.out.tfevents.*")})
-        if not runs:
-            raise FileNotFoundError(f"{p}: no TensorBoard event files below it (runs made with --tensorboard-dir)")
-        found += runs
-    return found
-
-
 def telemetry(args) -> int:
-    from pretrain.scale_study import telemetry_table
+    from pretrain.scale_study import telemetry_markdown, telemetry_of_runs
 
-    rows = []
-    for run in _run_dirs(args.runs):
-        try:
-            table = telemetry_table(run)
-        except ValueError:  # a run without --numerics-interval
-            continue
-        rows += [{"run": run.name, **r} for r in table]
+    rows = telemetry_of_runs(args.runs)
     if not rows:
         print("error: no numerics/* scalars in these runs; train with --numerics-interval N", file=sys.stderr)
         return 2
@@ -188,11 +129,7 @@ def telemetry(args) -> int:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
-    shown = [r for r in rows if r["metric"] in args.metrics]
-    print("| run | step | GEMM | operand | blocked along | metric | mean over layers | max |\n|---|---|---|---|---|---|---|---|")
-    for r in shown:
-        print(f"| {r['run']} | {r['step']} | {r['gemm']} | {r['operand']} | {r['axis']} | {r['metric']} "
-              f"| {r['mean']:.4g} | {r['max']:.4g} |")
+    print("\n".join(telemetry_markdown(rows, args.metrics)))
     return 0
 
 

@@ -44,7 +44,8 @@ from pretrain.evaluation.stats import t_quantile
 from pretrain.trainer.tags import read_scalars
 
 __all__ = ["AXIS", "Record", "SlopeResult", "non_embedding_params", "paired_effects", "predictor_fit",
-           "records_from_per_seed", "records_from_sweep", "slope_figure", "slope_over_sizes", "telemetry_table"]
+           "records_from_per_seed", "records_from_sweep", "slope_figure", "slope_over_sizes", "slope_table",
+           "telemetry_markdown", "telemetry_of_runs", "telemetry_table"]
 
 # the axis each GEMM's operands are blocked along (its contraction axis)
 AXIS = {"fprop": "features (in)", "dgrad": "features (out)", "wgrad": "tokens"}
@@ -311,6 +312,41 @@ def records_from_sweep(sweep_file: str, out: str | Path) -> tuple[list[Record], 
     return records, params
 
 
+def slope_table(records: list[Record], params: dict[str, float], pairs: list[tuple[str, str]], *,
+                metric: str = "extra_tokens", target: float, boot: int = 2000, confidence: float = 0.95) -> list[str]:
+    """The printed report of ``launch/scale_study.py slopes``: a heading line and a markdown table, one
+    row per pair ``(a, b)``: per-size means, the slope with its two intervals, the verdict and the
+    fitted effect at ``target`` parameters (% extra tokens, or loss for ``metric="val_gap"``)."""
+    tokens = metric == "extra_tokens"
+    effect = ("log(1 + extra tokens)" if tokens else
+              "end-of-run validation loss gap to the baseline, a minus b (loss; the baseline's row is 0)")
+    unit, level = ("%" if tokens else "(loss)"), f"{100 * confidence:g}%"
+    lines = [(f"{len(records)} runs over {len(params)} sizes; effect: {effect}, paired by seed; slope per decade "
+              f"of non-embedding parameters; prediction at {target:.3g} parameters (an extrapolation)"), "",
+             (f"| a vs b | sizes | seeds | per-size mean {unit} | slope ({level} bootstrap; regression) | verdict "
+              f"| predicted {unit} at target ({level}) |"), "|---|---|---|---|---|---|---|"]
+    for a, b in pairs:
+        eff = paired_effects(records, a, b, metric)
+        if len(eff) < 3:
+            lines.append(f"| {a} vs {b} | {len(eff)} | - | - | not yet measured (needs 3 sizes) | - | - |")
+            continue
+        try:
+            res = slope_over_sizes(eff, params, boot=boot, confidence=confidence)
+        except ValueError as e:
+            lines.append(f"| {a} vs {b} | {len(eff)} | - | - | {e} | - | - |")
+            continue
+        if tokens:
+            means = ", ".join(f"{s} {_pct(m):+.2f}" for s, m in zip(res.sizes, res.means))
+            predicted = "{:+.1f} ({:+.1f}, {:+.1f})".format(*res.predict(target, confidence))
+        else:
+            means = ", ".join(f"{s} {m:+.4f}" for s, m in zip(res.sizes, res.means))
+            predicted = "{:+.4f} ({:+.4f}, {:+.4f})".format(*res.predict_effect(target, confidence))
+        lines.append(f"| {a} vs {b} | {len(res.sizes)} | {res.seeds} | {means} | {res.slope:+.4f} "
+                     f"({res.boot[0]:+.4f}, {res.boot[1]:+.4f}; {res.regression[0]:+.4f}, {res.regression[1]:+.4f}) "
+                     f"| {res.verdict} | {predicted} |")
+    return lines
+
+
 def slope_figure(records: list[Record], params: dict[str, float], panels: list[tuple[str, list[tuple[str, str]]]],
                  path: str | Path, *, target: float, target_name: str, confidence: float = 0.95, boot: int = 2000,
                  published: dict[tuple[str, str], tuple[float, float]] | None = None, source: str = "",
@@ -411,3 +447,33 @@ def telemetry_table(tb_dir: str | Path) -> list[dict]:
                      "mean": sum(finite) / len(finite) if finite else float("nan"),
                      "max": max(finite) if finite else float("nan"), "layers": len(v)})
     return rows
+
+
+def telemetry_of_runs(paths: list[str | Path]) -> list[dict]:
+    """``telemetry_table`` of every run below ``paths`` (run directories or a sweep's ``--out``: each
+    directory holding TensorBoard event files, or a ``tensorboard/`` folder of them, is one run), with
+    its ``run`` name; runs without ``--numerics-interval`` scalars are skipped."""
+    rows = []
+    for p in map(Path, paths):
+        if not p.is_dir():
+            raise FileNotFoundError(f"{p}: not a directory (a run directory or a sweep's --out)")
+        runs = sorted({f.parent.parent if f.parent.name == "tensorboard" else f.parent
+                       for f in p.rglob("events.out.tfevents.*")})
+        if not runs:
+            raise FileNotFoundError(f"{p}: no TensorBoard event files below it (runs made with --tensorboard-dir)")
+        for run in runs:
+            try:
+                table = telemetry_table(run)
+            except ValueError:  # a run without --numerics-interval
+                continue
+            rows += [{"run": run.name, **r} for r in table]
+    return rows
+
+
+def telemetry_markdown(rows: list[dict], metrics: list[str]) -> list[str]:
+    """The rows of ``telemetry_of_runs`` whose metric is in ``metrics``, as a markdown table."""
+    lines = ["| run | step | GEMM | operand | blocked along | metric | mean over layers | max |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['run']} | {r['step']} | {r['gemm']} | {r['operand']} | {r['axis']} | {r['metric']} "
+              f"| {r['mean']:.4g} | {r['max']:.4g} |" for r in rows if r["metric"] in metrics]
+    return lines
