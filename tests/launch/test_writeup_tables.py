@@ -393,6 +393,10 @@ def test_wgrad_scale_telemetry_by_size_rows_regenerate_from_the_committed_teleme
     differences over the seeds each file holds."""
     section = _section((SWEEPS / "wgrad_scale_cpu.md").read_text(), "### Across sizes at 2 tokens", "## The first-order")
     for name, file, prefix, step in (("64x2 (104 of h4)", "wgrad_scale_cpu_h4_telemetry.csv", "wgrad_mxfp4", "104"),
+                                     ("64x4 (208)", "wgrad_scale_cpu_p12_telemetry.csv",
+                                      "wgrad_mxfp4__model-size-scale_w64_d4", "208"),
+                                     ("128x2 (416)", "wgrad_scale_cpu_p12_telemetry.csv",
+                                      "wgrad_mxfp4__model-size-scale_w128_d2", "416"),
                                      ("128x4 (832)", "wgrad_scale_cpu_part3a_telemetry.csv",
                                       "wgrad_mxfp4__model-size-scale_w128_d4", "832"),
                                      ("256x2 (1664)", "wgrad_scale_cpu_part3b_telemetry.csv",
