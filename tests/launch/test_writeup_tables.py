@@ -230,15 +230,13 @@ def test_wgrad_scale_interim_slopes_regenerate_from_the_per_seed_values():
     scipy's t (n - 2 df), the seed bootstrap with pretrain.scale_study (its fixed seed); every cell of
     the write-up's rows must be these."""
     import numpy as np
-    import yaml
 
-    from pretrain.scale_study import Record, non_embedding_params, paired_effects, slope_over_sizes
+    from pretrain.scale_study import Record, paired_effects, slope_over_sizes
 
     text = (SWEEPS / "wgrad_scale_cpu.md").read_text()
     rows = _csv("wgrad_scale_cpu_per_seed.csv")
     sizes = list(dict.fromkeys(r["model_size"] for r in rows))
-    params = {s: non_embedding_params(yaml.safe_load((SWEEPS.parent / "models" / f"{s}.yaml").read_text()))
-              for s in sizes}
+    params = _model_params(sizes)
     x = {(r["treatment"], r["model_size"], int(r["seed"])): float(r["extra_tokens_pct"]) for r in rows}
     recs = [Record(s, t, seed, v) for (t, s, seed), v in x.items()]
     section = _section(text, "### Interim look after part 2", "What this look says")
@@ -415,6 +413,26 @@ def test_wgrad_scale_telemetry_by_size_rows_regenerate_from_the_committed_teleme
         assert row in section, f"wgrad_scale_cpu.md lacks the regenerated telemetry row:\n{row}"
 
 
+def _model_params(sizes) -> dict[str, int]:
+    """Non-embedding parameters of each model-size config (configs/models/NAME.yaml)."""
+    import yaml
+
+    from pretrain.scale_study import non_embedding_params
+
+    return {s: non_embedding_params(yaml.safe_load((SWEEPS.parent / "models" / f"{s}.yaml").read_text()))
+            for s in sizes}
+
+
+def _drift(row: dict, steps: int) -> float:
+    """A gradient-error row's drift ratio over ``steps`` steps: bias x sqrt(steps) / one step's noise."""
+    return float(row["bias"]) * math.sqrt(steps) / float(row["noise"])
+
+
+def _drift_by_seed(rows: list[dict], treatment: str, step: int, steps: int) -> dict[int, float]:
+    return {int(r["seed"]): _drift(r, steps) for r in sorted(rows, key=lambda r: int(r["seed"]))
+            if (r["treatment"], int(r["step"])) == (treatment, step)}
+
+
 def _bias_by_size() -> list[tuple[str, str, list[dict]]]:
     """(model size, its label, its rows) of the committed gradient-error measurements at 2 tokens per
     parameter: parts 1-2's sizes (one file, a model_size column), 128x4 (part 3a), 256x2 (part 3b)."""
@@ -448,8 +466,8 @@ def test_wgrad_scale_bias_across_sizes_regenerates_from_the_committed_measuremen
             d = stats.paired_interval([a - b for a, b in zip(col("wgrad_mxfp4", st, "projection"),
                                                               col("wgrad_had16", st, "projection"))])
             cells.append(f"{d.mean:+.4f} [{d.lo:+.4f}, {d.hi:+.4f}]")
-            drift = [b * math.sqrt(steps) / n for b, n in zip(col("wgrad_mxfp4", st, "bias"), col("wgrad_mxfp4", st, "noise"))]
-            had = [b * math.sqrt(steps) / n for b, n in zip(col("wgrad_had16", st, "bias"), col("wgrad_had16", st, "noise"))]
+            drift = list(_drift_by_seed(rows, "wgrad_mxfp4", st, steps).values())
+            had = list(_drift_by_seed(rows, "wgrad_had16", st, steps).values())
             cells += [f"{sum(col('wgrad_mxfp4', st, 'bias')) / noise.n:.4f}", f"{sum(drift) / len(drift):.2f}",
                       f"{sum(had) / len(had):.2f}"]
             row = "| " + " | ".join(cells) + " |"
@@ -485,13 +503,8 @@ def _scale_effects() -> tuple[dict, dict]:
     """Extra tokens (%) against the FP8 run of the same seed, per (treatment, size, seed), from parts
     1-2's per-seed file (a model_size column) and part 3's pieces (the sweep report's per_seed.csv:
     rows against fp8, the size in ``design``); and each size's non-embedding parameters."""
-    import yaml
-
-    from pretrain.scale_study import non_embedding_params
-
     x = _scale_column("extra_tokens_pct", "extra_tokens_pct")
-    params = {s: non_embedding_params(yaml.safe_load((SWEEPS.parent / "models" / f"{s}.yaml").read_text()))
-              for s in {s for _, s, _ in x}}
+    params = _model_params({s for _, s, _ in x})
     return x, dict(sorted(params.items(), key=lambda kv: kv[1]))
 
 
@@ -633,7 +646,7 @@ def _wgrad_scale_batch_rows() -> list[str]:
         plain, had = val[seed, tokens, "wgrad_mxfp4"], val[seed, tokens, "wgrad_had16"]
         noise = float(plain["noise"])
         cells = [str(seed), f"{tokens:,}", f"{noise:.2f}", f"{float(plain['bias']):.4f}", f"{float(had['bias']):.4f}",
-                 f"{float(plain['bias']) * math.sqrt(1664) / noise:.2f}", f"{float(had['bias']) * math.sqrt(1664) / noise:.2f}"]
+                 f"{_drift(plain, 1664):.2f}", f"{_drift(had, 1664):.2f}"]
         rows.append(_table_row(cells))
     return rows
 
@@ -670,11 +683,8 @@ def test_wgrad_scale_predictor_fit_regenerates_from_the_committed_measurements()
     eff = {"c1": {}, "c2": {}}
     for size, label, rows in _bias_by_size():
         steps = max(int(r["step"]) for r in rows)
-
-        def drift(t_, rows=rows, steps=steps):
-            return {int(r["seed"]): float(r["bias"]) * math.sqrt(steps) / float(r["noise"]) for r in rows
-                    if r["treatment"] == t_ and int(r["step"]) == steps}
-        plain, had = drift("wgrad_mxfp4"), drift("wgrad_had16")
+        plain = _drift_by_seed(rows, "wgrad_mxfp4", steps, steps)
+        had = _drift_by_seed(rows, "wgrad_had16", steps, steps)
         pred["c1"][size] = float(np.mean(list(plain.values())))
         pred["c2"][size] = float(np.mean([plain[k] - had[k] for k in plain]))
         for c, b in (("c1", "wgrad_fp8"), ("c2", "wgrad_had16")):
