@@ -121,7 +121,7 @@ BAD_INPUTS = [  # (extra flags, world size, expected part of the one line)
      "--pipeline-model-parallel-size 2: pipeline parallelism needs CUDA"),
     (["--sequence-parallel", TP, "2"], 2, "--sequence-parallel needs CUDA"),
     (["--model-size", "huge"], 1, "--model-size: unknown size 'huge'; valid: 1.3b, 125m, 350m, 8b, moe_tiny, scale_w128_d2, scale_w128_d4, "
-     "scale_w256_d2, scale_w256_d4, scale_w512_d2, scale_w512_d4, scale_w64_d2, scale_w64_d2_h4, scale_w64_d4, tiny"),
+     "scale_w256_d2, scale_w256_d4, scale_w32_d2, scale_w32_d4, scale_w512_d2, scale_w512_d4, scale_w64_d2, scale_w64_d2_h4, scale_w64_d4, tiny"),
     (["--bogus-flag"], 1, "unrecognized arguments: --bogus-flag"),
     (["--lr-decay-style", "step"], 1, "--lr-decay-style: invalid choice: 'step'"),
     (["--micro-batch-size", "0"], 1, "--micro-batch-size 0: must be > 0"),
