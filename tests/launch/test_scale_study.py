@@ -177,3 +177,43 @@ def test_slopes_of_the_validation_gap_read_both_per_seed_forms(tmp_path, capsys)
                  "--figure", str(tmp_path / "f.png")]) == 2
     assert capsys.readouterr().err.strip() == ("error: --figure draws extra tokens against size: give --metric "
                                                "extra_tokens, or no --figure")
+
+
+def _family():
+    return {p.stem: yaml.safe_load(p.read_text()) for p in sorted(Path("configs/models").glob("scale_w*_d*.yaml"))}
+
+
+def test_the_scale_family_keeps_its_rules_at_every_size():
+    """Every size of the Wgrad scale family (configs/sweeps/wgrad_scale_cpu.md, "Design") is one shape
+    rule and one training rule: heads of 32, SwiGLU 3x hidden, 2,048 tokens a step, 2 tokens per
+    non-embedding parameter (8 for the 4x-horizon size), lr 2e-3 * sqrt(256 / hidden), 5 % warm-up,
+    a 20 % cooldown, up to 104 logged points, telemetry and checkpoints at matched fractions."""
+    family = _family()
+    assert {"scale_w32_d2", "scale_w32_d4", "scale_w64_d2", "scale_w256_d2", "scale_w512_d4"} <= set(family)
+    for name, m in family.items():
+        d, steps = m["hidden_size"], m["train_iters"]
+        assert m["num_attention_heads"] == m["num_query_groups"] == d // 32 and m["ffn_hidden_size"] == 3 * d, name
+        assert m["seq_length"] * m["global_batch_size"] == 2048 and m["micro_batch_size"] == 16, name
+        ratio = 8 if name.endswith("_h4") else 2
+        assert steps * 2048 == ratio * non_embedding_params(m), name
+        lr = 2e-3 * math.sqrt(256 / d)
+        assert float(f"{lr:.3g}") == m["lr"] and math.isclose(m["min_lr"], m["lr"] / 10), name
+        assert m["lr_warmup_iters"] == max(1, round(0.05 * steps)) and m["lr_wsd_decay_iters"] == round(0.2 * steps), name
+        assert steps // m["log_interval"] == min(104, steps) and steps % m["log_interval"] == 0, name
+        every = m["numerics_interval"]
+        assert every == m["save_interval"] and steps % every == 0 and steps // every in (2, 4), name
+
+
+def test_the_pieces_of_the_scale_sweep_are_its_own_runs():
+    """A piece of the scale sweep (a part, a size alone, the 8x look's sizes) runs the whole sweep's
+    runs: the same names with the same flags, so pieces and the whole resume each other."""
+    whole = {r.name: r for r in expand_runs(load_sweep("configs/sweeps/wgrad_scale_cpu.yaml"), "w")}
+    assert len(whole) == 10 * 5 * 3
+    pieces = ["part1", "part2", "part3", "part3a", "part3b", "w32", "8x"]
+    for piece in pieces:
+        path = f"configs/sweeps/wgrad_scale_cpu_{piece}.yaml"
+        runs = expand_runs(load_sweep(path), path)
+        assert runs and all(r == whole[r.name] for r in runs), piece
+    names = {piece: {r.name for r in expand_runs(load_sweep(f"configs/sweeps/wgrad_scale_cpu_{piece}.yaml"), "p")}
+             for piece in ("part3", "w32", "8x")}
+    assert names["8x"] == names["part3"] | names["w32"] and not names["part3"] & names["w32"]
