@@ -486,24 +486,27 @@ def _assert_rows(section: str, rows: list[str], what: str) -> None:
         assert row in section, f"wgrad_scale_cpu.md lacks the regenerated {what} row:\n{row}"
 
 
-def _scale_column(parts12: str, part3: str) -> dict[tuple[str, str, int], float]:
+def _scale_column(parts12: str, part3: str, w32: bool = False) -> dict[tuple[str, str, int], float]:
     """One per-seed value against the FP8 run of the same seed, per (treatment, size, seed): column
     ``parts12`` of parts 1-2's file (a model_size column), ``part3`` of part 3's pieces (the sweep
-    report's per_seed.csv: rows against fp8, the size in ``design``)."""
+    report's per_seed.csv: rows against fp8, the size in ``design``), and with ``w32`` of the 8x
+    look's width-32 file (the same form as part 3's)."""
     v = {(r["treatment"], r["model_size"], int(r["seed"])): float(r[parts12])
          for r in _csv("wgrad_scale_cpu_per_seed.csv")}
-    for name in ("wgrad_scale_cpu_part3a_per_seed.csv", "wgrad_scale_cpu_part3b_per_seed.csv"):
+    pieces = ("part3a", "part3b") + (("w32",) if w32 else ())
+    for name in (f"wgrad_scale_cpu_{p}_per_seed.csv" for p in pieces):
         for r in _csv(name):
             if r["against"] == "fp8":
                 v[r["treatment"], r["design"].removeprefix("model-size="), int(r["seed"])] = float(r[part3])
     return v
 
 
-def _scale_effects() -> tuple[dict, dict]:
+def _scale_effects(w32: bool = False) -> tuple[dict, dict]:
     """Extra tokens (%) against the FP8 run of the same seed, per (treatment, size, seed), from parts
     1-2's per-seed file (a model_size column) and part 3's pieces (the sweep report's per_seed.csv:
-    rows against fp8, the size in ``design``); and each size's non-embedding parameters."""
-    x = _scale_column("extra_tokens_pct", "extra_tokens_pct")
+    rows against fp8, the size in ``design``), with ``w32`` also the 8x look's width-32 sizes; and
+    each size's non-embedding parameters, smallest first."""
+    x = _scale_column("extra_tokens_pct", "extra_tokens_pct", w32)
     params = _model_params({s for _, s, _ in x})
     return x, dict(sorted(params.items(), key=lambda kv: kv[1]))
 
@@ -513,17 +516,46 @@ SCALE_PAIRS = (("wgrad_fp8", "fp8"), ("wgrad_mxfp4", "fp8"), ("wgrad_had16", "fp
                ("wgrad_mxfp4", "wgrad_fp8"), ("wgrad_mxfp4", "wgrad_had16"), ("wgrad_mxfp4", "wgrad_sr"))
 
 
-def test_wgrad_scale_c1_c2_slopes_regenerate_from_the_per_seed_values():
-    """C1/C2's test over part 3's five sizes, as declared (the union of the seed bootstrap's and the
-    regression's 99.375 % intervals): per-size means of the chained log token ratio, the slope against
-    log10 parameters and its regression interval recomputed with numpy and scipy (3 df), the bootstrap
-    with pretrain.scale_study (its fixed seed), the fitted value at Llama-3.1-8B with numpy; every
-    row of the write-up's tables must be these."""
+def _slope_rows(x: dict, params: dict, confidence: float) -> dict[tuple[str, str], dict]:
+    """For each of SCALE_PAIRS over the sizes of ``params``: the per-size means of the chained log token
+    ratio, the slope against log10 parameters and its regression interval recomputed with numpy and
+    scipy, the seed bootstrap with pretrain.scale_study (its fixed seed), the verdict on the union, the
+    fit and its prediction at Llama-3.1-8B (checked with numpy), and the write-up's table row."""
     import numpy as np
 
     from launch.scale_study import LLAMA_8B
     from pretrain.scale_study import Record, non_embedding_params, paired_effects, slope_over_sizes
 
+    sizes = list(params)
+    recs = [Record(s, t_, k, v) for (t_, s, k), v in x.items()]
+    lx = np.log10([params[s] for s in sizes])
+    target = math.log10(non_embedding_params(LLAMA_8B))
+    out = {}
+    for a, b in SCALE_PAIRS:
+        means = [np.mean([math.log1p(x[a, s, k] / 100) - math.log1p(x[b, s, k] / 100) for k in range(3)])
+                 for s in sizes]
+        slope, icpt = np.polyfit(lx, means, 1)
+        resid = np.array(means) - (slope * lx + icpt)
+        se = math.sqrt(resid @ resid / (len(sizes) - 2) / ((lx - lx.mean()) @ (lx - lx.mean())))
+        q = t.ppf(1 - (1 - confidence) / 2, len(sizes) - 2)
+        res = slope_over_sizes(paired_effects(recs, a, b), params, confidence=confidence)
+        boot = res.boot
+        lo, hi = min(boot[0], slope - q * se), max(boot[1], slope + q * se)
+        verdict = "grows with size" if lo > 0 else "shrinks with size" if hi < 0 else "no trend shown"
+        point, plo, phi = res.predict(10 ** target, confidence)
+        assert math.isclose(point, 100 * math.expm1(icpt + slope * target), rel_tol=1e-9, abs_tol=1e-9)
+        row = (f"| {a} vs {b} | {' / '.join(f'{100 * math.expm1(m):+.2f}' for m in means)} | {slope:+.4f} | "
+               f"{boot[0]:+.4f}, {boot[1]:+.4f} | {slope - q * se:+.4f}, {slope + q * se:+.4f} | {verdict} | "
+               f"{point:+.1f} [{plo:+.1f}, {phi:+.1f}] |")
+        out[a, b] = {"row": row, "slope": slope, "lo": lo, "hi": hi, "verdict": verdict, "res": res,
+                     "means": means, "decades": target - lx[-1]}
+    return out
+
+
+def test_wgrad_scale_c1_c2_slopes_regenerate_from_the_per_seed_values():
+    """C1/C2's test over part 3's five sizes, as declared (the union of the seed bootstrap's and the
+    regression's 99.375 % intervals): every row of the write-up's tables must be ``_slope_rows``'s,
+    and the 512x4 and 8B predictions its fits'."""
     text = (SWEEPS / "wgrad_scale_cpu.md").read_text()
     section = _section(text, "## C1 and C2: the slopes", "### The predictor against")
     prediction = _section(text, "## The 8B prediction", "| treatment | what | study")
@@ -531,30 +563,14 @@ def test_wgrad_scale_c1_c2_slopes_regenerate_from_the_per_seed_values():
     sizes = list(params)
     assert len(sizes) == 5
     assert all((t_, s, k) in x for t_ in ("fp8", "wgrad_mxfp4") for s in sizes for k in range(3))
-    recs = [Record(s, t_, k, v) for (t_, s, k), v in x.items()]
-    lx = np.log10([params[s] for s in sizes])
-    target = math.log10(non_embedding_params(LLAMA_8B))
+    fits = _slope_rows(x, params, SCALE_CONFIDENCE)
     verdicts = {}
-    for a, b in SCALE_PAIRS:
-        means = [np.mean([math.log1p(x[a, s, k] / 100) - math.log1p(x[b, s, k] / 100) for k in range(3)])
-                 for s in sizes]
-        slope, icpt = np.polyfit(lx, means, 1)
-        resid = np.array(means) - (slope * lx + icpt)
-        se = math.sqrt(resid @ resid / (len(sizes) - 2) / ((lx - lx.mean()) @ (lx - lx.mean())))
-        q = t.ppf(1 - (1 - SCALE_CONFIDENCE) / 2, len(sizes) - 2)
-        res = slope_over_sizes(paired_effects(recs, a, b), params, confidence=SCALE_CONFIDENCE)
-        boot = res.boot
-        lo, hi = min(boot[0], slope - q * se), max(boot[1], slope + q * se)
-        verdict = "grows with size" if lo > 0 else "shrinks with size" if hi < 0 else "no trend shown"
-        verdicts[a, b] = (slope, lo, hi, verdict)
-        point, plo, phi = res.predict(10 ** target, SCALE_CONFIDENCE)
-        assert math.isclose(point, 100 * math.expm1(icpt + slope * target), rel_tol=1e-9, abs_tol=1e-9)
-        row = (f"| {a} vs {b} | {' / '.join(f'{100 * math.expm1(m):+.2f}' for m in means)} | {slope:+.4f} | "
-               f"{boot[0]:+.4f}, {boot[1]:+.4f} | {slope - q * se:+.4f}, {slope + q * se:+.4f} | {verdict} | "
-               f"{point:+.1f} [{plo:+.1f}, {phi:+.1f}] |")
-        assert row in section, f"wgrad_scale_cpu.md lacks the regenerated C1/C2 slope row:\n{row}"
+    for (a, b), fit in fits.items():
+        assert fit["row"] in section, f"wgrad_scale_cpu.md lacks the regenerated C1/C2 slope row:\n{fit['row']}"
+        verdicts[a, b] = (fit["slope"], fit["lo"], fit["hi"], fit["verdict"])
+        res = fit["res"]
         cells = [f"`{a}` vs `{b}`"]
-        for n in (13631488, 10 ** target):  # part 4's largest size (512x4), Llama-3.1-8B
+        for n in (13631488, 10 ** (math.log10(params[sizes[-1]]) + fit["decades"])):  # 512x4, Llama-3.1-8B
             cells.append("{:+.1f} [{:+.1f}, {:+.1f}]".format(*res.predict(n, SCALE_CONFIDENCE)))
         row = "| " + " | ".join(cells) + " | "
         assert row in prediction, f"wgrad_scale_cpu.md lacks the regenerated prediction row:\n{row}"
@@ -570,10 +586,9 @@ def test_wgrad_scale_c1_c2_slopes_regenerate_from_the_per_seed_values():
     # for C1, against the Hadamard's +8-9 % for C2)
     allowed = {f.lstrip("-") for line in section.splitlines() if line.lstrip().startswith("| ") for f in
                _figures(line, 2) | _figures(line, 4)}
-    decades = target - lx[-1]
     for b, (lo_b, hi_b) in (("wgrad_fp8", (1.11, 1.10)), ("wgrad_had16", (1.09, 1.08))):
-        m = np.mean([math.log1p(x["wgrad_mxfp4", sizes[-1], k] / 100) - math.log1p(x[b, sizes[-1], k] / 100)
-                     for k in range(3)])
+        fit = fits["wgrad_mxfp4", b]
+        m, decades = fit["means"][-1], fit["decades"]
         allowed |= {f"{(math.log(1.26 / lo_b) - m) / decades:.3f}",
                     f"{(math.log(1.27 / hi_b) - m) / decades:.3f}"}
     # the crossing section's examples: per-seed values of the committed files
@@ -584,6 +599,84 @@ def test_wgrad_scale_c1_c2_slopes_regenerate_from_the_per_seed_values():
     missing = {f.lstrip("-") for f in _figures(prose, 2) | _figures(prose, 3) | _figures(prose, 4)} - allowed
     assert not missing, f"figures in wgrad_scale_cpu.md's C1/C2 prose that its values do not give: {missing}"
     _assert_headline(text)
+
+
+# C5-C8 as declared in "The 8x look": (claim, contrast, the bound the union interval must pass)
+EIGHT_X_CLAIMS = (("C5 `wgrad_slope_8x`", ("wgrad_mxfp4", "wgrad_fp8"), "above", 0.0),
+                  ("C6 `hadamard_slope_8x`", ("wgrad_mxfp4", "wgrad_had16"), "above", 0.0),
+                  ("C7 `wgrad_below_study`", ("wgrad_mxfp4", "wgrad_fp8"), "below", 0.035),
+                  ("C8 `hadamard_below_study`", ("wgrad_mxfp4", "wgrad_had16"), "below", 0.048))
+
+
+def test_wgrad_scale_8x_look_regenerates_from_the_per_seed_values():
+    """C5-C8 over the seven sizes (part 3's and width 32's), as declared: every row of the look's
+    tables from ``_slope_rows`` at 99.375 %, each claim's verdict from its bound, the validation-gap
+    slopes (95 %, numpy and scipy beside the bootstrap), and every figure of the prose from the
+    committed per-seed files or the declaration."""
+    import numpy as np
+
+    from pretrain.scale_study import Record, paired_effects, slope_over_sizes
+
+    text = (SWEEPS / "wgrad_scale_cpu.md").read_text()
+    declared = _section(text, "### The 8x look: width 32", "### The 8x look: C5-C8")
+    section = text[text.index("### The 8x look: C5-C8"):]
+    x, params = _scale_effects(w32=True)
+    sizes = list(params)
+    assert sizes[:2] == ["scale_w32_d2", "scale_w32_d4"] and len(sizes) == 7
+    fits = _slope_rows(x, params, SCALE_CONFIDENCE)
+    for fit in fits.values():
+        assert fit["row"] in section, f"wgrad_scale_cpu.md lacks the regenerated 8x-look slope row:\n{fit['row']}"
+    for claim, pair, side, bound in EIGHT_X_CLAIMS:
+        fit = fits[pair]
+        ok = fit["lo"] > bound if side == "above" else fit["hi"] < bound
+        line = next(ln for ln in declared.splitlines() if ln.startswith(f"| {claim} |"))
+        contrast = "C1's contrast" if pair[1] == "wgrad_fp8" else "C2's contrast"
+        assert contrast in line and line.endswith(
+            "lies above 0 |" if side == "above" else f"ends below {bound:+.3f} |"), line
+        row = (f"| {claim} | {pair[0]} vs {pair[1]} | {fit['slope']:+.4f} | {fit['lo']:+.4f}, {fit['hi']:+.4f} | "
+               f"{side} {'0' if bound == 0 else f'{bound:+.3f}'} | {'supported' if ok else 'not supported'} |")
+        assert row in section, f"wgrad_scale_cpu.md lacks the regenerated claim row:\n{row}"
+    # the validation gap's slopes (exploratory, 95 %)
+    gap = _scale_column("val_loss_gap_to_fp8", "val_loss_gap", w32=True)
+    recs = [Record(s_, t_, k, 0.0, v) for (t_, s_, k), v in gap.items()]
+    lx = np.log10([params[s_] for s_ in sizes])
+    allowed = {f.lstrip("-") for line in section.splitlines() if line.lstrip().startswith("| ") for f in
+               _figures(line, 2) | _figures(line, 4)}
+    for a, b in (("wgrad_mxfp4", "wgrad_fp8"), ("wgrad_mxfp4", "wgrad_had16")):
+        means = [np.mean([gap[a, s_, k] - gap[b, s_, k] for k in range(3)]) for s_ in sizes]
+        slope, icpt = np.polyfit(lx, means, 1)
+        resid = np.array(means) - (slope * lx + icpt)
+        se = math.sqrt(resid @ resid / (len(sizes) - 2) / ((lx - lx.mean()) @ (lx - lx.mean())))
+        q = t.ppf(0.975, len(sizes) - 2)
+        boot = slope_over_sizes(paired_effects(recs, a, b, "val_gap"), params).boot
+        if b == "wgrad_fp8":  # C1's contrast, written out in full; C2's after it in short
+            cell = (f"{slope:+.4f} per decade [bootstrap {boot[0]:+.4f}, {boot[1]:+.4f}; regression "
+                    f"{slope - q * se:+.4f}, {slope + q * se:+.4f}]")
+        else:
+            cell = f"{slope:+.4f} [{boot[0]:+.4f}, {boot[1]:+.4f}; {slope - q * se:+.4f}, {slope + q * se:+.4f}]"
+        assert cell in section, f"wgrad_scale_cpu.md lacks the regenerated validation-gap slope: {cell}"
+        allowed |= {f.lstrip("-") for f in _figures(cell, 4)} | {f"{abs(m):.4f}" for m in means[:2]}
+    # the prose: table cells, the declared bounds and the study's recovery (+15.6 to +17.6 %), the
+    # union's half-width and the projection made before the runs, part 3's C2 interval, the
+    # width-32 runs' per-seed values and their ranges, the look's design figures
+    union = fits["wgrad_mxfp4", "wgrad_had16"]
+    allowed |= {"0.035", "0.048", "15.6", "17.6", "0.045", "0.1307", "0.0998", "4.53", "1.81",
+                f"{(union['hi'] - union['lo']) / 2:.3f}", f"{t.ppf(1 - (1 - SCALE_CONFIDENCE) / 2, 5):.2f}"}
+    w32 = [r for r in _csv("wgrad_scale_cpu_w32_per_seed.csv") if r["against"] == "fp8" and r["treatment"] != "fp8"]
+    small = [r for r in w32 if r["design"].endswith("w32_d2")]
+    allowed |= {f"{min(float(r['extra_tokens_pct']) for r in small):.2f}",
+                f"{max(float(r['extra_tokens_pct']) for r in small):.2f}",
+                f"{max(float(r['val_loss_gap']) for r in small):.3f}"}
+    allowed |= {f"{float(r['extra_tokens_pct']):.2f}".lstrip("-") for r in w32
+                if r["design"].endswith("w32_d4") and r["treatment"] in ("wgrad_mxfp4", "wgrad_had16")}
+    prose = section[section.index("- **C5 `wgrad_slope_8x`"):]
+    missing = {f.lstrip("-") for f in _figures(prose, 2) | _figures(prose, 3) | _figures(prose, 4)} - allowed
+    assert not missing, f"figures in wgrad_scale_cpu.md's 8x-look prose that its values do not give: {missing}"
+    # the ranges against FP8: width 32's and the larger sizes' per-size means
+    treat = [fits[a, "fp8"]["means"] for a in ("wgrad_fp8", "wgrad_mxfp4", "wgrad_had16", "wgrad_sr")]
+    for lo_i, hi_i in ((0, 2), (2, 7)):
+        vals = [100 * math.expm1(m[i]) for m in treat for i in range(lo_i, hi_i)]
+        assert f"{min(vals):+.2f} to {max(vals):+.2f} %" in prose
 
 
 def _wgrad_scale_valgap_rows() -> list[str]:
