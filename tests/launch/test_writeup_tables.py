@@ -386,11 +386,15 @@ def test_wgrad_scale_h4_bias_table_regenerates_from_the_committed_measurements()
 
 
 def test_wgrad_scale_telemetry_by_size_rows_regenerate_from_the_committed_telemetry():
-    """The flush-share table at 2 tokens per parameter (h4's step 104, part 3a's step 832, part 3b's
-    step 1664), from the committed telemetry CSVs: seed means and 95 % t intervals of the paired
+    """The flush-share table at 2 tokens per parameter (width 32's steps 26 and 52, h4's step 104,
+    part 2's again, part 3a's step 832, part 3b's step 1664), from the committed telemetry CSVs: seed means and 95 % t intervals of the paired
     differences over the seeds each file holds."""
     section = _section((SWEEPS / "wgrad_scale_cpu.md").read_text(), "### Across sizes at 2 tokens", "## The first-order")
-    for name, file, prefix, step in (("64x2 (104 of h4)", "wgrad_scale_cpu_h4_telemetry.csv", "wgrad_mxfp4", "104"),
+    for name, file, prefix, step in (("32x2 (26)", "wgrad_scale_cpu_w32_telemetry.csv",
+                                      "wgrad_mxfp4__model-size-scale_w32_d2", "26"),
+                                     ("32x4 (52)", "wgrad_scale_cpu_w32_telemetry.csv",
+                                      "wgrad_mxfp4__model-size-scale_w32_d4", "52"),
+                                     ("64x2 (104 of h4)", "wgrad_scale_cpu_h4_telemetry.csv", "wgrad_mxfp4", "104"),
                                      ("64x4 (208)", "wgrad_scale_cpu_p12_telemetry.csv",
                                       "wgrad_mxfp4__model-size-scale_w64_d4", "208"),
                                      ("128x2 (416)", "wgrad_scale_cpu_p12_telemetry.csv",
