@@ -437,12 +437,16 @@ def _drift_by_seed(rows: list[dict], treatment: str, step: int, steps: int) -> d
             if (r["treatment"], int(r["step"])) == (treatment, step)}
 
 
-def _bias_by_size() -> list[tuple[str, str, list[dict]]]:
+def _bias_by_size(w32: bool = False) -> list[tuple[str, str, list[dict]]]:
     """(model size, its label, its rows) of the committed gradient-error measurements at 2 tokens per
-    parameter: parts 1-2's sizes (one file, a model_size column), 128x4 (part 3a), 256x2 (part 3b)."""
+    parameter: with ``w32`` the 8x look's width-32 sizes first (one file, a model_size column), then
+    parts 1-2's sizes (likewise), 128x4 (part 3a), 256x2 (part 3b)."""
+    small = _csv("wgrad_scale_cpu_w32_bias.csv") if w32 else []
     both = _csv("wgrad_scale_cpu_parts12_bias.csv")
-    out = [(size, label, [r for r in both if r["model_size"] == size])
-           for size, label in (("scale_w64_d2", "64x2"), ("scale_w64_d4", "64x4"), ("scale_w128_d2", "128x2"))]
+    out = [(size, label, [r for r in small if r["model_size"] == size])
+           for size, label in (("scale_w32_d2", "32x2"), ("scale_w32_d4", "32x4")) if w32]
+    out += [(size, label, [r for r in both if r["model_size"] == size])
+            for size, label in (("scale_w64_d2", "64x2"), ("scale_w64_d4", "64x4"), ("scale_w128_d2", "128x2"))]
     out.append(("scale_w128_d4", "128x4", _csv("wgrad_scale_cpu_part3a_bias.csv")))
     if (RESULTS / "wgrad_scale_cpu_part3b_bias.csv").is_file():
         out.append(("scale_w256_d2", "256x2", _csv("wgrad_scale_cpu_part3b_bias.csv")))
@@ -455,7 +459,7 @@ def test_wgrad_scale_bias_across_sizes_regenerates_from_the_committed_measuremen
     (paired), plain MXFP4's bias and its drift ratio bias x sqrt(steps) / noise at the run's length."""
     text = (SWEEPS / "wgrad_scale_cpu.md").read_text()
     section = _section(text, "### Across sizes (exploratory", "## C1 and C2: the slopes")
-    for size, label, rows in _bias_by_size():
+    for size, label, rows in _bias_by_size(w32=True):
         steps = max(int(r["step"]) for r in rows)  # the last checkpoint is the run's end
 
         def col(t, st, m, rows=rows):
@@ -762,35 +766,33 @@ def test_wgrad_scale_batch_check_regenerates_from_the_committed_measurements():
     assert f"exponent {cell}" in section, f"wgrad_scale_cpu.md lacks the noise's exponent in the batch: {cell}"
 
 
-def test_wgrad_scale_predictor_fit_regenerates_from_the_committed_measurements():
-    """The first-order predictor against the measured effects over the five sizes (exploratory, as
-    declared with C1/C2): per size, the mean C1 and C2 effects (% extra tokens, chained) beside plain
-    MXFP4's mean drift ratio at the run's end and plain MXFP4's minus the Hadamard's; the fit with
-    pretrain.scale_study.predictor_fit, its slope checked against numpy and r against scipy, and r's
-    95 % Fisher-z interval."""
+def _predictor_rows(w32: bool) -> list[str]:
+    """The first-order predictor against the measured effects over the sizes (part 3's five, or with
+    ``w32`` the 8x look's seven): per size, the mean C1 and C2 effects (% extra tokens, chained) beside
+    plain MXFP4's mean drift ratio at the run's end and plain MXFP4's minus the Hadamard's; then the
+    fit with pretrain.scale_study.predictor_fit, its slope checked against numpy and r against scipy,
+    and r's 95 % Fisher-z interval."""
     import numpy as np
     from scipy.stats import norm, pearsonr
 
     from pretrain.scale_study import predictor_fit
 
-    text = (SWEEPS / "wgrad_scale_cpu.md").read_text()
-    section = _section(text, "### The predictor against", "## The 8B prediction")
-    x, _ = _scale_effects()
+    x, _ = _scale_effects(w32)
     pred = {"c1": {}, "c2": {}}
     eff = {"c1": {}, "c2": {}}
-    for size, label, rows in _bias_by_size():
-        steps = max(int(r["step"]) for r in rows)
-        plain = _drift_by_seed(rows, "wgrad_mxfp4", steps, steps)
-        had = _drift_by_seed(rows, "wgrad_had16", steps, steps)
+    rows = []
+    for size, label, bias in _bias_by_size(w32):
+        steps = max(int(r["step"]) for r in bias)
+        plain = _drift_by_seed(bias, "wgrad_mxfp4", steps, steps)
+        had = _drift_by_seed(bias, "wgrad_had16", steps, steps)
         pred["c1"][size] = float(np.mean(list(plain.values())))
         pred["c2"][size] = float(np.mean([plain[k] - had[k] for k in plain]))
         for c, b in (("c1", "wgrad_fp8"), ("c2", "wgrad_had16")):
             eff[c][size] = 100 * math.expm1(np.mean([math.log1p(x["wgrad_mxfp4", size, k] / 100)
                                                      - math.log1p(x[b, size, k] / 100) for k in range(3)]))
-        row = (f"| {label} | {eff['c1'][size]:+.2f} | {pred['c1'][size]:.2f} | {eff['c2'][size]:+.2f} | "
-               f"{pred['c2'][size]:+.2f} |")
-        assert row in section, f"wgrad_scale_cpu.md lacks the regenerated predictor row:\n{row}"
-    assert len(pred["c1"]) == 5
+        rows.append(f"| {label} | {eff['c1'][size]:+.2f} | {pred['c1'][size]:.2f} | {eff['c2'][size]:+.2f} | "
+                    f"{pred['c2'][size]:+.2f} |")
+    assert len(pred["c1"]) == (7 if w32 else 5)
     for c, name in (("c1", "C1 effect on plain MXFP4's drift ratio"),
                     ("c2", "C2 effect on plain MXFP4's minus the Hadamard's drift ratio")):
         slope, r, n = predictor_fit(pred[c], eff[c])
@@ -799,8 +801,17 @@ def test_wgrad_scale_predictor_fit_regenerates_from_the_committed_measurements()
         assert math.isclose(slope, np.polyfit(u, v, 1)[0], rel_tol=1e-9)
         assert math.isclose(r, pearsonr(u, v)[0], rel_tol=1e-9)
         z, h = math.atanh(r), norm.ppf(0.975) / math.sqrt(n - 3)
-        row = f"| {name} | {n} | {slope:+.2f} | {r:+.2f} | {math.tanh(z - h):+.2f}, {math.tanh(z + h):+.2f} |"
-        assert row in section, f"wgrad_scale_cpu.md lacks the regenerated predictor-fit row:\n{row}"
+        rows.append(f"| {name} | {n} | {slope:+.2f} | {r:+.2f} | {math.tanh(z - h):+.2f}, {math.tanh(z + h):+.2f} |")
+    return rows
+
+
+def test_wgrad_scale_predictor_fit_regenerates_from_the_committed_measurements():
+    """The predictor against the measured effects over part 3's five sizes (exploratory, declared with
+    C1/C2) and over the 8x look's seven (exploratory, declared with C5-C8)."""
+    _assert_rows(_wgrad_md("### The predictor against", "## The 8B prediction"), _predictor_rows(False),
+                 "predictor (five sizes)")
+    text = (SWEEPS / "wgrad_scale_cpu.md").read_text()
+    _assert_rows(text[text.index("### The 8x look: C5-C8"):], _predictor_rows(True), "predictor (seven sizes)")
 
 
 # ---------------------------------------------------------------- moe_rollout.md (true replicates)
