@@ -385,28 +385,49 @@ def test_wgrad_scale_h4_bias_table_regenerates_from_the_committed_measurements()
     assert not missing, f"figures under wgrad_scale_cpu.md's bias table that the measurements do not give: {missing}"
 
 
-def test_wgrad_scale_telemetry_by_size_rows_regenerate_from_the_committed_telemetry():
-    """The flush-share table at 2 tokens per parameter (width 32's steps 26 and 52, h4's step 104,
-    part 2's again, part 3a's step 832, part 3b's step 1664), from the committed telemetry CSVs: seed means and 95 % t intervals of the paired
-    differences over the seeds each file holds."""
+# the telemetry of the wgrad_mxfp4 runs at 2 tokens per parameter, per size: (label, file, run prefix, step)
+TELEMETRY_BY_SIZE = (("32x2 (26)", "wgrad_scale_cpu_w32_telemetry.csv", "wgrad_mxfp4__model-size-scale_w32_d2", "26"),
+                     ("32x4 (52)", "wgrad_scale_cpu_w32_telemetry.csv", "wgrad_mxfp4__model-size-scale_w32_d4", "52"),
+                     ("64x2 (104 of h4)", "wgrad_scale_cpu_h4_telemetry.csv", "wgrad_mxfp4", "104"),
+                     ("64x4 (208)", "wgrad_scale_cpu_p12_telemetry.csv", "wgrad_mxfp4__model-size-scale_w64_d4", "208"),
+                     ("128x2 (416)", "wgrad_scale_cpu_p12_telemetry.csv", "wgrad_mxfp4__model-size-scale_w128_d2", "416"),
+                     ("128x4 (832)", "wgrad_scale_cpu_part3a_telemetry.csv", "wgrad_mxfp4__model-size-scale_w128_d4", "832"),
+                     ("256x2 (1664)", "wgrad_scale_cpu_part3b_telemetry.csv", "wgrad_mxfp4__model-size-scale_w256_d2", "1664"))
+
+
+def _telemetry_by_seed(file: str, prefix: str, step: str) -> dict[tuple[str, str, str], list[float]]:
+    """(gemm, operand, metric) -> the per-seed means over layers of the ``prefix`` runs at ``step``."""
+    mean = {(r["run"], r["gemm"], r["operand"], r["step"], r["metric"]): float(r["mean"]) for r in _csv(file)}
+    seeds = sorted({int(run.rsplit("-", 1)[1]) for run, *_ in mean if run.startswith(f"{prefix}__seed-")})
+    keys = {(g, o, m) for run, g, o, st, m in mean if st == step and run.startswith(f"{prefix}__seed-")}
+    return {k: [mean[f"{prefix}__seed-{s}", k[0], k[1], step, k[2]] for s in seeds] for k in keys}
+
+
+def test_wgrad_scale_per_block_table_per_size_regenerates_from_the_committed_telemetry():
+    """The per-block figures per size (flush share and top share, before and after the 16-point
+    Hadamard) of each operand at the run's end, mean ± 95 % t half-width over the seeds."""
     section = _section((SWEEPS / "wgrad_scale_cpu.md").read_text(), "### Across sizes at 2 tokens", "## The first-order")
-    for name, file, prefix, step in (("32x2 (26)", "wgrad_scale_cpu_w32_telemetry.csv",
-                                      "wgrad_mxfp4__model-size-scale_w32_d2", "26"),
-                                     ("32x4 (52)", "wgrad_scale_cpu_w32_telemetry.csv",
-                                      "wgrad_mxfp4__model-size-scale_w32_d4", "52"),
-                                     ("64x2 (104 of h4)", "wgrad_scale_cpu_h4_telemetry.csv", "wgrad_mxfp4", "104"),
-                                     ("64x4 (208)", "wgrad_scale_cpu_p12_telemetry.csv",
-                                      "wgrad_mxfp4__model-size-scale_w64_d4", "208"),
-                                     ("128x2 (416)", "wgrad_scale_cpu_p12_telemetry.csv",
-                                      "wgrad_mxfp4__model-size-scale_w128_d2", "416"),
-                                     ("128x4 (832)", "wgrad_scale_cpu_part3a_telemetry.csv",
-                                      "wgrad_mxfp4__model-size-scale_w128_d4", "832"),
-                                     ("256x2 (1664)", "wgrad_scale_cpu_part3b_telemetry.csv",
-                                      "wgrad_mxfp4__model-size-scale_w256_d2", "1664")):
-        mean = {(r["run"], r["gemm"], r["operand"], r["step"], r["metric"]): float(r["mean"]) for r in _csv(file)}
-        seeds = sorted({int(run.rsplit("-", 1)[1]) for run, *_ in mean if run.startswith(f"{prefix}__seed-")})
-        v = {(g, o): [mean[f"{prefix}__seed-{s}", g, o, step, "flushed_nonzero"] for s in seeds]
-             for g, o in (("wgrad", "dy"), ("dgrad", "dy"), ("wgrad", "x"), ("fprop", "x"))}
+    for name, file, prefix, step in TELEMETRY_BY_SIZE:
+        v = _telemetry_by_seed(file, prefix, step)
+        for g, o, label in (("fprop", "x", "Fprop `x` (features)"), ("dgrad", "dy", "Dgrad `dy` (features)"),
+                            ("wgrad", "x", "Wgrad `x` (tokens)"), ("wgrad", "dy", "Wgrad `dy` (tokens)")):
+            cells = [name.split(" ")[0], label]
+            for m in ("flushed_nonzero", "had16_flushed_nonzero", "block_top_share", "had16_block_top_share"):
+                iv = stats.paired_interval(v[g, o, m])
+                cells.append(f"{iv.mean:.3f} ± {iv.half_width:.3f}")
+            _assert_rows(section, [_table_row(cells)], "per-block-by-size")
+
+
+def test_wgrad_scale_telemetry_by_size_rows_regenerate_from_the_committed_telemetry():
+    """The flush-share table at 2 tokens per parameter (TELEMETRY_BY_SIZE: each size's wgrad_mxfp4 runs
+    at the end of their runs, 64x2's at step 104 of h4), from the committed telemetry CSVs: seed means
+    and 95 % t intervals of the paired differences over the seeds each file holds."""
+    section = _section((SWEEPS / "wgrad_scale_cpu.md").read_text(), "### Across sizes at 2 tokens", "## The first-order")
+    for name, file, prefix, step in TELEMETRY_BY_SIZE:
+        flushed = _telemetry_by_seed(file, prefix, step)
+        v = {(g, o): flushed[g, o, "flushed_nonzero"] for g, o in (("wgrad", "dy"), ("dgrad", "dy"), ("wgrad", "x"),
+                                                                   ("fprop", "x"))}
+        seeds = range(len(v["wgrad", "dy"]))
 
         def gap(a, b, v=v):
             iv = stats.paired_interval([x - y for x, y in zip(v[a], v[b])])
