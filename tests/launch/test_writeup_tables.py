@@ -545,6 +545,38 @@ SCALE_PAIRS = (("wgrad_fp8", "fp8"), ("wgrad_mxfp4", "fp8"), ("wgrad_had16", "fp
                ("wgrad_mxfp4", "wgrad_fp8"), ("wgrad_mxfp4", "wgrad_had16"), ("wgrad_mxfp4", "wgrad_sr"))
 
 
+def _regression(lx, means: list[float], confidence: float) -> tuple[float, float, float]:
+    """numpy's least-squares slope of ``means`` on ``lx`` (log10 parameters), its intercept, and the
+    half-width of the slope's t interval at ``confidence`` (n - 2 degrees of freedom, scipy)."""
+    import numpy as np
+
+    slope, icpt = np.polyfit(lx, means, 1)
+    resid = np.array(means) - (slope * lx + icpt)
+    se = math.sqrt(resid @ resid / (len(lx) - 2) / ((lx - lx.mean()) @ (lx - lx.mean())))
+    return slope, icpt, t.ppf(1 - (1 - confidence) / 2, len(lx) - 2) * se
+
+
+def _valgap_slopes(w32: bool) -> dict[tuple[str, str], tuple[list[float], float, tuple[float, float], float]]:
+    """The end-of-run validation gaps' slopes over sizes (``launch/scale_study.py slopes --metric
+    val_gap``, 95 %) of C1's and C2's contrasts: per pair the per-size means, the slope, the seed
+    bootstrap's interval (pretrain.scale_study) and the regression's half-width (numpy, scipy)."""
+    import numpy as np
+
+    from pretrain.scale_study import Record, paired_effects, slope_over_sizes
+
+    gap = _scale_column("val_loss_gap_to_fp8", "val_loss_gap", w32)
+    _, params = _scale_effects(w32)
+    sizes = list(params)
+    recs = [Record(s_, t_, k, 0.0, v) for (t_, s_, k), v in gap.items()]
+    lx = np.log10([params[s_] for s_ in sizes])
+    out = {}
+    for a, b in (("wgrad_mxfp4", "wgrad_fp8"), ("wgrad_mxfp4", "wgrad_had16")):
+        means = [float(np.mean([gap[a, s_, k] - gap[b, s_, k] for k in range(3)])) for s_ in sizes]
+        slope, _, half = _regression(lx, means, 0.95)
+        out[a, b] = (means, slope, slope_over_sizes(paired_effects(recs, a, b, "val_gap"), params).boot, half)
+    return out
+
+
 def _slope_rows(x: dict, params: dict, confidence: float) -> dict[tuple[str, str], dict]:
     """For each of SCALE_PAIRS over the sizes of ``params``: the per-size means of the chained log token
     ratio, the slope against log10 parameters and its regression interval recomputed with numpy and
@@ -563,18 +595,15 @@ def _slope_rows(x: dict, params: dict, confidence: float) -> dict[tuple[str, str
     for a, b in SCALE_PAIRS:
         means = [np.mean([math.log1p(x[a, s, k] / 100) - math.log1p(x[b, s, k] / 100) for k in range(3)])
                  for s in sizes]
-        slope, icpt = np.polyfit(lx, means, 1)
-        resid = np.array(means) - (slope * lx + icpt)
-        se = math.sqrt(resid @ resid / (len(sizes) - 2) / ((lx - lx.mean()) @ (lx - lx.mean())))
-        q = t.ppf(1 - (1 - confidence) / 2, len(sizes) - 2)
+        slope, icpt, half = _regression(lx, means, confidence)
         res = slope_over_sizes(paired_effects(recs, a, b), params, confidence=confidence)
         boot = res.boot
-        lo, hi = min(boot[0], slope - q * se), max(boot[1], slope + q * se)
+        lo, hi = min(boot[0], slope - half), max(boot[1], slope + half)
         verdict = "grows with size" if lo > 0 else "shrinks with size" if hi < 0 else "no trend shown"
         point, plo, phi = res.predict(10 ** target, confidence)
         assert math.isclose(point, 100 * math.expm1(icpt + slope * target), rel_tol=1e-9, abs_tol=1e-9)
         row = (f"| {a} vs {b} | {' / '.join(f'{100 * math.expm1(m):+.2f}' for m in means)} | {slope:+.4f} | "
-               f"{boot[0]:+.4f}, {boot[1]:+.4f} | {slope - q * se:+.4f}, {slope + q * se:+.4f} | {verdict} | "
+               f"{boot[0]:+.4f}, {boot[1]:+.4f} | {slope - half:+.4f}, {slope + half:+.4f} | {verdict} | "
                f"{point:+.1f} [{plo:+.1f}, {phi:+.1f}] |")
         out[a, b] = {"row": row, "slope": slope, "lo": lo, "hi": hi, "verdict": verdict, "res": res,
                      "means": means, "decades": target - lx[-1]}
@@ -642,10 +671,6 @@ def test_wgrad_scale_8x_look_regenerates_from_the_per_seed_values():
     tables from ``_slope_rows`` at 99.375 %, each claim's verdict from its bound, the validation-gap
     slopes (95 %, numpy and scipy beside the bootstrap), and every figure of the prose from the
     committed per-seed files or the declaration."""
-    import numpy as np
-
-    from pretrain.scale_study import Record, paired_effects, slope_over_sizes
-
     text = (SWEEPS / "wgrad_scale_cpu.md").read_text()
     declared = _section(text, "### The 8x look: width 32", "### The 8x look: C5-C8")
     section = text[text.index("### The 8x look: C5-C8"):]
@@ -666,23 +691,14 @@ def test_wgrad_scale_8x_look_regenerates_from_the_per_seed_values():
                f"{side} {'0' if bound == 0 else f'{bound:+.3f}'} | {'supported' if ok else 'not supported'} |")
         assert row in section, f"wgrad_scale_cpu.md lacks the regenerated claim row:\n{row}"
     # the validation gap's slopes (exploratory, 95 %)
-    gap = _scale_column("val_loss_gap_to_fp8", "val_loss_gap", w32=True)
-    recs = [Record(s_, t_, k, 0.0, v) for (t_, s_, k), v in gap.items()]
-    lx = np.log10([params[s_] for s_ in sizes])
     allowed = {f.lstrip("-") for line in section.splitlines() if line.lstrip().startswith("| ") for f in
                _figures(line, 2) | _figures(line, 4)}
-    for a, b in (("wgrad_mxfp4", "wgrad_fp8"), ("wgrad_mxfp4", "wgrad_had16")):
-        means = [np.mean([gap[a, s_, k] - gap[b, s_, k] for k in range(3)]) for s_ in sizes]
-        slope, icpt = np.polyfit(lx, means, 1)
-        resid = np.array(means) - (slope * lx + icpt)
-        se = math.sqrt(resid @ resid / (len(sizes) - 2) / ((lx - lx.mean()) @ (lx - lx.mean())))
-        q = t.ppf(0.975, len(sizes) - 2)
-        boot = slope_over_sizes(paired_effects(recs, a, b, "val_gap"), params).boot
+    for (a, b), (means, slope, boot, half) in _valgap_slopes(w32=True).items():
         if b == "wgrad_fp8":  # C1's contrast, written out in full; C2's after it in short
             cell = (f"{slope:+.4f} per decade [bootstrap {boot[0]:+.4f}, {boot[1]:+.4f}; regression "
-                    f"{slope - q * se:+.4f}, {slope + q * se:+.4f}]")
+                    f"{slope - half:+.4f}, {slope + half:+.4f}]")
         else:
-            cell = f"{slope:+.4f} [{boot[0]:+.4f}, {boot[1]:+.4f}; {slope - q * se:+.4f}, {slope + q * se:+.4f}]"
+            cell = f"{slope:+.4f} [{boot[0]:+.4f}, {boot[1]:+.4f}; {slope - half:+.4f}, {slope + half:+.4f}]"
         assert cell in section, f"wgrad_scale_cpu.md lacks the regenerated validation-gap slope: {cell}"
         allowed |= {f.lstrip("-") for f in _figures(cell, 4)} | {f"{abs(m):.4f}" for m in means[:2]}
     # the prose: table cells, the declared bounds and the study's recovery (+15.6 to +17.6 %), the
@@ -730,26 +746,10 @@ def test_wgrad_scale_validation_gaps_regenerate_from_the_per_seed_values():
     """The end-of-run validation gaps beside C1/C2 (exploratory), from the committed per-seed files."""
     section = _wgrad_md("### What the crossing measured", "### The predictor against")
     _assert_rows(section, _wgrad_scale_valgap_rows(), "validation-gap")
-    # their slopes over sizes (launch/scale_study.py slopes --metric val_gap, 95 %): numpy and scipy for
-    # the means, the slope and the regression interval, pretrain.scale_study for the seed bootstrap
-    import numpy as np
-
-    from pretrain.scale_study import Record, paired_effects, slope_over_sizes
-
-    gap = _scale_column("val_loss_gap_to_fp8", "val_loss_gap")
-    _, params = _scale_effects()
-    sizes = list(params)
-    recs = [Record(s_, t_, k, 0.0, v) for (t_, s_, k), v in gap.items()]
-    lx = np.log10([params[s_] for s_ in sizes])
-    for a, b in (("wgrad_mxfp4", "wgrad_fp8"), ("wgrad_mxfp4", "wgrad_had16")):
-        means = [np.mean([gap[a, s_, k] - gap[b, s_, k] for k in range(3)]) for s_ in sizes]
-        slope, icpt = np.polyfit(lx, means, 1)
-        resid = np.array(means) - (slope * lx + icpt)
-        se = math.sqrt(resid @ resid / (len(sizes) - 2) / ((lx - lx.mean()) @ (lx - lx.mean())))
-        q = t.ppf(0.975, len(sizes) - 2)
-        boot = slope_over_sizes(paired_effects(recs, a, b, "val_gap"), params).boot
+    # their slopes over sizes (launch/scale_study.py slopes --metric val_gap, 95 %)
+    for (a, b), (means, slope, boot, half) in _valgap_slopes(w32=False).items():
         row = (f"| {a} vs {b} | {' / '.join(f'{m:+.4f}' for m in means)} | {slope:+.4f} | {boot[0]:+.4f}, "
-               f"{boot[1]:+.4f} | {slope - q * se:+.4f}, {slope + q * se:+.4f} |")
+               f"{boot[1]:+.4f} | {slope - half:+.4f}, {slope + half:+.4f} |")
         assert row in section, f"wgrad_scale_cpu.md lacks the regenerated validation-gap slope row:\n{row}"
 
 
