@@ -301,29 +301,52 @@ def test_wgrad_scale_h4_claims_and_figures_regenerate_from_the_per_seed_values()
     assert not missing, f"figures in wgrad_scale_cpu.md's h4 section that its values do not give: {missing}"
 
 
+# the telemetry of the wgrad_mxfp4 runs at 2 tokens per parameter, per size: (label, file, run prefix, step)
+TELEMETRY_BY_SIZE = (("32x2 (26)", "wgrad_scale_cpu_w32_telemetry.csv", "wgrad_mxfp4__model-size-scale_w32_d2", "26"),
+                     ("32x4 (52)", "wgrad_scale_cpu_w32_telemetry.csv", "wgrad_mxfp4__model-size-scale_w32_d4", "52"),
+                     ("64x2 (104 of h4)", "wgrad_scale_cpu_h4_telemetry.csv", "wgrad_mxfp4", "104"),
+                     ("64x4 (208)", "wgrad_scale_cpu_p12_telemetry.csv", "wgrad_mxfp4__model-size-scale_w64_d4", "208"),
+                     ("128x2 (416)", "wgrad_scale_cpu_p12_telemetry.csv", "wgrad_mxfp4__model-size-scale_w128_d2", "416"),
+                     ("128x4 (832)", "wgrad_scale_cpu_part3a_telemetry.csv", "wgrad_mxfp4__model-size-scale_w128_d4", "832"),
+                     ("256x2 (1664)", "wgrad_scale_cpu_part3b_telemetry.csv", "wgrad_mxfp4__model-size-scale_w256_d2", "1664"))
+
+
+# the operands of the telemetry tables: (gemm, operand) -> the name a table gives it
+OPERANDS = {("fprop", "x"): "Fprop `x` (features)", ("dgrad", "dy"): "Dgrad `dy` (features)",
+            ("wgrad", "x"): "Wgrad `x` (tokens)", ("wgrad", "dy"): "Wgrad `dy` (tokens)",
+            ("fprop", "w"): "Fprop `w` (features)"}
+
+
+def _mean_pm(values: list[float]) -> str:
+    """A telemetry cell: the mean over seeds ± the 95 % t half-width."""
+    iv = stats.paired_interval(values)
+    return f"{iv.mean:.3f} ± {iv.half_width:.3f}"
+
+
+def _telemetry_by_seed(file: str, prefix: str, step: str) -> dict[tuple[str, str, str], list[float]]:
+    """(gemm, operand, metric) -> the per-seed means over layers of the ``prefix`` runs at ``step``."""
+    mean = {(r["run"], r["gemm"], r["operand"], r["step"], r["metric"]): float(r["mean"]) for r in _csv(file)}
+    seeds = sorted({int(run.rsplit("-", 1)[1]) for run, *_ in mean if run.startswith(f"{prefix}__seed-")})
+    keys = {(g, o, m) for run, g, o, st, m in mean if st == step and run.startswith(f"{prefix}__seed-")}
+    return {k: [mean[f"{prefix}__seed-{s}", k[0], k[1], step, k[2]] for s in seeds] for k in keys}
+
+
 def test_wgrad_scale_h4_telemetry_table_regenerates_from_the_committed_telemetry():
     """The h4 mechanism table (flush share and top share per operand over 4x the training, the
     wgrad_mxfp4 runs, mean over layers per seed then a 95 % t interval over seeds) and the paired
     figures under it, recomputed from results/wgrad_scale_cpu_h4_telemetry.csv."""
     text = (SWEEPS / "wgrad_scale_cpu.md").read_text()
     section = _section(text, "### Over 4x the training", "### Across sizes at 2 tokens")
-    tel = _csv("wgrad_scale_cpu_h4_telemetry.csv")
-    mean = {(r["run"], r["gemm"], r["operand"], r["step"], r["metric"]): float(r["mean"]) for r in tel}
+    by_step = {st: _telemetry_by_seed("wgrad_scale_cpu_h4_telemetry.csv", "wgrad_mxfp4", st)
+               for st in ("104", "208", "312", "416")}
 
     def seeds(g, o, step, metric):
-        return [mean[f"wgrad_mxfp4__seed-{s}", g, o, step, metric] for s in range(3)]
+        return by_step[step][g, o, metric]
 
-    def cell(v) -> str:
-        iv = stats.paired_interval(v)
-        return f"{iv.mean:.3f} ± {iv.half_width:.3f}"
-
-    names = {("fprop", "x"): "Fprop `x` (features)", ("dgrad", "dy"): "Dgrad `dy` (features)",
-             ("wgrad", "x"): "Wgrad `x` (tokens)", ("wgrad", "dy"): "Wgrad `dy` (tokens)",
-             ("fprop", "w"): "Fprop `w` (features)"}
-    for (g, o), name in names.items():
-        cells = [cell(seeds(g, o, st, "flushed_nonzero")) for st in ("104", "208", "312", "416")]
-        cells += [cell(seeds(g, o, "416", "had16_flushed_nonzero"))]
-        cells += [cell(seeds(g, o, st, "block_top_share")) for st in ("104", "416")]
+    for (g, o), name in OPERANDS.items():
+        cells = [_mean_pm(seeds(g, o, st, "flushed_nonzero")) for st in ("104", "208", "312", "416")]
+        cells += [_mean_pm(seeds(g, o, "416", "had16_flushed_nonzero"))]
+        cells += [_mean_pm(seeds(g, o, st, "block_top_share")) for st in ("104", "416")]
         row = f"| {name} | " + " | ".join(cells) + " |"
         assert row in section, f"wgrad_scale_cpu.md lacks the regenerated telemetry row:\n{row}"
     allowed = set()
@@ -339,8 +362,8 @@ def test_wgrad_scale_h4_telemetry_table_regenerates_from_the_committed_telemetry
         paired(diff(seeds(g, o, "416", "flushed_nonzero"), seeds(g, o, "104", "flushed_nonzero")))
     paired(diff(diff(seeds("wgrad", "dy", "416", "flushed_nonzero"), seeds("dgrad", "dy", "416", "flushed_nonzero")),
                 diff(seeds("wgrad", "dy", "104", "flushed_nonzero"), seeds("dgrad", "dy", "104", "flushed_nonzero"))))
-    for (g, o) in names:  # the prose's single values: a mean of the table
-        allowed.update(cell(seeds(g, o, st, m)).split(" ± ")[0] for st in ("104", "416")
+    for (g, o) in OPERANDS:  # the prose's single values: a mean of the table
+        allowed.update(_mean_pm(seeds(g, o, st, m)).split(" ± ")[0] for st in ("104", "416")
                        for m in ("flushed_nonzero", "had16_flushed_nonzero"))
     prose = section.split("\n\n", 2)[2]  # below the table
     prose = prose[prose.index("- **Token-axis"):]
@@ -385,36 +408,15 @@ def test_wgrad_scale_h4_bias_table_regenerates_from_the_committed_measurements()
     assert not missing, f"figures under wgrad_scale_cpu.md's bias table that the measurements do not give: {missing}"
 
 
-# the telemetry of the wgrad_mxfp4 runs at 2 tokens per parameter, per size: (label, file, run prefix, step)
-TELEMETRY_BY_SIZE = (("32x2 (26)", "wgrad_scale_cpu_w32_telemetry.csv", "wgrad_mxfp4__model-size-scale_w32_d2", "26"),
-                     ("32x4 (52)", "wgrad_scale_cpu_w32_telemetry.csv", "wgrad_mxfp4__model-size-scale_w32_d4", "52"),
-                     ("64x2 (104 of h4)", "wgrad_scale_cpu_h4_telemetry.csv", "wgrad_mxfp4", "104"),
-                     ("64x4 (208)", "wgrad_scale_cpu_p12_telemetry.csv", "wgrad_mxfp4__model-size-scale_w64_d4", "208"),
-                     ("128x2 (416)", "wgrad_scale_cpu_p12_telemetry.csv", "wgrad_mxfp4__model-size-scale_w128_d2", "416"),
-                     ("128x4 (832)", "wgrad_scale_cpu_part3a_telemetry.csv", "wgrad_mxfp4__model-size-scale_w128_d4", "832"),
-                     ("256x2 (1664)", "wgrad_scale_cpu_part3b_telemetry.csv", "wgrad_mxfp4__model-size-scale_w256_d2", "1664"))
-
-
-def _telemetry_by_seed(file: str, prefix: str, step: str) -> dict[tuple[str, str, str], list[float]]:
-    """(gemm, operand, metric) -> the per-seed means over layers of the ``prefix`` runs at ``step``."""
-    mean = {(r["run"], r["gemm"], r["operand"], r["step"], r["metric"]): float(r["mean"]) for r in _csv(file)}
-    seeds = sorted({int(run.rsplit("-", 1)[1]) for run, *_ in mean if run.startswith(f"{prefix}__seed-")})
-    keys = {(g, o, m) for run, g, o, st, m in mean if st == step and run.startswith(f"{prefix}__seed-")}
-    return {k: [mean[f"{prefix}__seed-{s}", k[0], k[1], step, k[2]] for s in seeds] for k in keys}
-
-
 def test_wgrad_scale_per_block_table_per_size_regenerates_from_the_committed_telemetry():
     """The per-block figures per size (flush share and top share, before and after the 16-point
     Hadamard) of each operand at the run's end, mean ± 95 % t half-width over the seeds."""
     section = _section((SWEEPS / "wgrad_scale_cpu.md").read_text(), "### Across sizes at 2 tokens", "## The first-order")
     for name, file, prefix, step in TELEMETRY_BY_SIZE:
         v = _telemetry_by_seed(file, prefix, step)
-        for g, o, label in (("fprop", "x", "Fprop `x` (features)"), ("dgrad", "dy", "Dgrad `dy` (features)"),
-                            ("wgrad", "x", "Wgrad `x` (tokens)"), ("wgrad", "dy", "Wgrad `dy` (tokens)")):
-            cells = [name.split(" ")[0], label]
-            for m in ("flushed_nonzero", "had16_flushed_nonzero", "block_top_share", "had16_block_top_share"):
-                iv = stats.paired_interval(v[g, o, m])
-                cells.append(f"{iv.mean:.3f} ± {iv.half_width:.3f}")
+        for (g, o), label in list(OPERANDS.items())[:4]:  # the activations and gradients, not Fprop's w
+            cells = [name.split(" ")[0], label] + [_mean_pm(v[g, o, m]) for m in (
+                "flushed_nonzero", "had16_flushed_nonzero", "block_top_share", "had16_block_top_share")]
             _assert_rows(section, [_table_row(cells)], "per-block-by-size")
 
 
